@@ -1,0 +1,55 @@
+"""kvxfer_client: the SDK serving engines use to hand KV-cache blocks between GPUs and nodes.
+
+The engine registers a pool (buffers plus a :class:`Layout`), the prefill side offers blocks
+and gets a JSON :class:`Ticket`, the decode side pulls the ticket into its own blocks, and the
+prefill side receives an :class:`OfferReleased` event once it may free them.
+"""
+
+from ._client import AsyncKvxferClient, KvxferClient, Pool, PullResult
+from ._config import default_socket_path
+from ._errors import (
+    AlreadyExistsError,
+    CancelledError,
+    DeadlineExceededError,
+    IncompatibleError,
+    InternalError,
+    InvalidRequestError,
+    KvxferError,
+    NotFoundError,
+    PermissionDeniedError,
+    ResourceExhaustedError,
+    UnavailableError,
+)
+from ._events import OfferReleased, ReleaseReason, TransferFailed
+from ._layout import Layout, ModelInfo, Region
+from ._memory import HostBuffer
+from ._ticket import Ticket
+from ._version import __version__
+
+__all__ = [
+    "AlreadyExistsError",
+    "AsyncKvxferClient",
+    "CancelledError",
+    "DeadlineExceededError",
+    "HostBuffer",
+    "IncompatibleError",
+    "InternalError",
+    "InvalidRequestError",
+    "KvxferClient",
+    "KvxferError",
+    "Layout",
+    "ModelInfo",
+    "NotFoundError",
+    "OfferReleased",
+    "PermissionDeniedError",
+    "Pool",
+    "PullResult",
+    "Region",
+    "ReleaseReason",
+    "ResourceExhaustedError",
+    "Ticket",
+    "TransferFailed",
+    "UnavailableError",
+    "__version__",
+    "default_socket_path",
+]

@@ -1,0 +1,372 @@
+"""The engine-facing SDK: :class:`AsyncKvxferClient` and its blocking twin :class:`KvxferClient`.
+
+An engine opens one client per process; the client holds an event stream that is also the
+engine's session with the daemon (pools die with it).
+
+>>> async def prefill_side():                                     # doctest: +SKIP
+...     async with AsyncKvxferClient(engine_name="prefill") as client:
+...         pool = await client.register_pool([HostBuffer.create(1 << 20)],
+...                                           Layout.contiguous(num_blocks=16, block_bytes=65536))
+...         ticket = await client.offer(pool, [3, 1, 4])
+...         return ticket.to_json()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Awaitable, Coroutine, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+import numpy as np
+
+from ._config import channel_options, default_socket_path
+from ._errors import (
+    DeadlineExceededError,
+    InvalidRequestError,
+    KvxferError,
+    UnavailableError,
+    error_from_rpc,
+)
+from ._events import OfferReleased, TransferFailed, event_from_proto
+from ._layout import MAX_BLOCKS, Layout
+from ._memory import HostBuffer
+from ._proto import common_pb2, engine_pb2, engine_pb2_grpc
+from ._ticket import Ticket
+
+__all__ = ["AsyncKvxferClient", "KvxferClient", "Pool", "PullResult"]
+
+T = TypeVar("T")
+Event = OfferReleased | TransferFailed
+_RELEASED_MEMORY = 100_000  # released events kept for late wait_released() calls
+
+
+@dataclass(frozen=True)
+class Pool:
+    """A registered pool: its id, layout and the buffers the engine keeps alive."""
+
+    pool_id: str
+    layout: Layout
+    buffers: tuple[HostBuffer, ...]
+    fingerprint: str
+
+
+@dataclass(frozen=True)
+class PullResult:
+    """What a completed pull moved, and how."""
+
+    transfer_id: str
+    bytes: int
+    path: str
+    transport: str
+    duration_s: float
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.duration_s / 1e9 if self.duration_s > 0 else 0.0
+
+
+def _block_ids(block_ids: Sequence[int] | np.ndarray[Any, Any], what: str) -> list[int]:
+    arr = np.asarray(block_ids)
+    if arr.ndim != 1 or arr.size == 0:
+        raise InvalidRequestError(f"{what} must be a non-empty 1-D list of block ids")
+    if arr.dtype.kind not in "iu":
+        raise InvalidRequestError(f"{what} must be integers, got {arr.dtype}")
+    if arr.size > MAX_BLOCKS or int(arr.min()) < 0 or int(arr.max()) >= MAX_BLOCKS:
+        raise InvalidRequestError(f"{what}: block ids must be in 0..{MAX_BLOCKS - 1}")
+    ids: list[int] = arr.astype(np.int64).tolist()
+    return ids
+
+
+_PATHS = {common_pb2.TRANSFER_PATH_LOCAL: "local", common_pb2.TRANSFER_PATH_REMOTE: "remote"}
+
+
+class AsyncKvxferClient:
+    """Asyncio client of the node's kvxferd, over its Unix socket.
+
+    ``socket_path`` defaults to :func:`kvxfer_client.default_socket_path`; ``timeout_s``
+    bounds every call except :meth:`pull`, which has its own ``timeout_s``.
+    """
+
+    def __init__(
+        self, socket_path: str | None = None, *, engine_name: str = "", timeout_s: float = 30.0
+    ) -> None:
+        self.socket_path = socket_path or default_socket_path()
+        self.engine_name = engine_name
+        self.timeout_s = timeout_s
+        self.session_id = ""
+        self.daemon_id = ""
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: engine_pb2_grpc.EngineServiceStub | None = None
+        self._events: asyncio.Queue[Event] = asyncio.Queue()
+        self._released: dict[str, OfferReleased] = {}
+        self._waiters: dict[str, asyncio.Future[OfferReleased]] = {}
+        self._reader: asyncio.Task[None] | None = None
+        self._session_lost: KvxferError | None = None
+
+    async def connect(self) -> AsyncKvxferClient:
+        """Open the channel and the event stream (the session); idempotent."""
+        if self._stub is not None:
+            return self
+        self._channel = grpc.aio.insecure_channel(f"unix:{self.socket_path}", options=channel_options())
+        self._stub = engine_pb2_grpc.EngineServiceStub(self._channel)
+        stream = self._stub.WatchEvents(engine_pb2.WatchEventsRequest(engine_name=self.engine_name))
+        try:
+            first = await asyncio.wait_for(stream.read(), self.timeout_s)
+        except TimeoutError:
+            await self.close()
+            raise DeadlineExceededError(f"no session from kvxferd at {self.socket_path}") from None
+        except grpc.RpcError as exc:
+            await self.close()
+            err = error_from_rpc(exc)
+            raise type(err)(f"cannot reach kvxferd at {self.socket_path}: {err}") from None
+        if first is grpc.aio.EOF or first.WhichOneof("event") != "session_started":
+            await self.close()
+            raise UnavailableError("kvxferd did not start a session")
+        self.session_id = first.session_started.session_id
+        self.daemon_id = first.session_started.daemon_id
+        self._reader = asyncio.create_task(self._read_events(stream))
+        return self
+
+    async def _read_events(self, stream: Any) -> None:
+        try:
+            async for msg in stream:
+                event = event_from_proto(msg)
+                if event is None:
+                    continue
+                if isinstance(event, OfferReleased):
+                    waiter = self._waiters.pop(event.offer_id, None)
+                    if waiter is not None and not waiter.done():
+                        waiter.set_result(event)
+                    else:
+                        if len(self._released) >= _RELEASED_MEMORY:
+                            self._released.pop(next(iter(self._released)))
+                        self._released[event.offer_id] = event
+                self._events.put_nowait(event)
+            self._session_lost = UnavailableError("kvxferd closed the session")
+        except grpc.RpcError as exc:
+            self._session_lost = UnavailableError(f"session with kvxferd lost: {error_from_rpc(exc)}")
+        except asyncio.CancelledError:
+            self._session_lost = UnavailableError("client closed")
+            raise
+        finally:
+            for waiter in self._waiters.values():
+                if not waiter.done():
+                    waiter.set_exception(self._session_lost or UnavailableError("session lost"))
+            self._waiters.clear()
+
+    async def close(self) -> None:
+        """End the session: the daemon deregisters this client's pools."""
+        if self._reader is not None:
+            self._reader.cancel()
+            try:
+                await self._reader
+            except asyncio.CancelledError:
+                pass
+            self._reader = None
+        if self._channel is not None:
+            await self._channel.close()
+        self._channel = None
+        self._stub = None
+
+    async def __aenter__(self) -> AsyncKvxferClient:
+        return await self.connect()
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    async def _call(self, method: Any, request: Any, timeout_s: float | None = None) -> Any:
+        if self._stub is None:
+            await self.connect()
+        if self._session_lost is not None:
+            raise self._session_lost
+        try:
+            return await method(request, timeout=timeout_s or self.timeout_s)
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc) from None
+
+    @property
+    def _engine(self) -> engine_pb2_grpc.EngineServiceStub:
+        assert self._stub is not None
+        return self._stub
+
+    async def register_pool(
+        self, buffers: Sequence[HostBuffer], layout: Layout, *, name: str = ""
+    ) -> Pool:
+        """Register host buffers and their layout; the daemon maps them."""
+        if not buffers:
+            raise InvalidRequestError("a pool needs at least one buffer")
+        layout.validate([b.size for b in buffers])
+        await self.connect()
+        req = engine_pb2.RegisterPoolRequest(
+            session_id=self.session_id,
+            buffers=[
+                common_pb2.BufferSpec(kind=common_pb2.MEMORY_KIND_HOST_SHM, size=b.size, shm_name=b.name)
+                for b in buffers
+            ],
+            layout=layout.to_proto(),
+            name=name,
+        )
+        resp = await self._call(self._engine.RegisterPool, req)
+        return Pool(resp.pool_id, layout, tuple(buffers), resp.fingerprint)
+
+    async def deregister_pool(self, pool: Pool | str) -> int:
+        """Deregister a pool; returns how many of its offers were released."""
+        pool_id = pool.pool_id if isinstance(pool, Pool) else pool
+        resp = await self._call(self._engine.DeregisterPool, engine_pb2.DeregisterPoolRequest(pool_id=pool_id))
+        return int(resp.released_offers)
+
+    async def offer(
+        self, pool: Pool | str, block_ids: Sequence[int] | np.ndarray[Any, Any], *, lease_s: float = 0.0
+    ) -> Ticket:
+        """Pin blocks for a decode engine and return the ticket to hand it."""
+        pool_id = pool.pool_id if isinstance(pool, Pool) else pool
+        req = engine_pb2.OfferRequest(pool_id=pool_id, block_ids=_block_ids(block_ids, "block_ids"), lease_s=lease_s)
+        resp = await self._call(self._engine.Offer, req)
+        return Ticket.from_proto(resp.ticket)
+
+    async def pull(
+        self,
+        ticket: Ticket | str | dict[str, Any],
+        pool: Pool | str,
+        block_ids: Sequence[int] | np.ndarray[Any, Any],
+        *,
+        transfer_id: str = "",
+        timeout_s: float = 60.0,
+    ) -> PullResult:
+        """Copy the ticket's blocks into ``block_ids`` of ``pool``; returns once they landed."""
+        if isinstance(ticket, str):
+            ticket = Ticket.from_json(ticket)
+        elif isinstance(ticket, dict):
+            ticket = Ticket.from_dict(ticket)
+        pool_id = pool.pool_id if isinstance(pool, Pool) else pool
+        ids = _block_ids(block_ids, "dst block_ids")
+        if len(ids) != ticket.num_blocks:
+            raise InvalidRequestError(f"the ticket holds {ticket.num_blocks} blocks, {len(ids)} destination ids given")
+        req = engine_pb2.PullRequest(
+            ticket=ticket.to_proto(), pool_id=pool_id, block_ids=ids, transfer_id=transfer_id, timeout_s=timeout_s
+        )
+        # The daemon enforces timeout_s; the RPC deadline leaves it room to say why it failed.
+        resp = await self._call(self._engine.Pull, req, timeout_s=timeout_s + 5.0)
+        return PullResult(resp.transfer_id, resp.bytes, _PATHS.get(resp.path, "?"), resp.transport, resp.duration_s)
+
+    async def release(self, offer_id: str) -> None:
+        """Withdraw an offer nobody pulled yet (the engine gets a ``cancelled`` release)."""
+        await self._call(self._engine.Release, engine_pb2.ReleaseRequest(offer_id=offer_id))
+
+    async def cancel(self, transfer_id: str) -> bool:
+        """Cancel a running transfer; returns whether one was running."""
+        resp = await self._call(self._engine.Cancel, engine_pb2.CancelRequest(transfer_id=transfer_id))
+        return bool(resp.cancelled)
+
+    async def next_event(self, timeout_s: float | None = None) -> Event:
+        """The next event of this session (released offers, failed transfers)."""
+        try:
+            return await asyncio.wait_for(self._events.get(), timeout_s)
+        except TimeoutError:
+            raise DeadlineExceededError("no event before the deadline") from None
+
+    async def events(self) -> AsyncIterator[Event]:
+        """Iterate over this session's events until it ends."""
+        while self._reader is not None and not self._reader.done() or not self._events.empty():
+            yield await self._events.get()
+
+    async def wait_released(self, offer_id: str, timeout_s: float | None = None) -> OfferReleased:
+        """Wait until the daemon releases ``offer_id`` and return why."""
+        if offer_id in self._released:
+            return self._released.pop(offer_id)
+        if self._session_lost is not None:
+            raise self._session_lost
+        fut = self._waiters.setdefault(offer_id, asyncio.get_running_loop().create_future())
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), timeout_s)
+        except TimeoutError:
+            raise DeadlineExceededError(f"offer {offer_id} was not released in time") from None
+
+
+class KvxferClient:
+    """Blocking client with the same methods as :class:`AsyncKvxferClient`.
+
+    It runs an asyncio loop on a private thread, so it is safe to use from engines that are
+    not asyncio applications.
+    """
+
+    def __init__(
+        self, socket_path: str | None = None, *, engine_name: str = "", timeout_s: float = 30.0
+    ) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kvxfer-client", daemon=True)
+        self._thread.start()
+        self._async = AsyncKvxferClient(socket_path, engine_name=engine_name, timeout_s=timeout_s)
+        try:
+            self._run(self._async.connect())
+        except BaseException:
+            self._stop_loop()
+            raise
+
+    @property
+    def session_id(self) -> str:
+        return self._async.session_id
+
+    @property
+    def daemon_id(self) -> str:
+        return self._async.daemon_id
+
+    def _run(self, coro: Coroutine[Any, Any, T] | Awaitable[T]) -> T:
+        async def wrap() -> T:
+            return await coro
+
+        return asyncio.run_coroutine_threadsafe(wrap(), self._loop).result()
+
+    def register_pool(self, buffers: Sequence[HostBuffer], layout: Layout, *, name: str = "") -> Pool:
+        return self._run(self._async.register_pool(buffers, layout, name=name))
+
+    def deregister_pool(self, pool: Pool | str) -> int:
+        return self._run(self._async.deregister_pool(pool))
+
+    def offer(
+        self, pool: Pool | str, block_ids: Sequence[int] | np.ndarray[Any, Any], *, lease_s: float = 0.0
+    ) -> Ticket:
+        return self._run(self._async.offer(pool, block_ids, lease_s=lease_s))
+
+    def pull(
+        self,
+        ticket: Ticket | str | dict[str, Any],
+        pool: Pool | str,
+        block_ids: Sequence[int] | np.ndarray[Any, Any],
+        *,
+        transfer_id: str = "",
+        timeout_s: float = 60.0,
+    ) -> PullResult:
+        return self._run(self._async.pull(ticket, pool, block_ids, transfer_id=transfer_id, timeout_s=timeout_s))
+
+    def release(self, offer_id: str) -> None:
+        self._run(self._async.release(offer_id))
+
+    def cancel(self, transfer_id: str) -> bool:
+        return self._run(self._async.cancel(transfer_id))
+
+    def next_event(self, timeout_s: float | None = None) -> Event:
+        return self._run(self._async.next_event(timeout_s))
+
+    def wait_released(self, offer_id: str, timeout_s: float | None = None) -> OfferReleased:
+        return self._run(self._async.wait_released(offer_id, timeout_s))
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+        self._loop.close()
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        self._run(self._async.close())
+        self._stop_loop()
+
+    def __enter__(self) -> KvxferClient:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,200 @@
+"""Pool layouts: which bytes make up block *b* of a pool.
+
+A pool is one or more buffers plus a :class:`Layout`. Block ``b`` has one segment per
+:class:`Region`, at ``buffer[region.buffer_index] + region.offset + b * region.block_stride``,
+``region.block_bytes`` long. Two pools can exchange blocks when their layouts have the same
+fingerprint: the same per-region segment sizes and the same model facts.
+
+>>> layout = Layout.paged_kv(num_layers=2, num_blocks=8, block_bytes=4096)
+>>> len(layout.regions), layout.bytes_per_block, layout.buffer_sizes()
+(4, 16384, [65536, 65536])
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ._errors import InvalidRequestError
+from ._proto import common_pb2
+
+__all__ = ["MAX_BLOCKS", "MAX_REGIONS", "Layout", "ModelInfo", "Region"]
+
+#: Upper bound on ``Layout.num_blocks`` (block ids travel as uint32).
+MAX_BLOCKS = 1 << 24
+#: Upper bound on the number of regions of one layout.
+MAX_REGIONS = 8192
+
+
+@dataclass(frozen=True)
+class Region:
+    """One segment of every block: where block 0's segment starts, the step, the size."""
+
+    buffer_index: int
+    offset: int
+    block_stride: int
+    block_bytes: int
+
+    def end(self, num_blocks: int) -> int:
+        """First byte after the last block's segment."""
+        return self.offset + (num_blocks - 1) * self.block_stride + self.block_bytes
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Facts about the KV cache both ends of a transfer must agree on."""
+
+    model: str = ""
+    dtype: str = ""
+    block_tokens: int = 0
+    tp_size: int = 1
+    tp_rank: int = 0
+
+    def to_proto(self) -> common_pb2.ModelInfo:
+        return common_pb2.ModelInfo(
+            model=self.model,
+            dtype=self.dtype,
+            block_tokens=self.block_tokens,
+            tp_size=self.tp_size,
+            tp_rank=self.tp_rank,
+        )
+
+    @classmethod
+    def from_proto(cls, msg: common_pb2.ModelInfo) -> ModelInfo:
+        return cls(msg.model, msg.dtype, msg.block_tokens, msg.tp_size, msg.tp_rank)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the blocks of a pool map onto its buffers."""
+
+    num_blocks: int
+    regions: tuple[Region, ...]
+    model: ModelInfo = field(default_factory=ModelInfo)
+
+    @classmethod
+    def paged_kv(
+        cls,
+        *,
+        num_layers: int,
+        num_blocks: int,
+        block_bytes: int,
+        model: ModelInfo | None = None,
+    ) -> Layout:
+        """The layout of one ``[2, num_blocks, ...]`` tensor per layer (K then V), one buffer
+        per layer: ``2 * num_layers`` regions of ``block_bytes`` each.
+        """
+        regions = []
+        for layer in range(num_layers):
+            for kv in range(2):
+                regions.append(Region(layer, kv * num_blocks * block_bytes, block_bytes, block_bytes))
+        return cls(num_blocks, tuple(regions), model or ModelInfo())
+
+    @classmethod
+    def contiguous(cls, *, num_blocks: int, block_bytes: int, model: ModelInfo | None = None) -> Layout:
+        """One buffer, one region: each block is one contiguous ``block_bytes`` range."""
+        return cls(num_blocks, (Region(0, 0, block_bytes, block_bytes),), model or ModelInfo())
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes one block occupies across all regions."""
+        return sum(r.block_bytes for r in self.regions)
+
+    @property
+    def num_buffers(self) -> int:
+        return max((r.buffer_index for r in self.regions), default=-1) + 1
+
+    def buffer_sizes(self) -> list[int]:
+        """The smallest size of each buffer that holds every segment of the layout."""
+        sizes = [0] * self.num_buffers
+        for r in self.regions:
+            sizes[r.buffer_index] = max(sizes[r.buffer_index], r.end(self.num_blocks))
+        return sizes
+
+    def validate(self, buffer_sizes: Sequence[int]) -> None:
+        """Raise :class:`InvalidRequestError` unless every segment lies inside its buffer.
+
+        >>> Layout.contiguous(num_blocks=4, block_bytes=10).validate([39])
+        Traceback (most recent call last):
+        ...
+        kvxfer_client._errors.InvalidRequestError: region 0 ends at byte 40 but buffer 0 has 39 bytes
+        """
+        if not 1 <= self.num_blocks <= MAX_BLOCKS:
+            raise InvalidRequestError(f"num_blocks must be in 1..{MAX_BLOCKS}, got {self.num_blocks}")
+        if not 1 <= len(self.regions) <= MAX_REGIONS:
+            raise InvalidRequestError(f"a layout needs 1..{MAX_REGIONS} regions, got {len(self.regions)}")
+        for i, r in enumerate(self.regions):
+            if not 0 <= r.buffer_index < len(buffer_sizes):
+                raise InvalidRequestError(
+                    f"region {i} names buffer {r.buffer_index} but the pool has {len(buffer_sizes)}"
+                )
+            if r.block_bytes <= 0 or r.offset < 0:
+                raise InvalidRequestError(f"region {i}: block_bytes must be > 0 and offset >= 0")
+            if self.num_blocks > 1 and r.block_stride < r.block_bytes:
+                raise InvalidRequestError(
+                    f"region {i}: block_stride {r.block_stride} < block_bytes {r.block_bytes} "
+                    "would make blocks overlap"
+                )
+            end = r.end(self.num_blocks)
+            if end > buffer_sizes[r.buffer_index]:
+                raise InvalidRequestError(
+                    f"region {i} ends at byte {end} but buffer {r.buffer_index} "
+                    f"has {buffer_sizes[r.buffer_index]} bytes"
+                )
+
+    def signature(self) -> common_pb2.LayoutSignature:
+        """What a peer's layout must match, field by field."""
+        return common_pb2.LayoutSignature(
+            block_bytes=[r.block_bytes for r in self.regions], model=self.model.to_proto()
+        )
+
+    def fingerprint(self) -> str:
+        """Short hash of :meth:`signature`: equal fingerprints mean compatible layouts."""
+        return signature_fingerprint(self.signature())
+
+    def to_proto(self) -> common_pb2.Layout:
+        return common_pb2.Layout(
+            num_blocks=self.num_blocks,
+            regions=[
+                common_pb2.Region(
+                    buffer_index=r.buffer_index,
+                    offset=r.offset,
+                    block_stride=r.block_stride,
+                    block_bytes=r.block_bytes,
+                )
+                for r in self.regions
+            ],
+            model=self.model.to_proto(),
+        )
+
+    @classmethod
+    def from_proto(cls, msg: common_pb2.Layout) -> Layout:
+        regions = tuple(Region(r.buffer_index, r.offset, r.block_stride, r.block_bytes) for r in msg.regions)
+        return cls(msg.num_blocks, regions, ModelInfo.from_proto(msg.model))
+
+
+def signature_fingerprint(sig: common_pb2.LayoutSignature) -> str:
+    """Hash a layout signature into the fingerprint carried by tickets."""
+    m = sig.model
+    canonical = json.dumps(
+        [list(sig.block_bytes), [m.model, m.dtype, m.block_tokens, m.tp_size, m.tp_rank]],
+        separators=(",", ":"),
+    )
+    return hashlib.sha256(canonical.encode()).hexdigest()[:32]
+
+
+def signature_mismatch(ours: common_pb2.LayoutSignature, theirs: common_pb2.LayoutSignature) -> str | None:
+    """Name the first difference between two signatures, or return None when they match."""
+    if list(ours.block_bytes) != list(theirs.block_bytes):
+        if len(ours.block_bytes) != len(theirs.block_bytes):
+            return f"region count differs: {len(ours.block_bytes)} vs {len(theirs.block_bytes)}"
+        for i, (a, b) in enumerate(zip(ours.block_bytes, theirs.block_bytes, strict=True)):
+            if a != b:
+                return f"region {i} block_bytes differs: {a} vs {b}"
+    for name in ("model", "dtype", "block_tokens", "tp_size", "tp_rank"):
+        a, b = getattr(ours.model, name), getattr(theirs.model, name)
+        if a != b:
+            return f"model {name} differs: {a!r} vs {b!r}"
+    return None

@@ -1,0 +1,124 @@
+"""Host memory the daemon can map: POSIX shared memory created by the engine.
+
+The daemon opens the buffer by its name under ``/dev/shm``; no address crosses the socket.
+
+>>> buf = HostBuffer.create(4096)
+>>> arr = buf.array()
+>>> arr[:4] = [1, 2, 3, 4]
+>>> HostBuffer.attach(buf.name).array()[:4].tolist()
+[1, 2, 3, 4]
+>>> buf.close()
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import secrets
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ._errors import InvalidRequestError
+
+__all__ = ["SHM_DIR", "HostBuffer", "check_shm_name"]
+
+SHM_DIR = "/dev/shm"
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
+
+
+def check_shm_name(name: str) -> str:
+    """Return ``name`` if it is a plain shared-memory name (no path, no traversal)."""
+    if not isinstance(name, str) or not _NAME_RE.match(name) or ".." in name:
+        raise InvalidRequestError(f"invalid shared-memory name {name!r}")
+    return name
+
+
+class HostBuffer:
+    """A POSIX shared-memory buffer, mapped read-write in this process.
+
+    The creator unlinks the name when it closes the buffer (or at ``unlink()``); mappings
+    made before that stay valid.
+    """
+
+    def __init__(self, name: str, size: int, mapping: mmap.mmap, owner: bool) -> None:
+        self.name = name
+        self.size = size
+        self._mmap: mmap.mmap | None = mapping
+        self._owner = owner
+
+    @classmethod
+    def create(cls, size: int, *, prefix: str = "kvxfer") -> HostBuffer:
+        """Create and map a new zero-filled shared-memory buffer of ``size`` bytes."""
+        if size <= 0:
+            raise ValueError(f"size must be positive, got {size}")
+        name = f"{check_shm_name(prefix)}-{os.getpid()}-{secrets.token_hex(6)}"
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o660)
+        try:
+            os.ftruncate(fd, size)
+            mapping = mmap.mmap(fd, size)
+        except BaseException:
+            os.unlink(os.path.join(SHM_DIR, name))
+            raise
+        finally:
+            os.close(fd)
+        return cls(name, size, mapping, owner=True)
+
+    @classmethod
+    def attach(cls, name: str, size: int | None = None) -> HostBuffer:
+        """Map an existing buffer by name (the daemon does this at registration)."""
+        path = os.path.join(SHM_DIR, check_shm_name(name))
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            raise InvalidRequestError(f"shared-memory buffer {name!r} does not exist") from None
+        except PermissionError:
+            raise InvalidRequestError(f"no permission to open shared-memory buffer {name!r}") from None
+        try:
+            actual = os.fstat(fd).st_size
+            if size is None:
+                size = actual
+            if size <= 0 or size > actual:
+                raise InvalidRequestError(
+                    f"shared-memory buffer {name!r} has {actual} bytes, {size} were declared"
+                )
+            mapping = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        return cls(name, size, mapping, owner=False)
+
+    def array(self) -> npt.NDArray[np.uint8]:
+        """The whole buffer as a writable ``uint8`` numpy array (a view, no copy)."""
+        if self._mmap is None:
+            raise ValueError(f"buffer {self.name!r} is closed")
+        return np.frombuffer(self._mmap, dtype=np.uint8, count=self.size)
+
+    def unlink(self) -> None:
+        """Remove the name; existing mappings stay valid."""
+        try:
+            os.unlink(os.path.join(SHM_DIR, self.name))
+        except FileNotFoundError:
+            pass
+
+    def close(self) -> None:
+        """Unmap (once no numpy view is alive) and, for the creator, unlink the name."""
+        if self._owner:
+            self.unlink()
+            self._owner = False
+        mapping, self._mmap = self._mmap, None
+        if mapping is not None:
+            try:
+                mapping.close()
+            except BufferError:
+                pass  # numpy views are alive; the mapping goes when the last one does
+
+    def __enter__(self) -> HostBuffer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"HostBuffer(name={self.name!r}, size={self.size})"

@@ -1,0 +1,115 @@
+"""Tickets: what the prefill side hands the decode side so it can pull an offer.
+
+A ticket is plain JSON (it rides inside a serving engine's ``kv_transfer_params``) and
+carries a 128-bit capability token; whoever holds it can pull the offer once.
+
+>>> t = Ticket("d1", "10.0.0.5:7461", "o1", bytes(16), 8, "f" * 32, 4096)
+>>> Ticket.from_json(t.to_json()) == t
+True
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from ._errors import InvalidRequestError
+from ._proto import common_pb2
+
+__all__ = ["TICKET_VERSION", "Ticket"]
+
+TICKET_VERSION = 1
+_TOKEN_BYTES = 16
+_MAX_FIELD = 256
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """A JSON-serialisable claim on one offer."""
+
+    daemon_id: str
+    peer_address: str
+    offer_id: str
+    token: bytes
+    num_blocks: int
+    fingerprint: str
+    total_bytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "v": TICKET_VERSION,
+            "daemon_id": self.daemon_id,
+            "peer_address": self.peer_address,
+            "offer_id": self.offer_id,
+            "token": self.token.hex(),
+            "num_blocks": self.num_blocks,
+            "fingerprint": self.fingerprint,
+            "total_bytes": self.total_bytes,
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), separators=(",", ":"))
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Ticket:
+        """Parse and check a ticket dict; raise :class:`InvalidRequestError` when malformed."""
+        if not isinstance(data, dict):
+            raise InvalidRequestError("a ticket must be a JSON object")
+        if data.get("v") != TICKET_VERSION:
+            raise InvalidRequestError(f"unsupported ticket version {data.get('v')!r}")
+        try:
+            strings = {k: data[k] for k in ("daemon_id", "peer_address", "offer_id", "fingerprint")}
+            ints = {k: data[k] for k in ("num_blocks", "total_bytes")}
+            token = bytes.fromhex(data["token"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InvalidRequestError(f"malformed ticket: {exc!r}") from None
+        for k, v in strings.items():
+            if not isinstance(v, str) or not v or len(v) > _MAX_FIELD:
+                raise InvalidRequestError(f"ticket field {k!r} must be a non-empty short string")
+        for k, v in ints.items():
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise InvalidRequestError(f"ticket field {k!r} must be a positive integer")
+        if len(token) != _TOKEN_BYTES:
+            raise InvalidRequestError("ticket token must be 128 bits")
+        return cls(
+            strings["daemon_id"],
+            strings["peer_address"],
+            strings["offer_id"],
+            token,
+            ints["num_blocks"],
+            strings["fingerprint"],
+            ints["total_bytes"],
+        )
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Ticket:
+        try:
+            data = json.loads(text)
+        except ValueError as exc:
+            raise InvalidRequestError(f"ticket is not JSON: {exc}") from None
+        return cls.from_dict(data)
+
+    def to_proto(self) -> common_pb2.Ticket:
+        return common_pb2.Ticket(
+            version=TICKET_VERSION,
+            daemon_id=self.daemon_id,
+            peer_address=self.peer_address,
+            offer_id=self.offer_id,
+            token=self.token,
+            num_blocks=self.num_blocks,
+            fingerprint=self.fingerprint,
+            total_bytes=self.total_bytes,
+        )
+
+    @classmethod
+    def from_proto(cls, msg: common_pb2.Ticket) -> Ticket:
+        return cls(
+            msg.daemon_id,
+            msg.peer_address,
+            msg.offer_id,
+            bytes(msg.token),
+            msg.num_blocks,
+            msg.fingerprint,
+            msg.total_bytes,
+        )

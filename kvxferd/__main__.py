@@ -1,0 +1,3 @@
+from ._daemon import main
+
+main()

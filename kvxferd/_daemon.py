@@ -1,0 +1,151 @@
+"""Process lifecycle: start the listeners, serve, drain on SIGTERM, exit 0."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+from collections.abc import Sequence
+
+from kvxfer_client._proto import admin_pb2, admin_pb2_grpc, engine_pb2, engine_pb2_grpc, peer_pb2_grpc
+
+from ._config import Settings, load_settings
+from ._log import configure, log_event
+from ._node import Node
+from .control.admin_service import AdminService
+from .control.engine_service import EngineService
+from .control.peer_service import PeerService
+from .control.server import Listener, start_listener
+from .dataplane.ucx import UcxTransport, ucx_available
+
+__all__ = ["main", "serve"]
+
+ENGINE_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
+PEER_SERVICE = "kvxfer.v1.PeerService"
+ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name
+
+
+def _socket_in_use(path: str) -> bool:
+    if not os.path.exists(path):
+        return False
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(1.0)
+        try:
+            s.connect(path)
+        except OSError:
+            return False
+    return True
+
+
+async def serve(settings: Settings) -> int:
+    """Run the daemon until SIGTERM/SIGINT (or an admin Drain); return the exit code."""
+    ucx = None
+    if ucx_available():
+        ucx = UcxTransport()
+    else:
+        log_event("ucx.missing", logging.WARNING, detail="remote pulls disabled: install kvxfer[ucx]")
+    node = Node(settings, ucx)
+    stop = asyncio.Event()
+
+    def request_drain() -> None:
+        if not node.draining:
+            log_event("daemon.drain", grace_s=settings.drain_grace_s)
+        node.draining = True
+        stop.set()
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, request_drain)
+
+    if _socket_in_use(settings.engine_socket):
+        log_event("daemon.socket_in_use", logging.ERROR, path=settings.engine_socket)
+        return 2
+    listeners: list[Listener] = []
+    admin = AdminService(node, request_drain)
+    admin_adder = (admin_pb2_grpc.add_AdminServiceServicer_to_server, admin, ADMIN_SERVICE)
+    try:
+        peer_listener = await start_listener(
+            settings.peer_listen, [(peer_pb2_grpc.add_PeerServiceServicer_to_server, PeerService(node), PEER_SERVICE)]
+        )
+        listeners.append(peer_listener)
+        node.peer_address = settings.peer_advertise or peer_listener.address
+        node.start_peers()
+        listeners.append(
+            await start_listener(
+                "unix:" + settings.engine_socket,
+                [(engine_pb2_grpc.add_EngineServiceServicer_to_server, EngineService(node), ENGINE_SERVICE), admin_adder],
+            )
+        )
+        if settings.admin_listen:
+            admin_listener = await start_listener(settings.admin_listen, [admin_adder])
+            listeners.append(admin_listener)
+            node.admin_address = admin_listener.address
+    except OSError as exc:
+        log_event("daemon.listen_failed", logging.ERROR, detail=str(exc))
+        for listener in listeners:
+            await listener.server.stop(None)
+        return 2
+
+    ready = {
+        "daemon_id": node.daemon_id,
+        "pid": os.getpid(),
+        "engine_socket": settings.engine_socket,
+        "peer_address": node.peer_address,
+        "admin_address": node.admin_address,
+        "ucx_transports": ucx.transports if ucx else [],
+    }
+    log_event("daemon.ready", **ready)
+    if settings.ready_file:
+        tmp = settings.ready_file + ".tmp"
+        with open(tmp, "w") as fh:
+            json.dump(ready, fh)
+        os.replace(tmp, settings.ready_file)
+
+    await stop.wait()
+
+    # Drain: health says NOT_SERVING, no new offers or pulls, running transfers get the grace
+    # period, then whatever is left is cancelled and every offer released.
+    for listener in listeners:
+        await listener.set_serving(False)
+    finished = await node.wait_idle(settings.drain_grace_s)
+    if not finished:
+        for record in list(node.transfers.active.values()):
+            if record.task is not None:
+                record.task.cancel()
+        await node.wait_idle(2.0)
+    node.shutdown()
+    for listener in listeners:
+        await listener.server.stop(grace=1.0)
+    if node.peers is not None:
+        await node.peers.close()
+    node.executor.shutdown(wait=True)
+    log_event("daemon.exit", transfers_cancelled=not finished)
+    if settings.ready_file and os.path.exists(settings.ready_file):
+        os.unlink(settings.ready_file)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Console entry point of ``kvxferd``."""
+    try:
+        settings = load_settings(sys.argv[1:] if argv is None else argv)
+    except (ValueError, OSError) as exc:
+        print(f"kvxferd: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    args = sys.argv[1:] if argv is None else list(argv)
+    if "--print-config" in args:
+        print(json.dumps(settings.as_dict(), indent=2))
+        return
+    configure(settings.log_level, settings.log_json)
+    log_event("daemon.config", **settings.as_dict())
+    try:
+        import uvloop
+
+        runner = uvloop.run
+    except ImportError:  # pragma: no cover - uvloop is a dependency; asyncio works too
+        runner = asyncio.run
+    raise SystemExit(runner(serve(settings)))

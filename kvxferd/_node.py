@@ -1,0 +1,541 @@
+"""The daemon's state and the handoff logic; the gRPC services are thin layers over it.
+
+One :class:`Node` per process owns the pools, offers, sessions, transfers and peers, and
+runs the three handoff paths:
+
+* :meth:`Node.pull` on the decode side — local copy when the ticket names this daemon,
+  otherwise a UCX pull from the offering daemon;
+* :meth:`Node.serve_transfer` on the prefill side — answers a peer's pull over the
+  ``PeerService.Transfer`` stream and sends the bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import socket
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import grpc
+import numpy as np
+
+from kvxfer_client._errors import (
+    CancelledError,
+    DeadlineExceededError,
+    IncompatibleError,
+    InvalidRequestError,
+    KvxferError,
+    NotFoundError,
+    UnavailableError,
+    error_from_rpc,
+)
+from kvxfer_client._layout import signature_mismatch
+from kvxfer_client._proto import common_pb2, engine_pb2, peer_pb2
+from kvxfer_client._ticket import Ticket
+from kvxfer_client._version import PROTOCOL_VERSION, __version__
+
+from ._config import Settings
+from ._log import log_event
+from ._offers import Offer, OfferTable
+from ._sessions import Session
+from ._transfers import TransferRecord, TransferTable
+from .control.peers import Peer, PeerDirectory
+from .dataplane.hostcopy import copy_chunk
+from .dataplane.plan import SidePlan, build_plan, num_chunks
+from .dataplane.staging import StagingPool
+from .dataplane.ucx import UcxTransport, describe_transport
+from .memory.pools import Pool, PoolRegistry, check_block_ids
+
+__all__ = ["Node"]
+
+_REASON_NAMES = {v: k.removeprefix("RELEASE_REASON_").lower() for k, v in common_pb2.ReleaseReason.items()}
+MIN_CHUNK = 64 << 10
+MAX_CHUNK = 256 << 20
+
+
+class Node:
+    def __init__(self, settings: Settings, ucx: UcxTransport | None) -> None:
+        self.settings = settings
+        self.daemon_id = settings.daemon_id or f"kvxferd-{socket.gethostname()}-{secrets.token_hex(4)}"
+        self.started = time.time()
+        self.draining = False
+        self.peer_address = ""  # set once the peer listener is bound
+        self.admin_address = ""
+        self.ucx = ucx
+        self.pools = PoolRegistry()
+        self.offers = OfferTable(settings.max_offers, self._expire)
+        self.sessions: dict[str, Session] = {}
+        self.transfers = TransferTable(settings.history)
+        self.lease_expiries = 0
+        self.executor = ThreadPoolExecutor(settings.copy_threads, thread_name_prefix="kvxfer-copy")
+        self.send_staging = StagingPool(settings.staging_bytes, settings.chunk_bytes)
+        self.recv_staging = StagingPool(settings.staging_bytes, settings.chunk_bytes)
+        self.peers: PeerDirectory | None = None
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    # -- identity and peers ------------------------------------------------------------------
+
+    def identity(self) -> peer_pb2.PeerIdentity:
+        return peer_pb2.PeerIdentity(
+            daemon_id=self.daemon_id,
+            version=__version__,
+            protocol_version=PROTOCOL_VERSION,
+            hostname=socket.gethostname(),
+            ucx_worker_address=self.ucx.worker_address if self.ucx else b"",
+            ucx_transports=self.ucx.transports if self.ucx else [],
+            peer_address=self.peer_address,
+        )
+
+    def start_peers(self) -> None:
+        self.peers = PeerDirectory(self.identity(), self.settings.peer_timeout_s)
+
+    def _error_handling(self, peer: Peer) -> bool:
+        mode = self.settings.ucx_error_handling
+        return mode == "on" or (mode == "auto" and not peer.same_host)
+
+    def _transport(self, peer: Peer) -> str:
+        assert self.ucx is not None
+        return describe_transport(
+            self.ucx.transports, list(peer.identity.ucx_transports), peer.same_host, self._error_handling(peer)
+        )
+
+    # -- sessions, pools, offers -------------------------------------------------------------
+
+    def open_session(self, engine_name: str) -> Session:
+        session = Session(engine_name[:256])
+        self.sessions[session.session_id] = session
+        log_event("session.open", session_id=session.session_id, engine=session.engine_name)
+        return session
+
+    def close_session(self, session: Session) -> None:
+        """The engine went away: drop its pools (and their offers) before its memory goes."""
+        session.closed = True
+        self.sessions.pop(session.session_id, None)
+        for pool_id in list(session.pools):
+            self.deregister_pool(pool_id, common_pb2.RELEASE_REASON_POOL_GONE)
+        log_event("session.close", session_id=session.session_id, engine=session.engine_name)
+
+    def session(self, session_id: str) -> Session:
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise NotFoundError(f"no session {session_id!r}: open one with WatchEvents first")
+        return session
+
+    def register_pool(self, req: engine_pb2.RegisterPoolRequest) -> Pool:
+        session = self.session(req.session_id)
+        pool = self.pools.register(session.session_id, req.buffers, req.layout, req.name)
+        session.pools.add(pool.pool_id)
+        log_event(
+            "pool.register",
+            pool_id=pool.pool_id,
+            session_id=session.session_id,
+            bytes=pool.nbytes,
+            num_blocks=pool.layout.num_blocks,
+            regions=len(pool.layout.regions),
+            fingerprint=pool.fingerprint,
+        )
+        return pool
+
+    def deregister_pool(self, pool_id: str, reason: int = common_pb2.RELEASE_REASON_POOL_GONE) -> int:
+        pool = self.pools.get(pool_id)
+        released = 0
+        for offer_id in list(pool.offers):
+            offer = self.offers.offers.get(offer_id)
+            if offer is not None:
+                self.release_offer(offer, reason, "pool deregistered")
+                released += 1
+        for record in list(self.transfers.active.values()):
+            if pool_id in record.pools and record.task is not None:
+                record.task.cancel()
+        self.pools.remove(pool_id)
+        session = self.sessions.get(pool.session_id)
+        if session is not None:
+            session.pools.discard(pool_id)
+        pool.close()
+        log_event("pool.deregister", pool_id=pool_id, released_offers=released)
+        return released
+
+    def offer(self, req: engine_pb2.OfferRequest) -> tuple[Offer, Ticket]:
+        if self.draining:
+            raise UnavailableError("kvxferd is draining: no new offers")
+        pool = self.pools.get(req.pool_id)
+        ids = check_block_ids(req.block_ids, pool.layout.num_blocks, "offer")
+        lease = req.lease_s or self.settings.default_lease_s
+        if not 0 < lease <= self.settings.max_lease_s:
+            raise InvalidRequestError(f"lease_s must be in (0, {self.settings.max_lease_s}], got {req.lease_s}")
+        offer = self.offers.create(pool, ids, lease)
+        ticket = Ticket(
+            daemon_id=self.daemon_id,
+            peer_address=self.peer_address,
+            offer_id=offer.offer_id,
+            token=offer.token,
+            num_blocks=len(ids),
+            fingerprint=pool.fingerprint,
+            total_bytes=offer.nbytes,
+        )
+        log_event("offer.create", offer_id=offer.offer_id, pool_id=pool.pool_id, blocks=len(ids), lease_s=lease)
+        return offer, ticket
+
+    def release_offer(self, offer: Offer, reason: int, detail: str = "", transfer_id: str = "") -> None:
+        if self.offers.remove(offer.offer_id) is None:
+            return
+        session = self.sessions.get(offer.pool.session_id)
+        if session is not None:
+            session.emit(
+                engine_pb2.EngineEvent(
+                    offer_released=engine_pb2.OfferReleased(
+                        offer_id=offer.offer_id,
+                        pool_id=offer.pool.pool_id,
+                        reason=reason,  # type: ignore[arg-type]
+                        detail=detail,
+                        transfer_id=transfer_id,
+                    )
+                )
+            )
+        log_event(
+            "offer.release",
+            offer_id=offer.offer_id,
+            reason=_REASON_NAMES.get(reason, "?"),
+            transfer_id=transfer_id or "-",
+            detail=detail or "-",
+        )
+
+    def _expire(self, offer: Offer) -> None:
+        self.lease_expiries += 1
+        self.release_offer(offer, common_pb2.RELEASE_REASON_EXPIRED, "lease ended before any pull")
+
+    def withdraw(self, offer_id: str) -> None:
+        offer = self.offers.offers.get(offer_id)
+        if offer is None:
+            raise NotFoundError(f"no offer {offer_id!r}")
+        if offer.state != "offered":
+            raise IncompatibleError(f"offer {offer_id!r} is being pulled; cancel the transfer instead")
+        self.release_offer(offer, common_pb2.RELEASE_REASON_CANCELLED, "withdrawn by the engine")
+
+    def shutdown(self) -> None:
+        """Release every offer and drop every pool (the daemon is exiting)."""
+        for offer in list(self.offers.offers.values()):
+            self.release_offer(offer, common_pb2.RELEASE_REASON_SHUTDOWN, "daemon shutting down")
+        for pool_id in list(self.pools.pools):
+            self.deregister_pool(pool_id, common_pb2.RELEASE_REASON_SHUTDOWN)
+
+    # -- transfers: bookkeeping --------------------------------------------------------------
+
+    def _begin(self, record: TransferRecord) -> TransferRecord:
+        self.transfers.start(record)
+        record.task = asyncio.current_task()
+        self._idle.clear()
+        return record
+
+    def _end(self, record: TransferRecord, state: int, detail: str = "") -> None:
+        self.transfers.finish(record, state, detail)
+        if not self.transfers.active:
+            self._idle.set()
+        fields: dict[str, Any] = {
+            "transfer_id": record.transfer_id,
+            "role": record.role,
+            "offer_id": record.offer_id,
+            "transport": record.transport or "-",
+            "bytes": record.nbytes,
+            "duration_s": round(record.duration_s, 6),
+        }
+        if state == common_pb2.TRANSFER_STATE_SUCCEEDED:
+            log_event("transfer.done", **fields)
+        else:
+            log_event("transfer.failed", detail=detail, **fields)
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            return True
+        except TimeoutError:
+            return False
+
+    def cancel_transfer(self, transfer_id: str) -> bool:
+        records = self.transfers.find(transfer_id)
+        for r in records:
+            if r.task is not None:
+                r.task.cancel()
+        return bool(records)
+
+    # -- decode side -------------------------------------------------------------------------
+
+    async def pull(self, req: engine_pb2.PullRequest) -> engine_pb2.PullResponse:
+        if self.draining:
+            raise UnavailableError("kvxferd is draining: no new pulls")
+        ticket = Ticket.from_proto(req.ticket)
+        if ticket.offer_id == "" or len(ticket.token) != 16:
+            raise InvalidRequestError("malformed ticket (offer id or token missing)")
+        pool = self.pools.get(req.pool_id)
+        ids = check_block_ids(req.block_ids, pool.layout.num_blocks, "pull destination")
+        if len(ids) != ticket.num_blocks:
+            raise InvalidRequestError(f"ticket holds {ticket.num_blocks} blocks, {len(ids)} destination ids given")
+        if ticket.fingerprint != pool.fingerprint:
+            raise IncompatibleError(
+                f"layout fingerprint mismatch: offer {ticket.fingerprint}, destination pool {pool.fingerprint}"
+            )
+        timeout = req.timeout_s or self.settings.pull_timeout_s
+        if not 0 < timeout <= 3600:
+            raise InvalidRequestError("timeout_s must be in (0, 3600]")
+        transfer_id = req.transfer_id or "xfer-" + secrets.token_hex(8)
+        if len(transfer_id) > 128:
+            raise InvalidRequestError("transfer_id longer than 128 characters")
+        local = ticket.daemon_id == self.daemon_id
+        record = TransferRecord(
+            transfer_id,
+            "decode",
+            common_pb2.TRANSFER_PATH_LOCAL if local else common_pb2.TRANSFER_PATH_REMOTE,
+            ticket.offer_id,
+            peer_daemon_id="" if local else ticket.daemon_id,
+            nbytes=ticket.total_bytes,
+            pools=(pool.pool_id,),
+        )
+        self._begin(record)
+        pool.busy += 1
+        try:
+            async with asyncio.timeout(timeout):
+                if local:
+                    await self._pull_local(record, ticket, pool, ids)
+                else:
+                    await self._pull_remote(record, ticket, pool, ids, timeout)
+        except TimeoutError:
+            self._end(record, common_pb2.TRANSFER_STATE_FAILED, f"deadline of {timeout}s exceeded")
+            raise DeadlineExceededError(f"pull {transfer_id} did not finish within {timeout}s") from None
+        except asyncio.CancelledError:
+            self._end(record, common_pb2.TRANSFER_STATE_CANCELLED, "cancelled")
+            raise CancelledError(f"pull {transfer_id} was cancelled") from None
+        except KvxferError as exc:
+            self._end(record, common_pb2.TRANSFER_STATE_FAILED, str(exc))
+            raise
+        except Exception as exc:
+            self._end(record, common_pb2.TRANSFER_STATE_FAILED, repr(exc))
+            raise
+        finally:
+            pool.busy -= 1
+        self._end(record, common_pb2.TRANSFER_STATE_SUCCEEDED)
+        return engine_pb2.PullResponse(
+            transfer_id=transfer_id,
+            bytes=record.nbytes,
+            path=record.path,  # type: ignore[arg-type]
+            transport=record.transport,
+            duration_s=record.duration_s,
+        )
+
+    async def _pull_local(self, record: TransferRecord, ticket: Ticket, dst: Pool, dst_ids: np.ndarray[Any, Any]) -> None:
+        offer = self.offers.claim(ticket.offer_id, ticket.token)
+        record.transport = "local-copy"
+        try:
+            src = offer.pool
+            mismatch = signature_mismatch(src.layout.signature(), dst.layout.signature())
+            if mismatch:
+                self.offers.unclaim(offer)
+                raise IncompatibleError(f"incompatible layouts: {mismatch}")
+            chunk = self.settings.local_chunk_bytes
+            src_plan = build_plan(src.regions, offer.block_ids, chunk)
+            dst_plan = build_plan(dst.regions, dst_ids, chunk)
+            record.nbytes = src_plan.total_bytes
+            src.busy += 1
+            try:
+                await asyncio.get_running_loop().run_in_executor(
+                    self.executor, _copy_plan, src.arrays, src_plan, dst.arrays, dst_plan
+                )
+            finally:
+                src.busy -= 1
+        except BaseException as exc:
+            if offer.state == "pulling":
+                self.release_offer(offer, common_pb2.RELEASE_REASON_FAILED, f"local pull failed: {exc!r}", record.transfer_id)
+            raise
+        self.release_offer(offer, common_pb2.RELEASE_REASON_PULLED, "", record.transfer_id)
+
+    async def _pull_remote(
+        self, record: TransferRecord, ticket: Ticket, dst: Pool, dst_ids: np.ndarray[Any, Any], timeout: float
+    ) -> None:
+        if self.ucx is None or self.peers is None:
+            raise UnavailableError("the UCX data plane is not available (install kvxfer[ucx] or a cu12/cu13 extra)")
+        peer = await self.peers.dial(ticket.peer_address)
+        if peer.daemon_id != ticket.daemon_id:
+            raise IncompatibleError(
+                f"the daemon at {ticket.peer_address} is {peer.daemon_id!r}, the ticket names {ticket.daemon_id!r}"
+            )
+        record.transport = self._transport(peer)
+        chunk = self.settings.chunk_bytes
+        plan = build_plan(dst.regions, dst_ids, chunk)
+        need = min(self.settings.window, _staged_chunks(plan))
+        assert peer.stub is not None
+        async with self.recv_staging.lease(need) as lease:
+            ep = await asyncio.wait_for(
+                self.ucx.endpoint(peer.daemon_id, peer.identity.ucx_worker_address, self._error_handling(peer)),
+                self.settings.peer_timeout_s,
+            )
+            tag_base = secrets.randbits(40) << 24
+            call = peer.stub.Transfer(timeout=timeout + self.settings.peer_timeout_s)
+            receiving: asyncio.Task[None] | None = None
+            try:
+                await call.write(
+                    peer_pb2.TransferClientMessage(
+                        start=peer_pb2.TransferStart(
+                            transfer_id=record.transfer_id,
+                            offer_id=ticket.offer_id,
+                            token=ticket.token,
+                            receiver_daemon_id=self.daemon_id,
+                            receiver_signature=dst.layout.signature(),
+                            num_blocks=len(dst_ids),
+                            tag_base=tag_base,
+                            chunk_bytes=chunk,
+                            timeout_s=timeout,
+                        )
+                    )
+                )
+                accepted = await _read(call, "accepted", self.settings.peer_timeout_s)
+                if accepted.accepted.total_bytes != plan.total_bytes:
+                    raise IncompatibleError(
+                        f"peer sends {accepted.accepted.total_bytes} bytes, destination expects {plan.total_bytes}"
+                    )
+                receiving = asyncio.create_task(
+                    self.ucx.receive(ep, plan, dst.arrays, tag_base, lease, self.executor, self.settings.window)
+                )
+                sent_task = asyncio.create_task(_read(call, "sent", None))
+                done, _ = await asyncio.wait({receiving, sent_task}, return_when=asyncio.FIRST_EXCEPTION)
+                for task in done:
+                    task.result()  # a failure on either side ends the transfer now
+                await receiving
+                await sent_task
+                await call.write(peer_pb2.TransferClientMessage(done=peer_pb2.TransferDone(ok=True)))
+                await _read(call, "closed", self.settings.peer_timeout_s)
+                await call.done_writing()
+            except BaseException as exc:
+                if receiving is not None and not receiving.done():
+                    # Receives may still be posted into the destination: abort the endpoint,
+                    # which cancels them, before the engine hears of the failure.
+                    receiving.cancel()
+                    self.ucx.forget(peer.daemon_id)
+                    lease.poisoned = True
+                call.cancel()
+                if isinstance(exc, grpc.RpcError):
+                    raise _peer_error(exc, ticket.peer_address) from None
+                raise
+
+    # -- prefill side ------------------------------------------------------------------------
+
+    async def serve_transfer(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        """Answer one ``PeerService.Transfer`` stream (see peer.proto for the sequence)."""
+        first = await asyncio.wait_for(context.read(), self.settings.peer_timeout_s)
+        if first is grpc.aio.EOF or first.WhichOneof("msg") != "start":
+            raise InvalidRequestError("a Transfer stream must begin with start")
+        start = first.start
+        if self.ucx is None or self.peers is None:
+            raise UnavailableError("the UCX data plane is not available on this daemon")
+        peer = self.peers.known(start.receiver_daemon_id)
+        if not MIN_CHUNK <= start.chunk_bytes <= MAX_CHUNK:
+            raise InvalidRequestError(f"chunk_bytes must be in {MIN_CHUNK}..{MAX_CHUNK}")
+        if not start.transfer_id or len(start.transfer_id) > 128:
+            raise InvalidRequestError("transfer_id must be 1..128 characters")
+        offer = self.offers.claim(start.offer_id, bytes(start.token))
+        record = TransferRecord(
+            start.transfer_id,
+            "prefill",
+            common_pb2.TRANSFER_PATH_REMOTE,
+            offer.offer_id,
+            peer_daemon_id=peer.daemon_id,
+            nbytes=offer.nbytes,
+            transport=self._transport(peer),
+            pools=(offer.pool.pool_id,),
+        )
+        try:
+            mismatch = signature_mismatch(offer.pool.layout.signature(), start.receiver_signature)
+            if mismatch:
+                raise IncompatibleError(f"incompatible layouts: {mismatch}")
+            if start.num_blocks != len(offer.block_ids):
+                raise InvalidRequestError(f"offer holds {len(offer.block_ids)} blocks, pull asks for {start.num_blocks}")
+            self._begin(record)
+        except BaseException:
+            self.offers.unclaim(offer)
+            raise
+        pool = offer.pool
+        pool.busy += 1
+        released = False
+        try:
+            timeout = min(start.timeout_s or self.settings.pull_timeout_s, 3600.0)
+            async with asyncio.timeout(timeout + self.settings.peer_timeout_s):
+                plan = build_plan(pool.regions, offer.block_ids, start.chunk_bytes)
+                ep = await asyncio.wait_for(
+                    self.ucx.endpoint(peer.daemon_id, peer.identity.ucx_worker_address, self._error_handling(peer)),
+                    self.settings.peer_timeout_s,
+                )
+                need = min(self.settings.window, _staged_chunks(plan))
+                async with self.send_staging.lease(need) as lease:
+                    await context.write(
+                        peer_pb2.TransferServerMessage(
+                            accepted=peer_pb2.TransferAccepted(
+                                total_bytes=plan.total_bytes, num_chunks=num_chunks(plan.total_bytes, plan.chunk_bytes)
+                            )
+                        )
+                    )
+                    await self.ucx.send(ep, plan, pool.arrays, start.tag_base, lease, self.executor, self.settings.window)
+                await context.write(
+                    peer_pb2.TransferServerMessage(
+                        sent=peer_pb2.TransferSent(bytes=plan.total_bytes, transport=record.transport)
+                    )
+                )
+                done = await context.read()
+                if done is grpc.aio.EOF or done.WhichOneof("msg") != "done":
+                    raise UnavailableError("receiver closed the transfer without confirming")
+                if not done.done.ok:
+                    raise UnavailableError(f"receiver reported failure: {done.done.detail}")
+                self.release_offer(offer, common_pb2.RELEASE_REASON_PULLED, "", record.transfer_id)
+                released = True
+                await context.write(peer_pb2.TransferServerMessage(closed=peer_pb2.TransferClosed(released=True)))
+        except BaseException as exc:
+            if not released:
+                detail = "deadline exceeded" if isinstance(exc, TimeoutError) else str(exc) or repr(exc)
+                self.release_offer(offer, common_pb2.RELEASE_REASON_FAILED, detail, record.transfer_id)
+                self._end(record, common_pb2.TRANSFER_STATE_FAILED, detail)
+            if isinstance(exc, TimeoutError):
+                raise DeadlineExceededError(f"transfer {record.transfer_id} exceeded its deadline") from None
+            raise
+        finally:
+            pool.busy -= 1
+        self._end(record, common_pb2.TRANSFER_STATE_SUCCEEDED)
+
+
+def _copy_plan(src_arrays: Sequence[Any], src: SidePlan, dst_arrays: Sequence[Any], dst: SidePlan) -> None:
+    scratch = _scratch(src.chunk_bytes)
+    for a, b in zip(src.chunks, dst.chunks, strict=True):
+        copy_chunk(src_arrays, a, dst_arrays, b, scratch)
+
+
+_SCRATCH: dict[tuple[int, int], Any] = {}
+
+
+def _scratch(nbytes: int) -> Any:
+    """One reusable scratch buffer per copy thread (runs inside the executor)."""
+    import threading
+
+    key = (threading.get_ident(), nbytes)
+    buf = _SCRATCH.get(key)
+    if buf is None:
+        buf = _SCRATCH[key] = np.zeros(nbytes, dtype=np.uint8)
+    return buf
+
+
+def _staged_chunks(plan: SidePlan) -> int:
+    return sum(1 for c in plan.chunks if c.contiguous is None)
+
+
+async def _read(call: Any, expected: str, timeout: float | None) -> Any:
+    msg = await asyncio.wait_for(call.read(), timeout)
+    if msg is grpc.aio.EOF:
+        raise UnavailableError(f"peer closed the transfer before {expected}")
+    if msg.WhichOneof("msg") != expected:
+        raise UnavailableError(f"peer sent {msg.WhichOneof('msg')} where {expected} was due")
+    return msg
+
+
+def _peer_error(exc: grpc.RpcError, address: str) -> KvxferError:
+    err = error_from_rpc(exc)
+    return type(err)(f"peer {address}: {err}")
+

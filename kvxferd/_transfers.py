@@ -1,0 +1,79 @@
+"""Transfer records: what is moving now, and a ring of what moved recently."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvxfer_client._errors import AlreadyExistsError
+from kvxfer_client._proto import admin_pb2, common_pb2
+
+__all__ = ["TransferRecord", "TransferTable"]
+
+
+@dataclass
+class TransferRecord:
+    transfer_id: str
+    role: str  # "decode" (we pull) or "prefill" (a peer pulls from us)
+    path: int
+    offer_id: str
+    peer_daemon_id: str = ""
+    transport: str = ""
+    nbytes: int = 0
+    state: int = common_pb2.TRANSFER_STATE_RUNNING
+    started: float = field(default_factory=time.time)
+    started_mono: float = field(default_factory=time.monotonic)
+    duration_s: float = 0.0
+    detail: str = ""
+    #: Pools whose memory this transfer touches (cancelled if one is deregistered).
+    pools: tuple[str, ...] = ()
+    task: asyncio.Task[object] | None = None
+
+    def to_proto(self) -> admin_pb2.TransferInfo:
+        duration = self.duration_s or (time.monotonic() - self.started_mono)
+        return admin_pb2.TransferInfo(
+            transfer_id=self.transfer_id,
+            role=self.role,
+            path=self.path,
+            transport=self.transport,
+            state=self.state,
+            offer_id=self.offer_id,
+            peer_daemon_id=self.peer_daemon_id,
+            bytes=self.nbytes,
+            started_unix=self.started,
+            duration_s=duration,
+            detail=self.detail,
+        )
+
+
+class TransferTable:
+    def __init__(self, history: int) -> None:
+        self.active: dict[tuple[str, str], TransferRecord] = {}
+        self.finished: deque[TransferRecord] = deque(maxlen=history)
+        self.succeeded = 0
+        self.failed = 0
+        self.bytes_moved = 0
+
+    def start(self, record: TransferRecord) -> TransferRecord:
+        key = (record.role, record.transfer_id)
+        if key in self.active:
+            raise AlreadyExistsError(f"transfer {record.transfer_id!r} is already running")
+        self.active[key] = record
+        return record
+
+    def finish(self, record: TransferRecord, state: int, detail: str = "") -> None:
+        record.state = state
+        record.detail = detail
+        record.duration_s = time.monotonic() - record.started_mono
+        self.active.pop((record.role, record.transfer_id), None)
+        self.finished.append(record)
+        if state == common_pb2.TRANSFER_STATE_SUCCEEDED:
+            self.succeeded += 1
+            self.bytes_moved += record.nbytes
+        else:
+            self.failed += 1
+
+    def find(self, transfer_id: str) -> list[TransferRecord]:
+        return [r for (_, tid), r in self.active.items() if tid == transfer_id]

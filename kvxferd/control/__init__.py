@@ -1,0 +1,1 @@
+"""Control plane: the gRPC services and the peer directory."""

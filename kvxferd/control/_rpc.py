@@ -1,0 +1,61 @@
+"""Turning kvxfer errors into gRPC statuses, for every servicer method.
+
+The status code of each error class is defined once, in ``kvxfer_client._errors``; this
+decorator is the only place the daemon applies it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import grpc
+
+from kvxfer_client._errors import KvxferError
+
+from .._log import log_event
+
+__all__ = ["rpc_method"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+async def _abort(context: grpc.aio.ServicerContext[Any, Any], method: str, exc: BaseException) -> None:
+    if isinstance(exc, KvxferError):
+        log_event("rpc.error", logging.DEBUG, method=method, code=exc.grpc_code.name, detail=str(exc))
+        await context.abort(exc.grpc_code, str(exc))
+    log_event("rpc.internal_error", logging.ERROR, exc_info=True, method=method, detail=repr(exc))
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {exc!r}")
+
+
+def rpc_method(fn: F) -> F:
+    """Wrap a servicer coroutine or async generator so errors become statuses."""
+    name = fn.__name__
+    if inspect.isasyncgenfunction(fn):
+
+        @functools.wraps(fn)
+        async def stream(self: Any, request: Any, context: Any) -> Any:
+            try:
+                async for item in fn(self, request, context):
+                    yield item
+            except (asyncio.CancelledError, grpc.aio.AbortError):
+                raise
+            except Exception as exc:  # noqa: BLE001 - every failure becomes a status
+                await _abort(context, name, exc)
+
+        return stream  # type: ignore[return-value]
+
+    @functools.wraps(fn)
+    async def unary(self: Any, request: Any, context: Any) -> Any:
+        try:
+            return await fn(self, request, context)
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a status
+            await _abort(context, name, exc)
+
+    return unary  # type: ignore[return-value]

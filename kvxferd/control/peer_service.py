@@ -1,0 +1,36 @@
+"""PeerService: what other daemons call, over TCP."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvxfer_client._errors import UnavailableError
+from kvxfer_client._proto import peer_pb2, peer_pb2_grpc
+
+from .._log import log_event
+from .._node import Node
+from ._rpc import rpc_method
+
+Ctx = Any  # grpc.aio.ServicerContext
+
+
+class PeerService(peer_pb2_grpc.PeerServiceServicer):
+    def __init__(self, node: Node) -> None:
+        self.node = node
+
+    @rpc_method
+    async def Hello(self, request: peer_pb2.HelloRequest, context: Ctx) -> peer_pb2.HelloResponse:  # noqa: N802
+        if self.node.peers is None:
+            raise UnavailableError("daemon is starting")
+        self.node.peers.accept_hello(request.identity)
+        log_event(
+            "peer.hello",
+            peer_daemon_id=request.identity.daemon_id,
+            peer_address=request.identity.peer_address or context.peer(),
+            transports=",".join(request.identity.ucx_transports),
+        )
+        return peer_pb2.HelloResponse(identity=self.node.identity())
+
+    @rpc_method
+    async def Transfer(self, request_iterator: Any, context: Ctx) -> None:  # noqa: N802
+        await self.node.serve_transfer(context)

@@ -1,0 +1,113 @@
+"""Peer daemons: Hello once, then keep a channel and the peer's identity.
+
+Outgoing peers are dialled by address (from a ticket); incoming ones are known from the Hello
+they sent. Either way a peer is keyed by daemon id once its Hello is done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from kvxfer_client._config import channel_options
+from kvxfer_client._errors import DeadlineExceededError, IncompatibleError, UnavailableError, error_from_rpc
+from kvxfer_client._proto import peer_pb2, peer_pb2_grpc
+from kvxfer_client._version import PROTOCOL_VERSION
+
+__all__ = ["Peer", "PeerDirectory"]
+
+CONNECTED = "connected"
+FAILED = "failed"
+
+
+@dataclass
+class Peer:
+    identity: peer_pb2.PeerIdentity
+    state: str = CONNECTED
+    last_hello: float = field(default_factory=time.time)
+    channel: grpc.aio.Channel | None = None
+    stub: peer_pb2_grpc.PeerServiceStub | None = None
+
+    @property
+    def daemon_id(self) -> str:
+        return self.identity.daemon_id
+
+    @property
+    def same_host(self) -> bool:
+        return self.identity.hostname == socket.gethostname()
+
+
+def check_compatible(ours: peer_pb2.PeerIdentity, theirs: peer_pb2.PeerIdentity) -> None:
+    if theirs.protocol_version != ours.protocol_version:
+        raise IncompatibleError(
+            f"peer {theirs.daemon_id!r} speaks protocol {theirs.protocol_version}, "
+            f"this daemon speaks {ours.protocol_version} (versions {theirs.version} vs {ours.version})"
+        )
+    if not theirs.daemon_id or theirs.daemon_id == ours.daemon_id:
+        raise IncompatibleError(f"peer daemon id {theirs.daemon_id!r} is empty or equals ours")
+    if not theirs.ucx_worker_address:
+        raise IncompatibleError(f"peer {theirs.daemon_id!r} has no UCX worker (data plane unavailable there)")
+
+
+class PeerDirectory:
+    def __init__(self, identity: peer_pb2.PeerIdentity, timeout_s: float) -> None:
+        assert identity.protocol_version == PROTOCOL_VERSION
+        self.identity = identity
+        self.timeout_s = timeout_s
+        self.by_id: dict[str, Peer] = {}
+        self._by_address: dict[str, Peer] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    def accept_hello(self, theirs: peer_pb2.PeerIdentity) -> None:
+        """Record a peer that said Hello to us."""
+        check_compatible(self.identity, theirs)
+        peer = self.by_id.get(theirs.daemon_id)
+        if peer is None:
+            self.by_id[theirs.daemon_id] = Peer(theirs)
+        else:
+            peer.identity, peer.state, peer.last_hello = theirs, CONNECTED, time.time()
+
+    def known(self, daemon_id: str) -> Peer:
+        peer = self.by_id.get(daemon_id)
+        if peer is None:
+            raise IncompatibleError(f"daemon {daemon_id!r} has not said Hello to this daemon")
+        return peer
+
+    async def dial(self, address: str) -> Peer:
+        """The peer at ``address``, saying Hello first if we have not (or it failed)."""
+        lock = self._locks.setdefault(address, asyncio.Lock())
+        async with lock:
+            peer = self._by_address.get(address)
+            if peer is not None and peer.state == CONNECTED:
+                return peer
+            if peer is not None and peer.channel is not None:
+                await peer.channel.close()
+            channel = grpc.aio.insecure_channel(address, options=channel_options())
+            stub = peer_pb2_grpc.PeerServiceStub(channel)
+            try:
+                resp = await stub.Hello(
+                    peer_pb2.HelloRequest(identity=self.identity), timeout=self.timeout_s, wait_for_ready=False
+                )
+            except grpc.RpcError as exc:
+                await channel.close()
+                err = error_from_rpc(exc)
+                if isinstance(err, DeadlineExceededError):
+                    raise UnavailableError(f"peer {address} did not answer Hello within {self.timeout_s}s") from None
+                raise type(err)(f"Hello to peer {address} failed: {err}") from None
+            check_compatible(self.identity, resp.identity)
+            peer = Peer(resp.identity, channel=channel, stub=stub)
+            self._by_address[address] = peer
+            self.by_id[peer.daemon_id] = peer
+            return peer
+
+    def mark_failed(self, peer: Peer) -> None:
+        peer.state = FAILED
+
+    async def close(self) -> None:
+        for peer in self._by_address.values():
+            if peer.channel is not None:
+                await peer.channel.close()

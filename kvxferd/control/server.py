@@ -1,0 +1,65 @@
+"""gRPC listeners: each gets its services plus standard health checking and reflection."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvxfer_client._config import channel_options
+
+__all__ = ["Listener", "start_listener"]
+
+
+class Listener:
+    def __init__(self, server: grpc.aio.Server, health_servicer: Any, services: Sequence[str], address: str) -> None:
+        self.server = server
+        self.health = health_servicer
+        self.services = services
+        self.address = address
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", *self.services):
+            await self.health.set(name, status)
+
+
+async def start_listener(
+    address: str, adders: Sequence[tuple[Callable[[Any, grpc.aio.Server], None], Any, str]]
+) -> Listener:
+    """Bind ``address`` ("unix:/path" or "host:port") and serve the given services on it.
+
+    ``adders`` holds (add_XServicer_to_server, servicer, full service name) triples.
+    Returns the listener with its actual address (the bound port when 0 was asked for).
+    """
+    server = grpc.aio.server(options=channel_options())
+    names = []
+    for add, servicer, name in adders:
+        add(servicer, server)
+        names.append(name)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    if address.startswith("unix:"):
+        path = address.removeprefix("unix:")
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        if os.path.exists(path):
+            os.unlink(path)  # a stale socket of a previous run (the pid lock is held by the caller)
+        server.add_insecure_port(address)
+        bound = address
+    else:
+        port = server.add_insecure_port(address)
+        if port == 0:
+            raise OSError(f"cannot listen on {address}")
+        host = address.rsplit(":", 1)[0]
+        bound = f"{host}:{port}"
+    await server.start()
+    if address.startswith("unix:"):
+        os.chmod(address.removeprefix("unix:"), 0o660)
+    listener = Listener(server, health_servicer, names, bound)
+    await listener.set_serving(True)
+    return listener

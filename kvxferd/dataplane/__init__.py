@@ -1,0 +1,1 @@
+"""Data plane: segment plans, host copies and the UCX transport."""

@@ -1,0 +1,75 @@
+"""Vectorised copies between host buffers and packed chunks.
+
+A :class:`~kvxferd.dataplane.plan.Run` is ``k`` pieces of ``L`` bytes at arbitrary byte
+offsets. Viewing the buffer as overlapping ``L``-byte items at a 1-byte stride turns the run
+into one numpy fancy-index copy (a C loop of memcpys, GIL released), whatever ``k`` is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from .plan import ChunkPlan
+
+__all__ = ["copy_chunk", "gather_chunk", "scatter_chunk"]
+
+U8 = npt.NDArray[np.uint8]
+
+
+def _items(buf: U8, length: int) -> npt.NDArray[np.void]:
+    """``buf`` as overlapping items of ``length`` bytes, item *i* starting at byte *i*."""
+    return np.ndarray(
+        shape=(buf.nbytes - length + 1,), dtype=np.dtype((np.void, length)), buffer=buf, strides=(1,)
+    )
+
+
+def chunk_view(buffers: Sequence[U8], chunk: ChunkPlan) -> U8:
+    """The memory of a contiguous chunk, in place."""
+    assert chunk.contiguous is not None
+    buf, off = chunk.contiguous
+    return buffers[buf][off : off + chunk.nbytes]
+
+
+def gather_chunk(buffers: Sequence[U8], chunk: ChunkPlan, out: U8) -> None:
+    """Pack ``chunk``'s pieces from ``buffers`` into ``out[:chunk.nbytes]``."""
+    if chunk.contiguous is not None:
+        out[: chunk.nbytes] = chunk_view(buffers, chunk)
+        return
+    for run in chunk.runs:
+        dst = out[run.chunk_offset : run.chunk_offset + run.nbytes]
+        if len(run.offsets) == 1:
+            o = int(run.offsets[0])
+            dst[:] = buffers[run.buffer][o : o + run.length]
+        else:
+            dst.view(np.dtype((np.void, run.length)))[:] = _items(buffers[run.buffer], run.length)[run.offsets]
+
+
+def scatter_chunk(buffers: Sequence[U8], chunk: ChunkPlan, src: U8) -> None:
+    """Unpack ``src[:chunk.nbytes]`` into ``chunk``'s pieces of ``buffers``."""
+    if chunk.contiguous is not None:
+        chunk_view(buffers, chunk)[:] = src[: chunk.nbytes]
+        return
+    for run in chunk.runs:
+        piece = src[run.chunk_offset : run.chunk_offset + run.nbytes]
+        if len(run.offsets) == 1:
+            o = int(run.offsets[0])
+            buffers[run.buffer][o : o + run.length] = piece
+        else:
+            _items(buffers[run.buffer], run.length)[run.offsets] = piece.view(np.dtype((np.void, run.length)))
+
+
+def copy_chunk(
+    src_buffers: Sequence[U8], src: ChunkPlan, dst_buffers: Sequence[U8], dst: ChunkPlan, scratch: U8
+) -> None:
+    """Copy one chunk between two plans of the same stream, through ``scratch`` only when
+    neither side is contiguous."""
+    if src.contiguous is not None:
+        scatter_chunk(dst_buffers, dst, chunk_view(src_buffers, src))
+    elif dst.contiguous is not None:
+        gather_chunk(src_buffers, src, chunk_view(dst_buffers, dst))
+    else:
+        gather_chunk(src_buffers, src, scratch)
+        scatter_chunk(dst_buffers, dst, scratch)

@@ -1,0 +1,147 @@
+"""Segment plans: one side's bytes of a handoff, as a stream cut into chunks.
+
+Both ends of a transfer list their segments in the same canonical order (region-major, then
+the offer's block order). Concatenated, the segments form the *stream*; the stream is cut into
+chunks of ``chunk_bytes`` (the last may be shorter). The sender packs chunk *c* of its side,
+the receiver unpacks chunk *c* into its side, and since the two sides share per-region segment
+sizes (the layout fingerprint), chunk boundaries agree without exchanging a single offset.
+
+Inside a chunk, consecutive pieces that share a buffer and a length form a :class:`Run`, which
+one vectorised numpy operation copies. Everything here is numpy arithmetic: the Python work per
+plan grows with the number of chunks and regions, never with the number of blocks.
+
+>>> import numpy as np
+>>> regions = RegionTable.from_regions([(0, 0, 8, 4)])          # 1 region, 4-byte segments
+>>> plan = build_plan(regions, np.array([3, 1, 2]), chunk_bytes=8)
+>>> [(c.nbytes, c.contiguous) for c in plan.chunks]
+[(8, None), (4, (0, 16))]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["ChunkPlan", "RegionTable", "Run", "SidePlan", "build_plan"]
+
+I64 = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True)
+class RegionTable:
+    """A layout's regions as parallel arrays (buffer index, offset, stride, segment bytes)."""
+
+    buffer: I64
+    offset: I64
+    stride: I64
+    nbytes: I64
+
+    @classmethod
+    def from_regions(cls, regions: Iterable[tuple[int, int, int, int]]) -> RegionTable:
+        arr = np.array(list(regions), dtype=np.int64).reshape(-1, 4)
+        return cls(arr[:, 0].copy(), arr[:, 1].copy(), arr[:, 2].copy(), arr[:, 3].copy())
+
+    @property
+    def block_bytes(self) -> int:
+        return int(self.nbytes.sum())
+
+
+@dataclass(frozen=True)
+class Run:
+    """``len(offsets)`` pieces of ``length`` bytes in one buffer, packed back to back in the
+    chunk from ``chunk_offset``."""
+
+    buffer: int
+    length: int
+    offsets: I64
+    chunk_offset: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.length * len(self.offsets)
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """Chunk ``index`` of the stream on one side."""
+
+    index: int
+    nbytes: int
+    #: ``(buffer, offset)`` when the whole chunk is one contiguous range: it moves zero-copy.
+    contiguous: tuple[int, int] | None
+    runs: tuple[Run, ...]
+
+
+@dataclass(frozen=True)
+class SidePlan:
+    total_bytes: int
+    chunk_bytes: int
+    num_segments: int
+    chunks: tuple[ChunkPlan, ...]
+
+
+def num_chunks(total_bytes: int, chunk_bytes: int) -> int:
+    return -(-total_bytes // chunk_bytes)
+
+
+def build_plan(regions: RegionTable, block_ids: npt.NDArray[np.integer], chunk_bytes: int) -> SidePlan:
+    """Plan one side of a handoff. ``block_ids`` must already be validated against the pool."""
+    if chunk_bytes <= 0:
+        raise ValueError("chunk_bytes must be positive")
+    ids = np.asarray(block_ids, dtype=np.int64)
+    n, nreg = len(ids), len(regions.nbytes)
+    # Segments in stream order: region-major, then the caller's block order.
+    seg_off = (regions.offset[:, None] + ids[None, :] * regions.stride[:, None]).ravel()
+    seg_len = np.repeat(regions.nbytes, n)
+    seg_buf = np.repeat(regions.buffer, n)
+    seg_end = np.cumsum(seg_len)
+    seg_start = seg_end - seg_len
+    total = int(seg_end[-1]) if len(seg_end) else 0
+
+    # Cut segments at chunk boundaries: a segment crossing k boundaries becomes k + 1 pieces.
+    first = seg_start // chunk_bytes
+    last = (seg_end - 1) // chunk_bytes
+    pieces = last - first + 1
+    seg_of = np.repeat(np.arange(len(seg_len)), pieces)
+    nth = np.arange(len(seg_of)) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+    p_chunk = first[seg_of] + nth
+    p_start = np.maximum(seg_start[seg_of], p_chunk * chunk_bytes)
+    p_end = np.minimum(seg_end[seg_of], (p_chunk + 1) * chunk_bytes)
+    p_len = p_end - p_start
+    p_off = seg_off[seg_of] + (p_start - seg_start[seg_of])
+    p_buf = seg_buf[seg_of]
+
+    new_chunk = np.ones(len(p_chunk), dtype=bool)
+    new_chunk[1:] = p_chunk[1:] != p_chunk[:-1]
+    same_buf = np.zeros(len(p_chunk), dtype=bool)
+    same_buf[1:] = p_buf[1:] == p_buf[:-1]
+    # A piece "continues" the previous one when it starts where that one ended, same buffer.
+    continues = np.zeros(len(p_chunk), dtype=bool)
+    continues[1:] = same_buf[1:] & (p_off[1:] == p_off[:-1] + p_len[:-1]) & ~new_chunk[1:]
+    new_run = new_chunk.copy()
+    new_run[1:] |= ~same_buf[1:] | (p_len[1:] != p_len[:-1])
+
+    chunk_starts = np.flatnonzero(new_chunk)
+    breaks = np.add.reduceat((~continues).astype(np.int64), chunk_starts)
+    chunk_ends = np.append(chunk_starts[1:], len(p_chunk))
+    run_starts = np.flatnonzero(new_run)
+    run_ends = np.append(run_starts[1:], len(p_chunk))
+    run_chunk = p_chunk[run_starts]
+
+    chunks: list[ChunkPlan] = []
+    r = 0
+    for c, (cs, ce) in enumerate(zip(chunk_starts.tolist(), chunk_ends.tolist(), strict=True)):
+        base = c * chunk_bytes
+        nbytes = int(p_end[ce - 1]) - base
+        contiguous = (int(p_buf[cs]), int(p_off[cs])) if breaks[c] == 1 else None
+        runs = []
+        while r < len(run_starts) and run_chunk[r] == c:
+            rs, re_ = int(run_starts[r]), int(run_ends[r])
+            runs.append(Run(int(p_buf[rs]), int(p_len[rs]), p_off[rs:re_], int(p_start[rs]) - base))
+            r += 1
+        chunks.append(ChunkPlan(c, nbytes, contiguous, tuple(runs)))
+    del nreg
+    return SidePlan(total, chunk_bytes, len(seg_len), tuple(chunks))

@@ -1,0 +1,70 @@
+"""Bounded staging memory for packing and unpacking chunks.
+
+A transfer takes all the buffers it needs in one step and keeps them to the end, so an
+admitted transfer never waits on another one for memory: no deadlock between daemons that
+send and receive at the same time, and memory stays at ``capacity`` however many arrive.
+
+>>> import asyncio
+>>> pool = StagingPool(total_bytes=8192, buffer_bytes=4096)
+>>> async def demo():
+...     async with pool.lease(3) as lease:
+...         return len(lease.buffers), pool.in_use
+>>> asyncio.run(demo())
+(2, 2)
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["StagingLease", "StagingPool"]
+
+U8 = npt.NDArray[np.uint8]
+
+
+@dataclass
+class StagingLease:
+    buffers: list[U8]
+    #: Set when a network operation may still write into the buffers after the transfer gave
+    #: up: they are then dropped (and replaced) instead of being handed to the next transfer.
+    poisoned: bool = False
+
+
+class StagingPool:
+    def __init__(self, total_bytes: int, buffer_bytes: int) -> None:
+        self.capacity = max(1, total_bytes // buffer_bytes)
+        self.buffer_bytes = buffer_bytes
+        self._free: list[U8] = [self._new() for _ in range(self.capacity)]
+        self._cond = asyncio.Condition()
+        self.replaced = 0
+
+    def _new(self) -> U8:
+        # Touch every page now: a first-use page fault costs more than the copy itself.
+        return np.zeros(self.buffer_bytes, dtype=np.uint8)
+
+    @property
+    def in_use(self) -> int:
+        return self.capacity - len(self._free)
+
+    @asynccontextmanager
+    async def lease(self, count: int) -> AsyncIterator[StagingLease]:
+        """Hold ``min(count, capacity)`` buffers (first come, first served) until exit."""
+        count = max(0, min(count, self.capacity))
+        async with self._cond:
+            await self._cond.wait_for(lambda: len(self._free) >= count)
+            lease = StagingLease([self._free.pop() for _ in range(count)])
+        try:
+            yield lease
+        finally:
+            if lease.poisoned:
+                self.replaced += len(lease.buffers)
+                lease.buffers = [self._new() for _ in lease.buffers]
+            async with self._cond:
+                self._free.extend(lease.buffers)
+                self._cond.notify_all()

@@ -1,0 +1,1 @@
+"""Memory: engine pools mapped into the daemon."""
