@@ -132,7 +132,10 @@ class AsyncKvxferClient:
 
     async def _read_events(self, stream: Any) -> None:
         try:
-            async for msg in stream:
+            while True:
+                msg = await stream.read()
+                if msg is grpc.aio.EOF:
+                    break
                 event = event_from_proto(msg)
                 if event is None:
                     continue

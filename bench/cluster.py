@@ -1,0 +1,188 @@
+"""Start real kvxferd daemons and engine processes on this machine (demo, bench, tests)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    env.update(extra or {})
+    return env
+
+
+@dataclass
+class Daemon:
+    name: str
+    workdir: str
+    args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen[bytes] | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def socket(self) -> str:
+        return os.path.join(self.workdir, f"{self.name}.sock")
+
+    @property
+    def log_path(self) -> str:
+        return os.path.join(self.workdir, f"{self.name}.log")
+
+    def start(self, timeout_s: float = 30.0) -> Daemon:
+        ready = os.path.join(self.workdir, f"{self.name}.ready.json")
+        if os.path.exists(ready):
+            os.unlink(ready)
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvxferd",
+            "--engine-socket",
+            self.socket,
+            "--peer-listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+            "--daemon-id",
+            self.name,
+            "--ready-file",
+            ready,
+            *self.args,
+        ]
+        log = open(self.log_path, "ab")  # noqa: SIM115 - the child keeps it
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(self.env), cwd=ROOT)
+        log.close()
+        deadline = time.monotonic() + timeout_s
+        while not os.path.exists(ready):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log()}")
+            if time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"{self.name} not ready after {timeout_s}s:\n{self.log()}")
+            time.sleep(0.05)
+        with open(ready) as fh:
+            self.info = json.load(fh)
+        return self
+
+    def log(self) -> str:
+        try:
+            with open(self.log_path, errors="replace") as fh:
+                return fh.read()[-20000:]
+        except FileNotFoundError:
+            return ""
+
+    def terminate(self, timeout_s: float = 30.0) -> int:
+        """SIGTERM (drain) and wait; returns the exit code."""
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout_s)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+class EngineProcess:
+    """A ``bench.engine`` process attached to one daemon."""
+
+    def __init__(self, daemon: Daemon, name: str) -> None:
+        self.name = name
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "bench.engine", "--socket", daemon.socket, "--name", name],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=_env(),
+            cwd=ROOT,
+        )
+        hello = self._read()
+        if not hello.get("ready"):
+            raise RuntimeError(f"engine {name} failed to start: {hello}")
+        self.session_id = hello["session_id"]
+
+    def _read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"engine {self.name} exited ({self.proc.poll()})")
+        reply: dict[str, Any] = json.loads(line)
+        return reply
+
+    def call(self, op: str, **kwargs: Any) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write((json.dumps({"op": op, **kwargs}) + "\n").encode())
+        self.proc.stdin.flush()
+        return self._read()
+
+    def __call__(self, op: str, **kwargs: Any) -> dict[str, Any]:
+        reply = self.call(op, **kwargs)
+        if not reply.get("ok"):
+            raise RuntimeError(f"engine {self.name} {op} failed: {reply}")
+        return reply
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.call("exit")
+            except (BrokenPipeError, RuntimeError, ValueError):
+                pass
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        for stream in (self.proc.stdin, self.proc.stdout):
+            if stream is not None:
+                stream.close()
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+
+
+class Cluster:
+    """Daemons and engines in a scratch directory, all stopped on exit."""
+
+    def __init__(self, workdir: str | None = None) -> None:
+        self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="kvxfer-")
+        self.workdir = workdir or (self._tmp.name if self._tmp else "")
+        self.daemons: list[Daemon] = []
+        self.engines: list[EngineProcess] = []
+
+    def daemon(self, name: str, *args: str, env: dict[str, str] | None = None) -> Daemon:
+        d = Daemon(name, self.workdir, list(args), env or {}).start()
+        self.daemons.append(d)
+        return d
+
+    def engine(self, daemon: Daemon, name: str) -> EngineProcess:
+        e = EngineProcess(daemon, name)
+        self.engines.append(e)
+        return e
+
+    def close(self) -> None:
+        for e in self.engines:
+            e.close()
+        for d in self.daemons:
+            try:
+                d.terminate(30)
+            except Exception:  # noqa: BLE001 - make sure nothing outlives the cluster
+                d.kill()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,151 @@
+"""A stand-in serving engine, run as its own OS process, driven by JSON lines on stdin.
+
+It uses only the public ``kvxfer_client`` API, exactly as a serving engine would. Each
+command line gets one JSON reply line on stdout (``{"ok": true, ...}`` or ``{"ok": false,
+"error": "...", "type": "..."}``). Commands:
+
+* ``pool``: register a pool: ``{"op": "pool", "shape": {...}, "seed": 7}``; ``shape`` is
+  ``{"layers": L, "blocks": N, "block_bytes": B}`` (vLLM-style per-layer K/V tensors) and a
+  seed fills the pool with reproducible random bytes;
+* ``offer``: ``{"op": "offer", "requests": [[ids...], ...], "lease_s": 30}`` → tickets;
+* ``pull``: ``{"op": "pull", "pulls": [[ticket, [ids...]], ...]}`` runs all pulls at once;
+* ``verify``: ``{"op": "verify", "seed": 7, "pairs": [[[src ids], [dst ids]], ...]}`` checks
+  every destination byte against the prefill pool regenerated from its seed;
+* ``released``: ``{"op": "released", "offer_ids": [...], "timeout_s": 10}`` waits for events;
+* ``exit``.
+
+Run: ``python -m bench.engine --socket /path/to/kvxferd.sock --name prefill``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvxfer_client import AsyncKvxferClient, HostBuffer, KvxferError, Layout, ModelInfo, Pool
+
+MODEL = ModelInfo(model="llama-3-8b-shape", dtype="bfloat16", block_tokens=16, tp_size=1, tp_rank=0)
+
+
+def fill_random(buffers: list[npt.NDArray[np.uint8]], seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    for buf in buffers:
+        words = buf[: buf.nbytes // 8 * 8].view(np.uint64)
+        words[:] = rng.integers(0, 2**64 - 1, size=words.size, dtype=np.uint64, endpoint=True)
+        buf[words.nbytes :] = rng.integers(0, 256, size=buf.nbytes - words.nbytes, dtype=np.uint8)
+
+
+def kv_view(buf: npt.NDArray[np.uint8], blocks: int, block_bytes: int) -> npt.NDArray[np.uint8]:
+    """A per-layer buffer as [K/V, block, bytes]."""
+    return buf.reshape(2, blocks, block_bytes)
+
+
+class Engine:
+    def __init__(self, client: AsyncKvxferClient) -> None:
+        self.client = client
+        self.pool: Pool | None = None
+        self.shape: dict[str, int] = {}
+
+    def arrays(self) -> list[npt.NDArray[np.uint8]]:
+        assert self.pool is not None
+        return [b.array() for b in self.pool.buffers]
+
+    async def op_pool(self, shape: dict[str, int], seed: int | None = None, model: dict[str, Any] | None = None) -> Any:
+        layout = Layout.paged_kv(
+            num_layers=shape["layers"],
+            num_blocks=shape["blocks"],
+            block_bytes=shape["block_bytes"],
+            model=ModelInfo(**model) if model else MODEL,
+        )
+        buffers = [HostBuffer.create(size) for size in layout.buffer_sizes()]
+        self.shape = shape
+        if seed is not None:
+            fill_random([b.array() for b in buffers], seed)
+        self.pool = await self.client.register_pool(buffers, layout, name=self.client.engine_name)
+        return {"pool_id": self.pool.pool_id, "fingerprint": self.pool.fingerprint}
+
+    async def op_offer(self, requests: list[list[int]], lease_s: float = 0.0) -> Any:
+        assert self.pool is not None
+        pool = self.pool
+        tickets = await asyncio.gather(*(self.client.offer(pool, ids, lease_s=lease_s) for ids in requests))
+        return {"tickets": [t.to_dict() for t in tickets]}
+
+    async def op_pull(self, pulls: list[tuple[dict[str, Any], list[int]]], timeout_s: float = 60.0) -> Any:
+        assert self.pool is not None
+        pool = self.pool
+
+        async def one(ticket: dict[str, Any], ids: list[int]) -> dict[str, Any]:
+            t0 = time.perf_counter()
+            try:
+                r = await self.client.pull(ticket, pool, ids, timeout_s=timeout_s)
+            except KvxferError as exc:
+                return {"ok": False, "error": str(exc), "type": type(exc).__name__}
+            return {
+                "ok": True,
+                "transfer_id": r.transfer_id,
+                "bytes": r.bytes,
+                "path": r.path,
+                "transport": r.transport,
+                "daemon_s": r.duration_s,
+                "latency_s": time.perf_counter() - t0,
+            }
+
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(one(t, ids) for t, ids in pulls))
+        return {"results": results, "wall_s": time.perf_counter() - t0}
+
+    async def op_verify(self, seed: int, pairs: list[tuple[list[int], list[int]]]) -> Any:
+        s = self.shape
+        expected = [np.empty(b.nbytes, dtype=np.uint8) for b in self.arrays()]
+        fill_random(expected, seed)
+        bad = 0
+        for src_ids, dst_ids in pairs:
+            for exp, got in zip(expected, self.arrays(), strict=True):
+                e = kv_view(exp, s["blocks"], s["block_bytes"])[:, src_ids]
+                g = kv_view(got, s["blocks"], s["block_bytes"])[:, dst_ids]
+                bad += int(np.count_nonzero(e != g))
+        return {"verified": bad == 0, "bad_bytes": bad}
+
+    async def op_released(self, offer_ids: list[str], timeout_s: float = 10.0) -> Any:
+        events = await asyncio.gather(*(self.client.wait_released(o, timeout_s) for o in offer_ids))
+        return {"reasons": [e.reason.value for e in events], "transfer_ids": [e.transfer_id for e in events]}
+
+
+async def main_async(args: argparse.Namespace) -> None:
+    client = AsyncKvxferClient(args.socket, engine_name=args.name)
+    await client.connect()
+    engine = Engine(client)
+    loop = asyncio.get_running_loop()
+    print(json.dumps({"ok": True, "ready": True, "session_id": client.session_id}), flush=True)
+    while True:
+        line = await loop.run_in_executor(None, sys.stdin.readline)
+        if not line:
+            break
+        cmd = json.loads(line)
+        op = cmd.pop("op")
+        if op == "exit":
+            break
+        try:
+            reply = {"ok": True, **(await getattr(engine, "op_" + op)(**cmd))}
+        except KvxferError as exc:
+            reply = {"ok": False, "error": str(exc), "type": type(exc).__name__}
+        print(json.dumps(reply), flush=True)
+    await client.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--socket", required=True)
+    parser.add_argument("--name", default="engine")
+    asyncio.run(main_async(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
