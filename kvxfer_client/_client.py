@@ -198,7 +198,11 @@ class AsyncKvxferClient:
     async def register_pool(
         self, buffers: Sequence[HostBuffer], layout: Layout, *, name: str = ""
     ) -> Pool:
-        """Register host buffers and their layout; the daemon maps them."""
+        """Register host buffers and their layout; the daemon maps them.
+
+        Once the daemon has mapped them, the buffers' names are removed from ``/dev/shm``
+        (the memory lives on in both mappings), so a buffer is registered once.
+        """
         if not buffers:
             raise InvalidRequestError("a pool needs at least one buffer")
         layout.validate([b.size for b in buffers])
@@ -213,6 +217,10 @@ class AsyncKvxferClient:
             name=name,
         )
         resp = await self._call(self._engine.RegisterPool, req)
+        # Both processes have the memory mapped now: drop the names so nothing is left in
+        # /dev/shm even if this engine or the daemon is killed.
+        for b in buffers:
+            b.unlink()
         return Pool(resp.pool_id, layout, tuple(buffers), resp.fingerprint)
 
     async def deregister_pool(self, pool: Pool | str) -> int:

@@ -45,8 +45,11 @@ class StagingPool:
         self.replaced = 0
 
     def _new(self) -> U8:
-        # Touch every page now: a first-use page fault costs more than the copy itself.
-        return np.zeros(self.buffer_bytes, dtype=np.uint8)
+        # Touch every page now (np.zeros would map them lazily): a first-use page fault costs
+        # more than the copy itself.
+        buf = np.empty(self.buffer_bytes, dtype=np.uint8)
+        buf.fill(0)
+        return buf
 
     @property
     def in_use(self) -> int:

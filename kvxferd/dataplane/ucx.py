@@ -9,6 +9,9 @@ chunk as it lands.
 
 UCX settings (applied unless already set in the environment, see :data:`UCX_DEFAULTS`):
 
+* ``UCXPY_PROGRESS_MODE=blocking`` — UCX progresses inside the event loop, woken by the
+  worker's epoll fd. UCXX's default (a progress thread plus a notifier thread) adds a thread
+  hop per completion: 4 MiB chunks moved at 3.4 GB/s with it and 6.9 GB/s without it here.
 * ``UCX_WARN_UNUSED_ENV_VARS=n`` — UCXX sets variables some builds ignore.
 * ``UCX_RNDV_THRESH=65536`` — eager copies beyond 64 KiB cost more than one rendezvous.
 * ``UCX_MAX_RNDV_RAILS=1`` — one lane per message; chunks already give parallelism.
@@ -41,6 +44,7 @@ __all__ = ["UCX_DEFAULTS", "UcxTransport", "ucx_available"]
 U8 = npt.NDArray[np.uint8]
 
 UCX_DEFAULTS = {
+    "UCXPY_PROGRESS_MODE": "blocking",
     "UCX_WARN_UNUSED_ENV_VARS": "n",
     "UCX_RNDV_THRESH": "65536",
     "UCX_MAX_RNDV_RAILS": "1",

@@ -1,0 +1,44 @@
+# kvxfer — two commands on a fresh machine:
+#   make demo   start two daemons and three engines, run verified handoffs, print results
+#   make test   install everything into .venv, then lint, type-check and run the test suite
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: all demo test lint typecheck unit pytest proto bench faults clean
+
+all: test
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[ucx,test]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m bench.demo
+
+lint: $(STAMP)
+	$(BIN)/ruff format --check .
+	$(BIN)/ruff check .
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+pytest: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+test: lint typecheck pytest
+
+# Regenerate kvxfer_client/_proto from proto/ (tests/unit/test_proto_stubs.py checks it is current).
+proto: $(STAMP)
+	$(BIN)/python tools/gen_proto.py
+
+bench: $(STAMP)
+	$(BIN)/python -m bench
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

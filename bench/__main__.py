@@ -1,0 +1,71 @@
+"""kvxfer host-memory benchmark: local and remote paths next to a plain UCXX baseline.
+
+Run: ``python -m bench [--iters 8] [--workloads b16,b128,contig,small] [--out results.json]``.
+Prints one JSON line per (workload, path) and a summary line with the remote/baseline ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import numpy as np
+
+from . import ucx_baseline
+from .cluster import Cluster
+from .workloads import WORKLOADS, run_concurrent, run_sequential
+
+SEED = 7
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--iters", type=int, default=8)
+    parser.add_argument("--workloads", default="b16,b128,contig,small")
+    parser.add_argument("--small-count", type=int, default=2000)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--out", help="also write every line into this JSON file")
+    args = parser.parse_args()
+    rows = []
+
+    def emit(row: dict[str, object]) -> None:
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    baseline = ucx_baseline.measure(WORKLOADS["b16"].request_bytes, max(args.iters, 5))
+    emit({"baseline": "ucxx-one-buffer", **baseline})
+    rng = np.random.default_rng(SEED)
+    for name in args.workloads.split(","):
+        w = WORKLOADS[name]
+        with Cluster() as c:
+            a, b = c.daemon("bench-a"), c.daemon("bench-b")
+            prefill = c.engine(a, "prefill")
+            prefill("pool", shape=w.shape, seed=SEED)
+            for path, daemon in (("local", a), ("remote", b)):
+                decode = c.engine(daemon, f"decode-{path}")
+                decode("pool", shape=w.shape)
+                if name == "small":
+                    row = run_concurrent(prefill, decode, w, rng, args.small_count, args.concurrency)
+                else:
+                    row = run_sequential(prefill, decode, w, rng, args.iters)
+                emit({"path": path, **row})
+    by = {(r.get("workload"), r.get("path")): r for r in rows}
+    remote_b16 = by.get(("b16", "remote"))
+    if remote_b16:
+        emit(
+            {
+                "summary": "remote b16 vs plain UCXX one-buffer send, same run",
+                "remote_b16_gbps": remote_b16["gbps"],
+                "baseline_gbps": baseline["gbps_median"],
+                "ratio": remote_b16["gbps"] / baseline["gbps_median"],
+            }
+        )
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(rows, fh, indent=2)
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

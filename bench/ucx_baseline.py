@@ -1,0 +1,94 @@
+"""Baseline: a plain UCXX tag send of one contiguous host buffer between two processes.
+
+Same UCX settings as kvxferd (``apply_ucx_defaults``, endpoint from a worker address, error
+handling as kvxferd's ``auto`` picks for a peer on this host). Prints one JSON line.
+
+Run: ``python -m bench.ucx_baseline --bytes 268435456 --iters 10``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+
+
+def _receiver(nbytes: int, iters: int, addr_q: Any, ready_q: Any) -> None:
+    from kvxferd.dataplane.ucx import apply_ucx_defaults
+
+    apply_ucx_defaults()
+    import ucxx
+
+    async def run() -> None:
+        addr_q.put(bytes(ucxx.get_worker_address()))
+        buf = np.zeros(nbytes, dtype=np.uint8)
+        peer = ready_q.get()
+        from ucxx._lib.libucxx import UCXAddress
+
+        ep = await ucxx.create_endpoint_from_worker_address(
+            UCXAddress.create_from_buffer(peer), endpoint_error_handling=False
+        )
+        for i in range(iters + 1):
+            await ep.recv(buf, tag=1000 + i, force_tag=True)
+        await ep.send(np.zeros(1, np.uint8), tag=999, force_tag=True)
+
+    asyncio.run(run())
+
+
+def _sender(nbytes: int, iters: int, addr_q: Any, ready_q: Any, out_q: Any) -> None:
+    from kvxferd.dataplane.ucx import apply_ucx_defaults
+
+    apply_ucx_defaults()
+    import ucxx
+    from ucxx._lib.libucxx import UCXAddress
+
+    async def run() -> None:
+        peer = addr_q.get()
+        ready_q.put(bytes(ucxx.get_worker_address()))
+        ep = await ucxx.create_endpoint_from_worker_address(
+            UCXAddress.create_from_buffer(peer), endpoint_error_handling=False
+        )
+        buf = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
+        times = []
+        for i in range(iters + 1):  # the first send warms up registration and pages
+            t0 = time.perf_counter()
+            await ep.send(buf, tag=1000 + i, force_tag=True)
+            if i:
+                times.append(time.perf_counter() - t0)
+        await ep.recv(np.zeros(1, np.uint8), tag=999, force_tag=True)
+        out_q.put(times)
+
+    asyncio.run(run())
+
+
+def measure(nbytes: int, iters: int) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    addr_q, ready_q, out_q = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    r = ctx.Process(target=_receiver, args=(nbytes, iters, addr_q, ready_q))
+    s = ctx.Process(target=_sender, args=(nbytes, iters, addr_q, ready_q, out_q))
+    r.start()
+    s.start()
+    times = out_q.get(timeout=300)
+    s.join(60)
+    r.join(60)
+    # A send completes when the receiver has the bytes (rendezvous), so send time is transfer time.
+    med = statistics.median(times)
+    return {"bytes": nbytes, "iters": iters, "gbps_median": nbytes / med / 1e9, "gbps_best": nbytes / min(times) / 1e9}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--bytes", type=int, default=256 << 20)
+    parser.add_argument("--iters", type=int, default=10)
+    args = parser.parse_args()
+    print(json.dumps({"baseline": "ucxx-one-buffer", **measure(args.bytes, args.iters)}))
+
+
+if __name__ == "__main__":
+    main()

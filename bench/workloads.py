@@ -1,0 +1,149 @@
+"""Benchmark workloads and the runner shared by ``python -m bench`` and ``make demo``.
+
+Shapes follow Llama-3-8B (32 layers, 8 KV heads, head dim 128, 2-byte elements): one
+16-token block of one layer's K (or V) is 16 × 8 × 128 × 2 = 32 KiB.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .cluster import EngineProcess
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    layers: int
+    block_bytes: int
+    blocks_per_request: int
+    pool_blocks: int
+    description: str
+
+    @property
+    def shape(self) -> dict[str, int]:
+        return {"layers": self.layers, "blocks": self.pool_blocks, "block_bytes": self.block_bytes}
+
+    @property
+    def request_bytes(self) -> int:
+        return self.layers * 2 * self.block_bytes * self.blocks_per_request
+
+    @property
+    def segments(self) -> int:
+        return self.layers * 2 * self.blocks_per_request
+
+
+WORKLOADS = {
+    "b16": Workload("b16", 32, 32 << 10, 128, 256, "Llama-3-8B, 2048 tokens, block 16: 8192 x 32 KiB = 256 MiB"),
+    "b128": Workload("b128", 32, 256 << 10, 16, 32, "Llama-3-8B, 2048 tokens, block 128: 1024 x 256 KiB = 256 MiB"),
+    "contig": Workload("contig", 1, 128 << 20, 1, 2, "one contiguous K and V: 2 x 128 MiB"),
+    "small": Workload("small", 1, 2 << 10, 1, 8192, "4 KiB requests (2 x 2 KiB), many at once"),
+}
+
+
+def random_requests(rng: np.random.Generator, w: Workload, count: int) -> list[tuple[list[int], list[int]]]:
+    """(source ids, destination ids) pairs: random, out of order, non-contiguous."""
+    out = []
+    for _ in range(count):
+        src = rng.permutation(w.pool_blocks)[: w.blocks_per_request].tolist()
+        dst = rng.permutation(w.pool_blocks)[: w.blocks_per_request].tolist()
+        out.append((src, dst))
+    return out
+
+
+def run_sequential(
+    prefill: EngineProcess,
+    decode: EngineProcess,
+    w: Workload,
+    rng: np.random.Generator,
+    iters: int,
+    warmup: int = 2,
+    verify_seed: int | None = None,
+) -> dict[str, Any]:
+    """One handoff at a time: offer, pull, (verify); returns throughput and latency."""
+    latencies, daemon_s, transports = [], [], set()
+    verified = True
+    for i in range(warmup + iters):
+        ((src, dst),) = random_requests(rng, w, 1)
+        t0 = time.perf_counter()
+        ticket = prefill("offer", requests=[src])["tickets"][0]
+        res = decode("pull", pulls=[[ticket, dst]])["results"][0]
+        elapsed = time.perf_counter() - t0
+        if not res["ok"]:
+            raise RuntimeError(f"pull failed: {res}")
+        prefill("released", offer_ids=[ticket["offer_id"]])
+        if verify_seed is not None:
+            verified &= decode("verify", seed=verify_seed, pairs=[[src, dst]])["verified"]
+        if i >= warmup:
+            latencies.append(elapsed)
+            daemon_s.append(res["daemon_s"])
+            transports.add(res["transport"])
+    total = w.request_bytes * iters
+    return {
+        "workload": w.name,
+        "request_bytes": w.request_bytes,
+        "segments": w.segments,
+        "handoffs": iters,
+        "gbps": total / sum(latencies) / 1e9,
+        "gbps_daemon": total / sum(daemon_s) / 1e9,
+        "handoffs_per_s": iters / sum(latencies),
+        "p50_ms": statistics.median(latencies) * 1e3,
+        "p99_ms": float(np.percentile(latencies, 99)) * 1e3,
+        "transport": ",".join(sorted(transports)),
+        "verified": bool(verified) if verify_seed is not None else None,
+    }
+
+
+def run_concurrent(
+    prefill: EngineProcess,
+    decode: EngineProcess,
+    w: Workload,
+    rng: np.random.Generator,
+    total: int,
+    concurrency: int,
+    verify_seed: int | None = None,
+) -> dict[str, Any]:
+    """``concurrency`` handoffs in flight at a time; offers are made per batch."""
+    pull_s = 0.0
+    latencies: list[float] = []
+    transports: set[str] = set()
+    verified = True
+    done = 0
+    while done < total:
+        n = min(concurrency, total - done)
+        # Unique destinations inside a batch: concurrent pulls must not write the same block.
+        dst_all = rng.permutation(w.pool_blocks)
+        pairs = [
+            (rng.permutation(w.pool_blocks)[: w.blocks_per_request].tolist(),
+             dst_all[i * w.blocks_per_request : (i + 1) * w.blocks_per_request].tolist())
+            for i in range(n)
+        ]
+        tickets = prefill("offer", requests=[p[0] for p in pairs])["tickets"]
+        reply = decode("pull", pulls=[[t, p[1]] for t, p in zip(tickets, pairs, strict=True)])
+        failed = [r for r in reply["results"] if not r["ok"]]
+        if failed:
+            raise RuntimeError(f"{len(failed)} pulls failed, first: {failed[0]}")
+        pull_s += reply["wall_s"]
+        latencies += [r["latency_s"] for r in reply["results"]]
+        transports |= {r["transport"] for r in reply["results"]}
+        prefill("released", offer_ids=[t["offer_id"] for t in tickets])
+        if verify_seed is not None:
+            verified &= decode("verify", seed=verify_seed, pairs=pairs)["verified"]
+        done += n
+    return {
+        "workload": w.name,
+        "request_bytes": w.request_bytes,
+        "handoffs": total,
+        "concurrency": concurrency,
+        "handoffs_per_s": total / pull_s,
+        "gbps": total * w.request_bytes / pull_s / 1e9,
+        "p50_ms": statistics.median(latencies) * 1e3,
+        "p99_ms": float(np.percentile(latencies, 99)) * 1e3,
+        "transport": ",".join(sorted(transports)),
+        "verified": bool(verified) if verify_seed is not None else None,
+    }
