@@ -1,0 +1,227 @@
+"""kvxferctl: look at (and steer) one kvxferd through its AdminService.
+
+    kvxferctl status                 # the local daemon, over its Unix socket
+    kvxferctl --addr host:7462 peers # a daemon's admin TCP port
+    kvxferctl --json transfers --all # machine-readable
+
+Exit codes: 0 success, 1 the daemon answered with an error, 2 usage error, 3 daemon unreachable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+
+from ._config import channel_options, default_socket_path
+from ._proto import admin_pb2, admin_pb2_grpc, common_pb2
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
+
+
+def _table(rows: list[dict[str, Any]], columns: Sequence[str]) -> str:
+    if not rows:
+        return "(none)"
+    cells = [[str(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.upper().ljust(w) for c, w in zip(columns, widths, strict=True))]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)) for row in cells]
+    return "\n".join(lines)
+
+
+def _bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
+
+
+def _state(value: int) -> str:
+    return common_pb2.TransferState.Name(value).removeprefix("TRANSFER_STATE_").lower()  # type: ignore[arg-type]
+
+
+def _path(value: int) -> str:
+    return common_pb2.TransferPath.Name(value).removeprefix("TRANSFER_PATH_").lower()  # type: ignore[arg-type]
+
+
+class Ctl:
+    def __init__(self, stub: admin_pb2_grpc.AdminServiceStub, timeout_s: float) -> None:
+        self.stub = stub
+        self.timeout_s = timeout_s
+
+    def call(self, name: str, request: Any) -> Any:
+        return getattr(self.stub, name)(request, timeout=self.timeout_s)
+
+    def pools(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "pool": p.pool_id,
+                "engine": p.engine_name or p.session_id,
+                "blocks": p.num_blocks,
+                "regions": p.regions,
+                "size": _bytes(p.bytes),
+                "offers": p.active_offers,
+                "fingerprint": p.fingerprint[:12],
+            }
+            for p in self.call("ListPools", admin_pb2.ListPoolsRequest()).pools
+        ]
+
+    def offers(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "offer": o.offer_id,
+                "pool": o.pool_id,
+                "blocks": o.num_blocks,
+                "size": _bytes(o.bytes),
+                "state": o.state,
+                "lease_left_s": f"{o.lease_remaining_s:.1f}",
+            }
+            for o in self.call("ListOffers", admin_pb2.ListOffersRequest()).offers
+        ]
+
+    def transfers(self, include_finished: bool) -> list[dict[str, Any]]:
+        resp = self.call("ListTransfers", admin_pb2.ListTransfersRequest(include_finished=include_finished))
+        return [
+            {
+                "transfer": t.transfer_id,
+                "role": t.role,
+                "path": _path(t.path),
+                "transport": t.transport,
+                "state": _state(t.state),
+                "size": _bytes(t.bytes),
+                "seconds": f"{t.duration_s:.4f}",
+                "gb_per_s": f"{t.bytes / t.duration_s / 1e9:.2f}" if t.duration_s > 0 else "",
+                "peer": t.peer_daemon_id,
+                "detail": t.detail,
+            }
+            for t in resp.transfers
+        ]
+
+    def peers(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "peer": p.daemon_id,
+                "address": p.address,
+                "host": p.hostname,
+                "state": p.state,
+                "version": p.version,
+                "transports": ",".join(p.ucx_transports),
+                "hello_age_s": f"{time.time() - p.last_hello_unix:.0f}",
+            }
+            for p in self.call("ListPeers", admin_pb2.ListPeersRequest()).peers
+        ]
+
+
+def _print(args: argparse.Namespace, title: str, rows: list[dict[str, Any]], columns: Sequence[str]) -> None:
+    if args.json:
+        print(json.dumps(rows))
+    else:
+        if title:
+            print(f"{title}:")
+        print(_table(rows, columns))
+
+
+def run(args: argparse.Namespace, ctl: Ctl) -> int:
+    if args.command == "status":
+        status = ctl.call("Status", admin_pb2.StatusRequest())
+        if args.json:
+            print(
+                json.dumps(
+                    {
+                        "status": MessageToDict(status, preserving_proto_field_name=True),
+                        "pools": ctl.pools(),
+                        "offers": ctl.offers(),
+                        "peers": ctl.peers(),
+                        "transfers": ctl.transfers(include_finished=False),
+                    }
+                )
+            )
+            return EXIT_OK
+        s = status
+        print(f"daemon      {s.daemon_id} (kvxfer {s.version}, pid {s.pid}, host {s.hostname})")
+        print(f"state       {'draining' if s.draining else 'serving'}, up {s.uptime_s:.0f}s")
+        print(f"listeners   engine unix:{s.engine_socket}  peer {s.peer_address}  admin {s.admin_address or '-'}")
+        print(f"ucx         {','.join(s.ucx_transports) or 'unavailable'}")
+        print(
+            f"totals      {s.transfers_succeeded} transfers ok, {s.transfers_failed} failed, "
+            f"{_bytes(s.bytes_moved)} moved, {s.lease_expiries} leases expired"
+        )
+        print()
+        _print(args, f"pools ({s.pools}, {_bytes(s.registered_bytes)})", ctl.pools(), POOL_COLUMNS)
+        print()
+        _print(args, f"offers ({s.active_offers})", ctl.offers(), OFFER_COLUMNS)
+        print()
+        _print(args, f"peers ({s.peers})", ctl.peers(), PEER_COLUMNS)
+        print()
+        _print(args, f"transfers ({s.active_transfers} running)", ctl.transfers(False), TRANSFER_COLUMNS)
+        return EXIT_OK
+    if args.command == "pools":
+        _print(args, "", ctl.pools(), POOL_COLUMNS)
+    elif args.command == "offers":
+        _print(args, "", ctl.offers(), OFFER_COLUMNS)
+    elif args.command == "peers":
+        _print(args, "", ctl.peers(), PEER_COLUMNS)
+    elif args.command == "transfers":
+        _print(args, "", ctl.transfers(args.all), TRANSFER_COLUMNS)
+    elif args.command == "cancel":
+        resp = ctl.call("Cancel", admin_pb2.AdminCancelRequest(id=args.id))
+        print(json.dumps({"cancelled": resp.cancelled, "detail": resp.detail}) if args.json else resp.detail)
+        return EXIT_OK if resp.cancelled else EXIT_ERROR
+    elif args.command == "drain":
+        ctl.call("Drain", admin_pb2.DrainRequest())
+        print(json.dumps({"draining": True}) if args.json else "draining")
+    return EXIT_OK
+
+
+POOL_COLUMNS = ("pool", "engine", "blocks", "regions", "size", "offers", "fingerprint")
+OFFER_COLUMNS = ("offer", "pool", "blocks", "size", "state", "lease_left_s")
+PEER_COLUMNS = ("peer", "address", "host", "state", "version", "transports", "hello_age_s")
+TRANSFER_COLUMNS = ("transfer", "role", "path", "transport", "state", "size", "seconds", "gb_per_s", "peer", "detail")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvxferctl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--socket", help=f"daemon Unix socket (default {default_socket_path()})")
+    parser.add_argument("--addr", help="daemon admin address host:port (instead of the socket)")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument("--timeout", type=float, default=5.0, help="seconds per call (default 5)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("status", help="the daemon, its pools, offers, peers and running transfers")
+    sub.add_parser("pools", help="registered pools")
+    sub.add_parser("offers", help="live offers")
+    sub.add_parser("peers", help="peer daemons")
+    t = sub.add_parser("transfers", help="running transfers")
+    t.add_argument("--all", action="store_true", help="include recently finished transfers")
+    c = sub.add_parser("cancel", help="cancel a transfer or release an offer")
+    c.add_argument("id")
+    sub.add_parser("drain", help="stop taking offers and pulls, finish what runs, exit")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    target = args.addr if args.addr else "unix:" + (args.socket or default_socket_path())
+    with grpc.insecure_channel(target, options=channel_options()) as channel:
+        ctl = Ctl(admin_pb2_grpc.AdminServiceStub(channel), args.timeout)
+        try:
+            code = run(args, ctl)
+        except grpc.RpcError as exc:
+            status = exc.code() if hasattr(exc, "code") else None
+            details = exc.details() if hasattr(exc, "details") else str(exc)
+            print(f"kvxferctl: {target}: {details}", file=sys.stderr)
+            code = EXIT_UNREACHABLE if status in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) else EXIT_ERROR
+    raise SystemExit(code)
+
+
+if __name__ == "__main__":
+    main()
