@@ -1,7 +1,7 @@
 """Benchmark workloads and the runner shared by ``python -m bench`` and ``make demo``.
 
 Shapes follow Llama-3-8B (32 layers, 8 KV heads, head dim 128, 2-byte elements): one
-16-token block of one layer's K (or V) is 16 × 8 × 128 × 2 = 32 KiB.
+16-token block of one layer's K (or V) is 16 x 8 x 128 x 2 = 32 KiB.
 """
 
 from __future__ import annotations
@@ -119,8 +119,10 @@ def run_concurrent(
         # Unique destinations inside a batch: concurrent pulls must not write the same block.
         dst_all = rng.permutation(w.pool_blocks)
         pairs = [
-            (rng.permutation(w.pool_blocks)[: w.blocks_per_request].tolist(),
-             dst_all[i * w.blocks_per_request : (i + 1) * w.blocks_per_request].tolist())
+            (
+                rng.permutation(w.pool_blocks)[: w.blocks_per_request].tolist(),
+                dst_all[i * w.blocks_per_request : (i + 1) * w.blocks_per_request].tolist(),
+            )
             for i in range(n)
         ]
         tickets = prefill("offer", requests=[p[0] for p in pairs])["tickets"]

@@ -90,9 +90,7 @@ class AsyncKvxferClient:
     bounds every call except :meth:`pull`, which has its own ``timeout_s``.
     """
 
-    def __init__(
-        self, socket_path: str | None = None, *, engine_name: str = "", timeout_s: float = 30.0
-    ) -> None:
+    def __init__(self, socket_path: str | None = None, *, engine_name: str = "", timeout_s: float = 30.0) -> None:
         self.socket_path = socket_path or default_socket_path()
         self.engine_name = engine_name
         self.timeout_s = timeout_s
@@ -195,9 +193,7 @@ class AsyncKvxferClient:
         assert self._stub is not None
         return self._stub
 
-    async def register_pool(
-        self, buffers: Sequence[HostBuffer], layout: Layout, *, name: str = ""
-    ) -> Pool:
+    async def register_pool(self, buffers: Sequence[HostBuffer], layout: Layout, *, name: str = "") -> Pool:
         """Register host buffers and their layout; the daemon maps them.
 
         Once the daemon has mapped them, the buffers' names are removed from ``/dev/shm``
@@ -281,7 +277,7 @@ class AsyncKvxferClient:
 
     async def events(self) -> AsyncIterator[Event]:
         """Iterate over this session's events until it ends."""
-        while self._reader is not None and not self._reader.done() or not self._events.empty():
+        while (self._reader is not None and not self._reader.done()) or not self._events.empty():
             yield await self._events.get()
 
     async def wait_released(self, offer_id: str, timeout_s: float | None = None) -> OfferReleased:
@@ -304,9 +300,7 @@ class KvxferClient:
     not asyncio applications.
     """
 
-    def __init__(
-        self, socket_path: str | None = None, *, engine_name: str = "", timeout_s: float = 30.0
-    ) -> None:
+    def __init__(self, socket_path: str | None = None, *, engine_name: str = "", timeout_s: float = 30.0) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvxfer-client", daemon=True)
         self._thread.start()

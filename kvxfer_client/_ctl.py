@@ -219,7 +219,11 @@ def main(argv: Sequence[str] | None = None) -> None:
             status = exc.code() if hasattr(exc, "code") else None
             details = exc.details() if hasattr(exc, "details") else str(exc)
             print(f"kvxferctl: {target}: {details}", file=sys.stderr)
-            code = EXIT_UNREACHABLE if status in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) else EXIT_ERROR
+            code = (
+                EXIT_UNREACHABLE
+                if status in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+                else EXIT_ERROR
+            )
     raise SystemExit(code)
 
 

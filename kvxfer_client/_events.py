@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 from ._proto import common_pb2, engine_pb2
 
 __all__ = ["OfferReleased", "ReleaseReason", "TransferFailed", "event_from_proto"]
 
 
-class ReleaseReason(str, Enum):
+class ReleaseReason(StrEnum):
     """Why an offer's blocks were handed back to the prefill engine."""
 
     PULLED = "pulled"
@@ -22,7 +22,7 @@ class ReleaseReason(str, Enum):
     UNKNOWN = "unknown"
 
     @classmethod
-    def from_proto(cls, value: int) -> ReleaseReason:
+    def from_proto(cls, value: common_pb2.ReleaseReason.ValueType) -> ReleaseReason:
         return _REASONS.get(value, cls.UNKNOWN)
 
     def to_proto(self) -> common_pb2.ReleaseReason.ValueType:
@@ -32,7 +32,7 @@ class ReleaseReason(str, Enum):
         return common_pb2.RELEASE_REASON_UNSPECIFIED
 
 
-_REASONS = {
+_REASONS: dict[common_pb2.ReleaseReason.ValueType, ReleaseReason] = {
     common_pb2.RELEASE_REASON_PULLED: ReleaseReason.PULLED,
     common_pb2.RELEASE_REASON_EXPIRED: ReleaseReason.EXPIRED,
     common_pb2.RELEASE_REASON_CANCELLED: ReleaseReason.CANCELLED,

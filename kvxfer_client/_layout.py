@@ -134,8 +134,7 @@ class Layout:
                 raise InvalidRequestError(f"region {i}: block_bytes must be > 0 and offset >= 0")
             if self.num_blocks > 1 and r.block_stride < r.block_bytes:
                 raise InvalidRequestError(
-                    f"region {i}: block_stride {r.block_stride} < block_bytes {r.block_bytes} "
-                    "would make blocks overlap"
+                    f"region {i}: block_stride {r.block_stride} < block_bytes {r.block_bytes} would make blocks overlap"
                 )
             end = r.end(self.num_blocks)
             if end > buffer_sizes[r.buffer_index]:

@@ -88,9 +88,7 @@ class HostBuffer:
             if size is None:
                 size = actual
             if size <= 0 or size > actual:
-                raise InvalidRequestError(
-                    f"shared-memory buffer {name!r} has {actual} bytes, {size} were declared"
-                )
+                raise InvalidRequestError(f"shared-memory buffer {name!r} has {actual} bytes, {size} were declared")
             mapping = _map(fd, size)
         finally:
             os.close(fd)

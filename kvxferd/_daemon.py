@@ -10,6 +10,9 @@ import signal
 import socket
 import sys
 from collections.abc import Sequence
+from typing import Any
+
+import uvloop
 
 from kvxfer_client._proto import admin_pb2, admin_pb2_grpc, engine_pb2, engine_pb2_grpc, peer_pb2_grpc
 
@@ -77,7 +80,10 @@ async def serve(settings: Settings) -> int:
         listeners.append(
             await start_listener(
                 "unix:" + settings.engine_socket,
-                [(engine_pb2_grpc.add_EngineServiceServicer_to_server, EngineService(node), ENGINE_SERVICE), admin_adder],
+                [
+                    (engine_pb2_grpc.add_EngineServiceServicer_to_server, EngineService(node), ENGINE_SERVICE),
+                    admin_adder,
+                ],
             )
         )
         if settings.admin_listen:
@@ -90,7 +96,7 @@ async def serve(settings: Settings) -> int:
             await listener.server.stop(None)
         return 2
 
-    ready = {
+    ready: dict[str, Any] = {
         "daemon_id": node.daemon_id,
         "pid": os.getpid(),
         "engine_socket": settings.engine_socket,
@@ -142,10 +148,4 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     configure(settings.log_level, settings.log_json)
     log_event("daemon.config", **settings.as_dict())
-    try:
-        import uvloop
-
-        runner = uvloop.run
-    except ImportError:  # pragma: no cover - uvloop is a dependency; asyncio works too
-        runner = asyncio.run
-    raise SystemExit(runner(serve(settings)))
+    raise SystemExit(uvloop.run(serve(settings)))

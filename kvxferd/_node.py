@@ -51,7 +51,9 @@ from .memory.pools import Pool, PoolRegistry, check_block_ids
 
 __all__ = ["Node"]
 
-_REASON_NAMES = {v: k.removeprefix("RELEASE_REASON_").lower() for k, v in common_pb2.ReleaseReason.items()}
+_REASON_NAMES: dict[int, str] = {
+    v: k.removeprefix("RELEASE_REASON_").lower() for k, v in common_pb2.ReleaseReason.items()
+}
 MIN_CHUNK = 64 << 10
 MAX_CHUNK = 256 << 20
 
@@ -140,7 +142,9 @@ class Node:
         )
         return pool
 
-    def deregister_pool(self, pool_id: str, reason: int = common_pb2.RELEASE_REASON_POOL_GONE) -> int:
+    def deregister_pool(
+        self, pool_id: str, reason: common_pb2.ReleaseReason.ValueType = common_pb2.RELEASE_REASON_POOL_GONE
+    ) -> int:
         pool = self.pools.get(pool_id)
         released = 0
         for offer_id in list(pool.offers):
@@ -180,7 +184,9 @@ class Node:
         log_event("offer.create", offer_id=offer.offer_id, pool_id=pool.pool_id, blocks=len(ids), lease_s=lease)
         return offer, ticket
 
-    def release_offer(self, offer: Offer, reason: int, detail: str = "", transfer_id: str = "") -> None:
+    def release_offer(
+        self, offer: Offer, reason: common_pb2.ReleaseReason.ValueType, detail: str = "", transfer_id: str = ""
+    ) -> None:
         if self.offers.remove(offer.offer_id) is None:
             return
         session = self.sessions.get(offer.pool.session_id)
@@ -190,7 +196,7 @@ class Node:
                     offer_released=engine_pb2.OfferReleased(
                         offer_id=offer.offer_id,
                         pool_id=offer.pool.pool_id,
-                        reason=reason,  # type: ignore[arg-type]
+                        reason=reason,
                         detail=detail,
                         transfer_id=transfer_id,
                     )
@@ -231,7 +237,7 @@ class Node:
         self._idle.clear()
         return record
 
-    def _end(self, record: TransferRecord, state: int, detail: str = "") -> None:
+    def _end(self, record: TransferRecord, state: common_pb2.TransferState.ValueType, detail: str = "") -> None:
         self.transfers.finish(record, state, detail)
         if not self.transfers.active:
             self._idle.set()
@@ -320,12 +326,14 @@ class Node:
         return engine_pb2.PullResponse(
             transfer_id=transfer_id,
             bytes=record.nbytes,
-            path=record.path,  # type: ignore[arg-type]
+            path=record.path,
             transport=record.transport,
             duration_s=record.duration_s,
         )
 
-    async def _pull_local(self, record: TransferRecord, ticket: Ticket, dst: Pool, dst_ids: np.ndarray[Any, Any]) -> None:
+    async def _pull_local(
+        self, record: TransferRecord, ticket: Ticket, dst: Pool, dst_ids: np.ndarray[Any, Any]
+    ) -> None:
         offer = self.offers.claim(ticket.offer_id, ticket.token)
         record.transport = "local-copy"
         try:
@@ -347,7 +355,9 @@ class Node:
                 src.busy -= 1
         except BaseException as exc:
             if offer.state == "pulling":
-                self.release_offer(offer, common_pb2.RELEASE_REASON_FAILED, f"local pull failed: {exc!r}", record.transfer_id)
+                self.release_offer(
+                    offer, common_pb2.RELEASE_REASON_FAILED, f"local pull failed: {exc!r}", record.transfer_id
+                )
             raise
         self.release_offer(offer, common_pb2.RELEASE_REASON_PULLED, "", record.transfer_id)
 
@@ -450,7 +460,9 @@ class Node:
             if mismatch:
                 raise IncompatibleError(f"incompatible layouts: {mismatch}")
             if start.num_blocks != len(offer.block_ids):
-                raise InvalidRequestError(f"offer holds {len(offer.block_ids)} blocks, pull asks for {start.num_blocks}")
+                raise InvalidRequestError(
+                    f"offer holds {len(offer.block_ids)} blocks, pull asks for {start.num_blocks}"
+                )
             self._begin(record)
         except BaseException:
             self.offers.unclaim(offer)
@@ -475,7 +487,9 @@ class Node:
                             )
                         )
                     )
-                    await self.ucx.send(ep, plan, pool.arrays, start.tag_base, lease, self.executor, self.settings.window)
+                    await self.ucx.send(
+                        ep, plan, pool.arrays, start.tag_base, lease, self.executor, self.settings.window
+                    )
                 await context.write(
                     peer_pb2.TransferServerMessage(
                         sent=peer_pb2.TransferSent(bytes=plan.total_bytes, transport=record.transport)
@@ -538,4 +552,3 @@ async def _read(call: Any, expected: str, timeout: float | None) -> Any:
 def _peer_error(exc: grpc.RpcError, address: str) -> KvxferError:
     err = error_from_rpc(exc)
     return type(err)(f"peer {address}: {err}")
-

@@ -17,12 +17,12 @@ __all__ = ["TransferRecord", "TransferTable"]
 class TransferRecord:
     transfer_id: str
     role: str  # "decode" (we pull) or "prefill" (a peer pulls from us)
-    path: int
+    path: common_pb2.TransferPath.ValueType
     offer_id: str
     peer_daemon_id: str = ""
     transport: str = ""
     nbytes: int = 0
-    state: int = common_pb2.TRANSFER_STATE_RUNNING
+    state: common_pb2.TransferState.ValueType = common_pb2.TRANSFER_STATE_RUNNING
     started: float = field(default_factory=time.time)
     started_mono: float = field(default_factory=time.monotonic)
     duration_s: float = 0.0
@@ -63,7 +63,7 @@ class TransferTable:
         self.active[key] = record
         return record
 
-    def finish(self, record: TransferRecord, state: int, detail: str = "") -> None:
+    def finish(self, record: TransferRecord, state: common_pb2.TransferState.ValueType, detail: str = "") -> None:
         record.state = state
         record.detail = detail
         record.duration_s = time.monotonic() - record.started_mono

@@ -21,9 +21,7 @@ U8 = npt.NDArray[np.uint8]
 
 def _items(buf: U8, length: int) -> npt.NDArray[np.void]:
     """``buf`` as overlapping items of ``length`` bytes, item *i* starting at byte *i*."""
-    return np.ndarray(
-        shape=(buf.nbytes - length + 1,), dtype=np.dtype((np.void, length)), buffer=buf, strides=(1,)
-    )
+    return np.ndarray(shape=(buf.nbytes - length + 1,), dtype=np.dtype((np.void, length)), buffer=buf, strides=(1,))
 
 
 def _rows(buf: U8, offsets: npt.NDArray[np.int64], length: int) -> tuple[U8, npt.NDArray[np.int64]] | None:

@@ -24,7 +24,10 @@ BIG = Layout.paged_kv(num_layers=1, num_blocks=2, block_bytes=32 << 20)
 def ctl(daemon_socket: str, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "kvxfer_client._ctl", "--socket", daemon_socket, *args],
-        capture_output=True, text=True, env=_env(), check=False,
+        capture_output=True,
+        text=True,
+        env=_env(),
+        check=False,
     )
 
 
@@ -105,7 +108,12 @@ def test_kvxferctl_tells_the_truth(two_daemons: Cluster) -> None:
 
     transfers = json.loads(ctl(b.socket, "--json", "transfers", "--all").stdout)
     row = next(t for t in transfers if t["transfer"] == result["transfer_id"])
-    assert (row["role"], row["path"], row["state"], row["transport"]) == ("decode", "remote", "succeeded", "ucx:shm+cma")
+    assert (row["role"], row["path"], row["state"], row["transport"]) == (
+        "decode",
+        "remote",
+        "succeeded",
+        "ucx:shm+cma",
+    )
 
     human = ctl(a.socket, "status").stdout
     assert re.search(r"daemon\s+a ", human) and kept["offer_id"] in human

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -159,7 +158,7 @@ def test_the_blocking_client_does_a_local_handoff(two_daemons: Cluster) -> None:
         assert p.wait_released(ticket.offer_id, 5).reason is ReleaseReason.PULLED
 
 
-async def test_engine_disconnect_deregisters_its_pools(two_daemons: Cluster) -> None:
+def test_engine_disconnect_deregisters_its_pools(two_daemons: Cluster) -> None:
     daemon = two_daemons.daemons[1]
     engine = two_daemons.engine(daemon, "doomed")
     engine("pool", shape={"layers": 1, "blocks": 8, "block_bytes": 4096})
@@ -172,7 +171,9 @@ async def test_engine_disconnect_deregisters_its_pools(two_daemons: Cluster) -> 
 
         out = subprocess.run(
             [sys.executable, "-m", "kvxfer_client._ctl", "--socket", daemon.socket, "--json", "status"],
-            capture_output=True, text=True, check=True,
+            capture_output=True,
+            text=True,
+            check=True,
         )
         status = json.loads(out.stdout)
         return sum(1 for p in status["pools"] if p["engine"] == "doomed")
@@ -181,5 +182,5 @@ async def test_engine_disconnect_deregisters_its_pools(two_daemons: Cluster) -> 
     engine.kill()
     deadline = time.monotonic() + 5
     while pools_of(engine.session_id) and time.monotonic() < deadline:
-        await asyncio.sleep(0.1)
+        time.sleep(0.1)
     assert pools_of(engine.session_id) == 0

@@ -14,7 +14,9 @@ def reference_copy(regions, src, dst, src_ids, dst_ids):  # type: ignore[no-unty
     """The obvious per-segment loop, as the specification of a handoff."""
     for buf, off, stride, length in regions:
         for s, d in zip(src_ids, dst_ids, strict=True):
-            dst[buf][off + d * stride : off + d * stride + length] = src[buf][off + s * stride : off + s * stride + length]
+            dst[buf][off + d * stride : off + d * stride + length] = src[buf][
+                off + s * stride : off + s * stride + length
+            ]
 
 
 @st.composite

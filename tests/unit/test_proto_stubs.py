@@ -11,7 +11,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_generated_stubs_are_current(tmp_path: Path) -> None:
-    subprocess.run([sys.executable, str(ROOT / "tools" / "gen_proto.py"), str(tmp_path)], check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "gen_proto.py"), str(tmp_path)], check=True, capture_output=True
+    )
     committed = ROOT / "kvxfer_client" / "_proto"
     fresh = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file())
     existing = sorted(
