@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import socket
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -527,8 +528,6 @@ _SCRATCH: dict[tuple[int, int], Any] = {}
 
 def _scratch(nbytes: int) -> Any:
     """One reusable scratch buffer per copy thread (runs inside the executor)."""
-    import threading
-
     key = (threading.get_ident(), nbytes)
     buf = _SCRATCH.get(key)
     if buf is None:

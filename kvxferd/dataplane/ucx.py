@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Executor
 from typing import Any
 
@@ -135,28 +135,15 @@ class UcxTransport:
     ) -> None:
         """Send every chunk of ``plan``: pack fragmented chunks while earlier ones fly."""
         loop = asyncio.get_running_loop()
-        free: asyncio.Queue[U8] = asyncio.Queue()
-        for buf in lease.buffers:
-            free.put_nowait(buf)
-        slots = asyncio.Semaphore(window)
 
-        async def send_one(chunk: ChunkPlan, data: U8, staged: U8 | None) -> None:
-            try:
-                await ep.send(data, tag=tag_base | chunk.index, force_tag=True)
-            finally:
-                if staged is not None:
-                    free.put_nowait(staged)
-                slots.release()
-
-        async def produce(chunk: ChunkPlan) -> asyncio.Task[None]:
-            await slots.acquire()
-            if chunk.contiguous is not None:
-                return asyncio.create_task(send_one(chunk, chunk_view(arrays, chunk), None))
-            staged = await free.get()
+        async def pack(chunk: ChunkPlan, staged: U8) -> None:
             await loop.run_in_executor(executor, gather_chunk, arrays, chunk, staged)
-            return asyncio.create_task(send_one(chunk, staged[: chunk.nbytes], staged))
 
-        await _pipeline(plan, produce, lease)
+        async def move(chunk: ChunkPlan, staged: U8 | None) -> None:
+            data = chunk_view(arrays, chunk) if staged is None else staged[: chunk.nbytes]
+            await ep.send(data, tag=tag_base | chunk.index, force_tag=True)
+
+        await _pipeline(plan, lease, window, move, pack)
 
     async def receive(
         self,
@@ -170,40 +157,53 @@ class UcxTransport:
     ) -> None:
         """Receive every chunk of ``plan`` into the pool, ``window`` receives posted ahead."""
         loop = asyncio.get_running_loop()
-        free: asyncio.Queue[U8] = asyncio.Queue()
-        for buf in lease.buffers:
-            free.put_nowait(buf)
-        slots = asyncio.Semaphore(window)
 
-        async def recv_one(chunk: ChunkPlan, staged: U8 | None) -> None:
-            try:
-                tag = tag_base | chunk.index
-                if staged is None:
-                    await ep.recv(chunk_view(arrays, chunk), tag=tag, force_tag=True)
-                else:
-                    await ep.recv(staged[: chunk.nbytes], tag=tag, force_tag=True)
-                    await loop.run_in_executor(executor, scatter_chunk, arrays, chunk, staged)
-            finally:
-                if staged is not None:
-                    free.put_nowait(staged)
-                slots.release()
+        async def move(chunk: ChunkPlan, staged: U8 | None) -> None:
+            tag = tag_base | chunk.index
+            if staged is None:
+                await ep.recv(chunk_view(arrays, chunk), tag=tag, force_tag=True)
+            else:
+                await ep.recv(staged[: chunk.nbytes], tag=tag, force_tag=True)
+                await loop.run_in_executor(executor, scatter_chunk, arrays, chunk, staged)
 
-        async def produce(chunk: ChunkPlan) -> asyncio.Task[None]:
-            await slots.acquire()
-            staged = None if chunk.contiguous is not None else await free.get()
-            return asyncio.create_task(recv_one(chunk, staged))
-
-        await _pipeline(plan, produce, lease)
+        await _pipeline(plan, lease, window, move)
 
 
-async def _pipeline(plan: SidePlan, produce: Any, lease: StagingLease) -> None:
-    """Start one task per chunk through ``produce`` and wait for all; on the first failure
-    cancel the rest and mark the staging lease poisoned (UCX may still touch it)."""
+async def _pipeline(
+    plan: SidePlan,
+    lease: StagingLease,
+    window: int,
+    move: Callable[[ChunkPlan, U8 | None], Awaitable[None]],
+    pack: Callable[[ChunkPlan, U8], Awaitable[None]] | None = None,
+) -> None:
+    """Move the chunks of ``plan`` in order, at most ``window`` at once.
+
+    A fragmented chunk takes a staging buffer (and is packed into it first when ``pack`` is
+    given); a contiguous one moves in place. On the first failure the other chunks are
+    cancelled and the lease is marked poisoned, since UCX may still touch its buffers.
+    """
+    free: asyncio.Queue[U8] = asyncio.Queue()
+    for buf in lease.buffers:
+        free.put_nowait(buf)
+    slots = asyncio.Semaphore(window)
+
+    async def run(chunk: ChunkPlan, staged: U8 | None) -> None:
+        try:
+            await move(chunk, staged)
+        finally:
+            if staged is not None:
+                free.put_nowait(staged)
+            slots.release()
+
     tasks: list[asyncio.Task[None]] = []
     try:
         for chunk in plan.chunks:
-            tasks.append(await produce(chunk))
-            failed = next((t for t in tasks if t.done() and t.exception() is not None), None)
+            await slots.acquire()
+            staged = None if chunk.contiguous is not None else await free.get()
+            if staged is not None and pack is not None:
+                await pack(chunk, staged)
+            tasks.append(asyncio.create_task(run(chunk, staged)))
+            failed = next((t for t in tasks if t.done() and not t.cancelled() and t.exception()), None)
             if failed is not None:
                 failed.result()
         await asyncio.gather(*tasks)
