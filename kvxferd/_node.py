@@ -44,6 +44,7 @@ from ._offers import Offer, OfferTable
 from ._sessions import Session
 from ._transfers import TransferRecord, TransferTable
 from .control.peers import Peer, PeerDirectory
+from .dataplane.aligned import aligned_empty
 from .dataplane.hostcopy import copy_chunk
 from .dataplane.plan import SidePlan, build_plan, num_chunks
 from .dataplane.staging import StagingPool
@@ -531,7 +532,8 @@ def _scratch(nbytes: int) -> Any:
     key = (threading.get_ident(), nbytes)
     buf = _SCRATCH.get(key)
     if buf is None:
-        buf = _SCRATCH[key] = np.zeros(nbytes, dtype=np.uint8)
+        buf = _SCRATCH[key] = aligned_empty(nbytes)
+        buf.fill(0)
     return buf
 
 

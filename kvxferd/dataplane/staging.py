@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from .aligned import aligned_empty
+
 __all__ = ["StagingLease", "StagingPool"]
 
 U8 = npt.NDArray[np.uint8]
@@ -47,7 +49,7 @@ class StagingPool:
     def _new(self) -> U8:
         # Touch every page now (np.zeros would map them lazily): a first-use page fault costs
         # more than the copy itself.
-        buf = np.empty(self.buffer_bytes, dtype=np.uint8)
+        buf = aligned_empty(self.buffer_bytes)
         buf.fill(0)
         return buf
 
