@@ -51,9 +51,9 @@ class Settings:
     #: Most offers held at once.
     max_offers: int = 100_000
     #: Bytes of one pipelined chunk on the UCX path (= one staging buffer).
-    chunk_bytes: int = 4 * _MiB
+    chunk_bytes: int = 2 * _MiB
     #: Chunks of one transfer in flight at once.
-    window: int = 4
+    window: int = 8
     #: Staging memory for sending, and the same again for receiving.
     staging_bytes: int = 64 * _MiB
     #: Chunk of the local (same-daemon) copy path.
@@ -63,6 +63,9 @@ class Settings:
     #: UCX endpoint error handling: "auto" (off towards a peer on this host so UCX may use
     #: shared memory + CMA, on otherwise), "on" or "off".
     ucx_error_handling: str = "auto"
+    #: Receive fragmented chunks straight into the pool with UCP IOV receives (needs UCXX's
+    #: blocking or polling progress mode); off: receive into staging and unpack.
+    ucx_iov_receive: bool = True
     #: Seconds SIGTERM waits for running transfers before cancelling them.
     drain_grace_s: float = 10.0
     #: Finished transfers kept for kvxferctl.

@@ -48,7 +48,7 @@ async def serve(settings: Settings) -> int:
     """Run the daemon until SIGTERM/SIGINT (or an admin Drain); return the exit code."""
     ucx = None
     if ucx_available():
-        ucx = UcxTransport()
+        ucx = UcxTransport(iov_receive=settings.ucx_iov_receive)
     else:
         log_event("ucx.missing", logging.WARNING, detail="remote pulls disabled: install kvxfer[ucx]")
     node = Node(settings, ucx)

@@ -376,7 +376,7 @@ class Node:
         record.transport = self._transport(peer)
         chunk = self.settings.chunk_bytes
         plan = build_plan(dst.regions, dst_ids, chunk)
-        need = min(self.settings.window, _staged_chunks(plan))
+        need = 0 if self.ucx.iov is not None else min(self.settings.window, _staged_chunks(plan))
         assert peer.stub is not None
         async with self.recv_staging.lease(need) as lease:
             ep = await asyncio.wait_for(
@@ -489,9 +489,7 @@ class Node:
                             )
                         )
                     )
-                    await self.ucx.send(
-                        ep, plan, pool.arrays, start.tag_base, lease, self.executor, self.settings.window
-                    )
+                    await self.ucx.send(ep, plan, pool.arrays, start.tag_base, lease, self.settings.window)
                 await context.write(
                     peer_pb2.TransferServerMessage(
                         sent=peer_pb2.TransferSent(bytes=plan.total_bytes, transport=record.transport)

@@ -38,6 +38,7 @@ from kvxfer_client._errors import UnavailableError
 from .hostcopy import chunk_view, gather_chunk, scatter_chunk
 from .plan import ChunkPlan, SidePlan
 from .staging import StagingLease
+from .ucp_iov import IovReceiver, chunk_iov, iov_supported
 
 __all__ = ["UCX_DEFAULTS", "UcxTransport", "ucx_available"]
 
@@ -85,7 +86,7 @@ def describe_transport(ours: Sequence[str], theirs: Sequence[str], same_host: bo
 class UcxTransport:
     """One UCX worker for the daemon, and an endpoint per peer daemon."""
 
-    def __init__(self) -> None:
+    def __init__(self, iov_receive: bool = True) -> None:
         apply_ucx_defaults()
         import ucxx
 
@@ -96,6 +97,10 @@ class UcxTransport:
         self.worker_address: bytes = bytes(ucxx.get_worker_address())
         self.transports: list[str] = sorted(ucxx.get_active_transports())
         self._endpoints: dict[str, Any] = {}
+        #: Receives fragmented chunks straight into the pool (no staging, no unpack).
+        self.iov: IovReceiver | None = None
+        if iov_receive and iov_supported():
+            self.iov = IovReceiver(int(ucxx.get_ucp_worker()))
         self._connecting: dict[str, asyncio.Lock] = {}
 
     async def endpoint(self, peer_id: str, address: bytes, error_handling: bool) -> Any:
@@ -130,14 +135,15 @@ class UcxTransport:
         arrays: Sequence[U8],
         tag_base: int,
         lease: StagingLease,
-        executor: Executor,
         window: int,
     ) -> None:
         """Send every chunk of ``plan``: pack fragmented chunks while earlier ones fly."""
-        loop = asyncio.get_running_loop()
 
         async def pack(chunk: ChunkPlan, staged: U8) -> None:
-            await loop.run_in_executor(executor, gather_chunk, arrays, chunk, staged)
+            # Packed on the event-loop thread: a 2 MiB chunk packs in about 0.3 ms, while a hop
+            # to a copy thread and back cost more than the copy on a busy host (b16 remote:
+            # 2.1 GB/s through the executor, 3.1 GB/s inline, measured here).
+            gather_chunk(arrays, chunk, staged)
 
         async def move(chunk: ChunkPlan, staged: U8 | None) -> None:
             data = chunk_view(arrays, chunk) if staged is None else staged[: chunk.nbytes]
@@ -155,18 +161,25 @@ class UcxTransport:
         executor: Executor,
         window: int,
     ) -> None:
-        """Receive every chunk of ``plan`` into the pool, ``window`` receives posted ahead."""
+        """Receive every chunk of ``plan`` into the pool, ``window`` receives posted ahead.
+
+        With IOV receives, a fragmented chunk lands directly in its segments; otherwise it
+        lands in staging and is unpacked.
+        """
         loop = asyncio.get_running_loop()
+        iov = self.iov
 
         async def move(chunk: ChunkPlan, staged: U8 | None) -> None:
             tag = tag_base | chunk.index
-            if staged is None:
+            if chunk.contiguous is None and iov is not None:
+                await iov.recv(chunk_iov(arrays, chunk), tag)
+            elif staged is None:
                 await ep.recv(chunk_view(arrays, chunk), tag=tag, force_tag=True)
             else:
                 await ep.recv(staged[: chunk.nbytes], tag=tag, force_tag=True)
                 await loop.run_in_executor(executor, scatter_chunk, arrays, chunk, staged)
 
-        await _pipeline(plan, lease, window, move)
+        await _pipeline(plan, lease, window, move, stage=iov is None)
 
 
 async def _pipeline(
@@ -175,11 +188,12 @@ async def _pipeline(
     window: int,
     move: Callable[[ChunkPlan, U8 | None], Awaitable[None]],
     pack: Callable[[ChunkPlan, U8], Awaitable[None]] | None = None,
+    stage: bool = True,
 ) -> None:
     """Move the chunks of ``plan`` in order, at most ``window`` at once.
 
-    A fragmented chunk takes a staging buffer (and is packed into it first when ``pack`` is
-    given); a contiguous one moves in place. On the first failure the other chunks are
+    A fragmented chunk takes a staging buffer when ``stage`` (and is packed into it first when
+    ``pack`` is given); a contiguous one moves in place. On the first failure the other chunks are
     cancelled and the lease is marked poisoned, since UCX may still touch its buffers.
     """
     free: asyncio.Queue[U8] = asyncio.Queue()
@@ -199,7 +213,7 @@ async def _pipeline(
     try:
         for chunk in plan.chunks:
             await slots.acquire()
-            staged = None if chunk.contiguous is not None else await free.get()
+            staged = None if chunk.contiguous is not None or not stage else await free.get()
             if staged is not None and pack is not None:
                 await pack(chunk, staged)
             tasks.append(asyncio.create_task(run(chunk, staged)))

@@ -1,0 +1,152 @@
+"""Scatter receives straight into a pool: ``ucp_tag_recv_nbx`` with an IOV datatype.
+
+UCXX's Python API receives into one contiguous buffer only, which would force a staging
+buffer and a second copy (unpack) for every fragmented chunk. UCP itself accepts a list of
+``(address, length)`` pairs; this module calls it through ctypes on the worker UCXX owns, so
+UCX copies each chunk directly into the destination segments (with CMA on one host, RDMA
+between hosts). Measured here: 8192 x 32 KiB segments received at 7.6-8.0 GB/s from a
+contiguous 256 MiB send, the same as a contiguous receive.
+
+Addresses are computed inside the daemon from validated (pool, region, block) plans; none
+comes from a request. Requests are posted and completed on the event-loop thread (UCXX's
+``blocking`` progress mode), which is what makes calling the worker from here safe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import itertools
+import os
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from kvxfer_client._errors import UnavailableError
+
+from .plan import ChunkPlan
+
+__all__ = ["IovReceiver", "chunk_iov", "iov_supported"]
+
+U8 = npt.NDArray[np.uint8]
+
+_OP_ATTR_FIELD_CALLBACK = 1 << 1
+_OP_ATTR_FIELD_USER_DATA = 1 << 2
+_OP_ATTR_FIELD_DATATYPE = 1 << 3
+_DATATYPE_IOV = 2
+_UCS_OK = 0
+_UCS_ERR_LAST = -100
+_FULL_MASK = (1 << 64) - 1
+
+
+class _RequestParam(ctypes.Structure):
+    """``ucp_request_param_t`` (ucp.h), x86-64 and aarch64 layout."""
+
+    _fields_ = [
+        ("op_attr_mask", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+        ("request", ctypes.c_void_p),
+        ("cb", ctypes.c_void_p),
+        ("datatype", ctypes.c_uint64),
+        ("user_data", ctypes.c_void_p),
+        ("reply_buffer", ctypes.c_void_p),
+        ("memory_type", ctypes.c_int),
+        ("recv_info", ctypes.c_void_p),
+        ("memh", ctypes.c_void_p),
+    ]
+
+
+_RECV_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
+
+
+def _is_request(ptr: int) -> bool:
+    """UCS_PTR_IS_PTR: neither NULL (done) nor an error code."""
+    return 0 < ptr < (_UCS_ERR_LAST % (1 << 64))
+
+
+def chunk_iov(arrays: Sequence[U8], chunk: ChunkPlan) -> npt.NDArray[np.uint64]:
+    """The chunk's pieces as ``ucp_dt_iov_t`` entries (address, length), in stream order."""
+    parts = []
+    for run in chunk.runs:
+        entries = np.empty((len(run.offsets), 2), dtype=np.uint64)
+        entries[:, 0] = arrays[run.buffer].ctypes.data + run.offsets
+        entries[:, 1] = run.length
+        parts.append(entries)
+    return np.concatenate(parts) if len(parts) > 1 else parts[0]
+
+
+class IovReceiver:
+    """Posts IOV tag receives on UCXX's worker and turns completions into futures."""
+
+    def __init__(self, ucp_worker: int) -> None:
+        import libucx
+
+        path = os.path.join(os.path.dirname(libucx.__file__), "lib", "libucp.so.0")
+        lib = ctypes.CDLL(path)  # the library UCXX already loaded: same handle, same worker
+        lib.ucp_tag_recv_nbx.restype = ctypes.c_void_p
+        lib.ucp_tag_recv_nbx.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_uint64,
+            ctypes.c_uint64,
+            ctypes.POINTER(_RequestParam),
+        ]
+        lib.ucp_request_cancel.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        lib.ucp_request_free.argtypes = [ctypes.c_void_p]
+        self._lib = lib
+        self._worker = ucp_worker
+        self._ids = itertools.count(1)
+        self._pending: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future[int]]] = {}
+        self._callback = _RECV_CALLBACK(self._on_complete)  # one instance, alive as long as self
+
+    def _on_complete(self, request: int, status: int, info: int, user_data: int) -> None:
+        entry = self._pending.pop(user_data or 0, None)
+        if entry is not None:
+            loop, fut = entry
+            loop.call_soon_threadsafe(_resolve, fut, status)
+
+    async def recv(self, iov: npt.NDArray[np.uint64], tag: int) -> None:
+        """Receive one tagged message scattered over ``iov`` (kept alive until done)."""
+        loop = asyncio.get_running_loop()
+        key = next(self._ids)
+        fut: asyncio.Future[int] = loop.create_future()
+        self._pending[key] = (loop, fut)
+        param = _RequestParam()
+        param.op_attr_mask = _OP_ATTR_FIELD_CALLBACK | _OP_ATTR_FIELD_USER_DATA | _OP_ATTR_FIELD_DATATYPE
+        param.cb = ctypes.cast(self._callback, ctypes.c_void_p).value
+        param.user_data = key
+        param.datatype = _DATATYPE_IOV
+        req = self._lib.ucp_tag_recv_nbx(self._worker, iov.ctypes.data, len(iov), tag, _FULL_MASK, ctypes.byref(param))
+        req = req or 0
+        if req == 0:  # completed in place; the callback is not called
+            self._pending.pop(key, None)
+            return
+        if not _is_request(req):
+            self._pending.pop(key, None)
+            raise UnavailableError(f"ucp_tag_recv_nbx failed with status {req - (1 << 64)}")
+        try:
+            status = await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            # Stop UCX writing into the pool before anyone is told the transfer is over.
+            self._lib.ucp_request_cancel(self._worker, req)
+            try:
+                await asyncio.wait_for(asyncio.shield(fut), 5.0)
+            except (TimeoutError, asyncio.CancelledError):
+                return  # the request stays with UCX; freeing it now would be unsafe
+            self._lib.ucp_request_free(req)
+            raise
+        self._lib.ucp_request_free(req)
+        if status != _UCS_OK:
+            raise UnavailableError(f"UCX receive failed with status {status}")
+
+
+def _resolve(fut: asyncio.Future[int], status: int) -> None:
+    if not fut.done():
+        fut.set_result(status)
+
+
+def iov_supported() -> bool:
+    """IOV receives need UCX progress on the event-loop thread (blocking or polling mode)."""
+    return os.environ.get("UCXPY_PROGRESS_MODE", "blocking") in ("blocking", "polling")
