@@ -376,7 +376,7 @@ class Node:
         record.transport = self._transport(peer)
         chunk = self.settings.chunk_bytes
         plan = build_plan(dst.regions, dst_ids, chunk)
-        need = 0 if self.ucx.iov is not None else min(self.settings.window, _staged_chunks(plan))
+        need = 0 if self.ucx.scatter_receive else min(self.settings.window, _staged_chunks(plan))
         assert peer.stub is not None
         async with self.recv_staging.lease(need) as lease:
             ep = await asyncio.wait_for(
@@ -421,10 +421,13 @@ class Node:
                 await call.done_writing()
             except BaseException as exc:
                 if receiving is not None and not receiving.done():
-                    # Receives may still be posted into the destination: abort the endpoint,
-                    # which cancels them, before the engine hears of the failure.
+                    # Receives may still be posted into the destination: cancel them (and
+                    # abort the endpoint) and wait for UCX to confirm before the engine hears
+                    # of the failure and reuses those blocks.
                     receiving.cancel()
-                    self.ucx.forget(peer.daemon_id)
+                    await asyncio.wait({receiving}, timeout=self.settings.peer_timeout_s)
+                    if self.ucx.iov is None:
+                        self.ucx.forget(peer.daemon_id)  # UCXX receives cancel only with it
                     lease.poisoned = True
                 call.cancel()
                 if isinstance(exc, grpc.RpcError):

@@ -27,7 +27,7 @@ from kvxfer_client._errors import UnavailableError
 
 from .plan import ChunkPlan
 
-__all__ = ["IovReceiver", "chunk_iov", "iov_supported"]
+__all__ = ["IovReceiver", "chunk_iov", "contiguous_iov", "iov_supported"]
 
 U8 = npt.NDArray[np.uint8]
 
@@ -74,6 +74,11 @@ def chunk_iov(arrays: Sequence[U8], chunk: ChunkPlan) -> npt.NDArray[np.uint64]:
         entries[:, 1] = run.length
         parts.append(entries)
     return np.concatenate(parts) if len(parts) > 1 else parts[0]
+
+
+def contiguous_iov(buf: U8) -> npt.NDArray[np.uint64]:
+    """One IOV entry covering ``buf``."""
+    return np.array([[buf.ctypes.data, buf.nbytes]], dtype=np.uint64)
 
 
 class IovReceiver:

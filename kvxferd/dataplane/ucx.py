@@ -38,7 +38,7 @@ from kvxfer_client._errors import UnavailableError
 from .hostcopy import chunk_view, gather_chunk, scatter_chunk
 from .plan import ChunkPlan, SidePlan
 from .staging import StagingLease
-from .ucp_iov import IovReceiver, chunk_iov, iov_supported
+from .ucp_iov import IovReceiver, chunk_iov, contiguous_iov, iov_supported
 
 __all__ = ["UCX_DEFAULTS", "UcxTransport", "ucx_available"]
 
@@ -97,10 +97,11 @@ class UcxTransport:
         self.worker_address: bytes = bytes(ucxx.get_worker_address())
         self.transports: list[str] = sorted(ucxx.get_active_transports())
         self._endpoints: dict[str, Any] = {}
-        #: Receives fragmented chunks straight into the pool (no staging, no unpack).
-        self.iov: IovReceiver | None = None
-        if iov_receive and iov_supported():
-            self.iov = IovReceiver(int(ucxx.get_ucp_worker()))
+        #: Posts every receive itself, so each one can be cancelled on its own; None when
+        #: UCXX progresses on another thread (then receives go through UCXX's endpoint).
+        self.iov: IovReceiver | None = IovReceiver(int(ucxx.get_ucp_worker())) if iov_supported() else None
+        #: Receive fragmented chunks straight into their segments (else: staging + unpack).
+        self.scatter_receive = iov_receive and self.iov is not None
         self._connecting: dict[str, asyncio.Lock] = {}
 
     async def endpoint(self, peer_id: str, address: bytes, error_handling: bool) -> Any:
@@ -163,23 +164,30 @@ class UcxTransport:
     ) -> None:
         """Receive every chunk of ``plan`` into the pool, ``window`` receives posted ahead.
 
-        With IOV receives, a fragmented chunk lands directly in its segments; otherwise it
+        With scatter receives, a fragmented chunk lands directly in its segments; otherwise it
         lands in staging and is unpacked.
         """
         loop = asyncio.get_running_loop()
         iov = self.iov
 
+        async def recv(buf: U8, tag: int) -> None:
+            if iov is not None:
+                await iov.recv(contiguous_iov(buf), tag)
+            else:
+                await ep.recv(buf, tag=tag, force_tag=True)
+
         async def move(chunk: ChunkPlan, staged: U8 | None) -> None:
             tag = tag_base | chunk.index
-            if chunk.contiguous is None and iov is not None:
-                await iov.recv(chunk_iov(arrays, chunk), tag)
+            if chunk.contiguous is not None:
+                await recv(chunk_view(arrays, chunk), tag)
             elif staged is None:
-                await ep.recv(chunk_view(arrays, chunk), tag=tag, force_tag=True)
+                assert iov is not None
+                await iov.recv(chunk_iov(arrays, chunk), tag)
             else:
-                await ep.recv(staged[: chunk.nbytes], tag=tag, force_tag=True)
+                await recv(staged[: chunk.nbytes], tag)
                 await loop.run_in_executor(executor, scatter_chunk, arrays, chunk, staged)
 
-        await _pipeline(plan, lease, window, move, stage=iov is None)
+        await _pipeline(plan, lease, window, move, stage=not self.scatter_receive)
 
 
 async def _pipeline(
