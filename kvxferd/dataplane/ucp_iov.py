@@ -112,6 +112,21 @@ class IovReceiver:
             loop, fut = entry
             loop.call_soon_threadsafe(_resolve, fut, status)
 
+    async def drain(self, tags: Sequence[int], nbytes: int, timeout_s: float = 2.0) -> None:
+        """Swallow chunks of an abandoned transfer into a throw-away buffer.
+
+        After a failed receive the sender may still have chunks in flight; leaving them
+        unmatched keeps UCX busy (both daemons spun a core each, measured here). Receiving
+        them into a sink lets both sides finish; receives still unmatched after ``timeout_s``
+        (chunks never sent) are cancelled.
+        """
+        if not tags:
+            return
+        sink = np.empty(nbytes, dtype=np.uint8)
+        entry = contiguous_iov(sink)
+        await asyncio.gather(*(_drain_one(self, entry, tag, timeout_s) for tag in tags))
+        del sink
+
     async def recv(self, iov: npt.NDArray[np.uint64], tag: int) -> None:
         """Receive one tagged message scattered over ``iov`` (kept alive until done)."""
         loop = asyncio.get_running_loop()
@@ -145,6 +160,13 @@ class IovReceiver:
         self._lib.ucp_request_free(req)
         if status != _UCS_OK:
             raise UnavailableError(f"UCX receive failed with status {status}")
+
+
+async def _drain_one(receiver: IovReceiver, sink: npt.NDArray[np.uint64], tag: int, timeout_s: float) -> None:
+    try:
+        await asyncio.wait_for(receiver.recv(sink, tag), timeout_s)
+    except (TimeoutError, UnavailableError):
+        pass
 
 
 def _resolve(fut: asyncio.Future[int], status: int) -> None:

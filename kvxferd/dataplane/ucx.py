@@ -9,9 +9,12 @@ chunk as it lands.
 
 UCX settings (applied unless already set in the environment, see :data:`UCX_DEFAULTS`):
 
-* ``UCXPY_PROGRESS_MODE=blocking`` — UCX progresses inside the event loop, woken by the
-  worker's epoll fd. UCXX's default (a progress thread plus a notifier thread) adds a thread
-  hop per completion: 4 MiB chunks moved at 3.4 GB/s with it and 6.9 GB/s without it here.
+* ``UCXPY_PROGRESS_MODE=blocking`` — UCX progresses on the event-loop thread. UCXX's default
+  (a progress thread plus a notifier thread) adds a thread hop per completion: 4 MiB chunks
+  moved at 3.4 GB/s with it and 6.9 GB/s without it here. UCXX's own blocking-mode driver
+  spins a core forever once shared-memory endpoints exist (the worker never re-arms), so
+  kvxferd replaces it with :class:`ProgressDriver`: tight progress while transfers run, a
+  slow tick when idle.
 * ``UCX_WARN_UNUSED_ENV_VARS=n`` — UCXX sets variables some builds ignore.
 * ``UCX_RNDV_THRESH=65536`` — eager copies beyond 64 KiB cost more than one rendezvous.
 * ``UCX_MAX_RNDV_RAILS=1`` — one lane per message; chunks already give parallelism.
@@ -28,6 +31,7 @@ import asyncio
 import os
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Executor
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import numpy as np
@@ -83,6 +87,72 @@ def describe_transport(ours: Sequence[str], theirs: Sequence[str], same_host: bo
     return "ucx:" + "+".join(sorted(common)) if common else "ucx:none"
 
 
+class ProgressDriver:
+    """Progresses the UCX worker on the event loop: every loop iteration while transfers are
+    active, every ``idle_s`` otherwise (idle daemons then use no measurable CPU)."""
+
+    def __init__(self, worker: Any, idle_s: float = 0.01) -> None:
+        self._worker = worker
+        self._idle_s = idle_s
+        self.active = 0
+        self._wake = asyncio.Event()
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="ucx-progress")
+
+    def busy(self) -> AbstractContextManager[None]:
+        """``with driver.busy():`` around a transfer keeps progress tight while it runs."""
+        return _Busy(self)
+
+    async def _run(self) -> None:
+        while True:
+            self._worker.progress()
+            if self.active:
+                await asyncio.sleep(0)
+            else:
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), self._idle_s)
+                except TimeoutError:
+                    pass
+
+    def stop(self) -> None:
+        self._task.cancel()
+
+
+class _Busy(AbstractContextManager[None]):
+    def __init__(self, driver: ProgressDriver) -> None:
+        self._driver = driver
+
+    def __enter__(self) -> None:
+        self._driver.active += 1
+        self._driver._wake.set()
+
+    def __exit__(self, *exc: object) -> None:
+        self._driver.active -= 1
+
+
+def _take_over_progress(ucxx: Any) -> Any:
+    """Silence UCXX's progress task for this loop and return the worker to drive ourselves.
+
+    UCXX keeps one progress object per loop in ``ProgressTasks``; leaving the (now inert)
+    entry there stops UCXX from starting another when endpoints are created.
+    """
+    from ucxx._lib_async import application_context
+
+    loop = asyncio.get_running_loop()
+    ctx = ucxx.core._get_ctx()
+    ctx.continuous_ucx_progress(loop)
+    task = application_context.ProgressTasks.get(loop)
+    if task is not None:
+        try:
+            loop.remove_reader(task.worker.epoll_file_descriptor)
+        except (AttributeError, ValueError, OSError):
+            pass
+        for t in getattr(task, "_tasks", ()):
+            if t is not None:
+                t.cancel()
+    return ctx.worker
+
+
 class UcxTransport:
     """One UCX worker for the daemon, and an endpoint per peer daemon."""
 
@@ -95,6 +165,9 @@ class UcxTransport:
 
         self._address_cls = UCXAddress
         self.worker_address: bytes = bytes(ucxx.get_worker_address())
+        self.progress: ProgressDriver | None = None
+        if os.environ.get("UCXPY_PROGRESS_MODE") == "blocking":
+            self.progress = ProgressDriver(_take_over_progress(ucxx))
         self.transports: list[str] = sorted(ucxx.get_active_transports())
         self._endpoints: dict[str, Any] = {}
         #: Posts every receive itself, so each one can be cancelled on its own; None when
@@ -103,6 +176,7 @@ class UcxTransport:
         #: Receive fragmented chunks straight into their segments (else: staging + unpack).
         self.scatter_receive = iov_receive and self.iov is not None
         self._connecting: dict[str, asyncio.Lock] = {}
+        self._drains: set[asyncio.Task[None]] = set()
 
     async def endpoint(self, peer_id: str, address: bytes, error_handling: bool) -> Any:
         """The endpoint to ``peer_id`` (created from its worker address once, then cached)."""
@@ -150,7 +224,8 @@ class UcxTransport:
             data = chunk_view(arrays, chunk) if staged is None else staged[: chunk.nbytes]
             await ep.send(data, tag=tag_base | chunk.index, force_tag=True)
 
-        await _pipeline(plan, lease, window, move, pack)
+        with self._busy():
+            await _pipeline(plan, lease, window, move, pack)
 
     async def receive(
         self,
@@ -169,6 +244,7 @@ class UcxTransport:
         """
         loop = asyncio.get_running_loop()
         iov = self.iov
+        landed: set[int] = set()
 
         async def recv(buf: U8, tag: int) -> None:
             if iov is not None:
@@ -185,9 +261,25 @@ class UcxTransport:
                 await iov.recv(chunk_iov(arrays, chunk), tag)
             else:
                 await recv(staged[: chunk.nbytes], tag)
+                landed.add(chunk.index)
                 await loop.run_in_executor(executor, scatter_chunk, arrays, chunk, staged)
+            landed.add(chunk.index)
 
-        await _pipeline(plan, lease, window, move, stage=not self.scatter_receive)
+        with self._busy():
+            try:
+                await _pipeline(plan, lease, window, move, stage=not self.scatter_receive)
+            except BaseException:
+                if iov is not None:
+                    # The pool's own receives are cancelled by now; swallowing what the sender
+                    # still has in flight happens in the background, off the failure path.
+                    missing = [tag_base | c.index for c in plan.chunks if c.index not in landed]
+                    drain = asyncio.create_task(iov.drain(missing, max(c.nbytes for c in plan.chunks)))
+                    self._drains.add(drain)
+                    drain.add_done_callback(self._drains.discard)
+                raise
+
+    def _busy(self) -> AbstractContextManager[None]:
+        return self.progress.busy() if self.progress is not None else nullcontext()
 
 
 async def _pipeline(

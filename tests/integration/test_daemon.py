@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import signal
 import subprocess
 import sys
+import time
 
 import grpc
 import numpy as np
@@ -122,3 +124,27 @@ def test_kvxferctl_tells_the_truth(two_daemons: Cluster) -> None:
     assert cancel.returncode == 0 and "released" in cancel.stdout
     assert ctl(a.socket, "cancel", "nope").returncode == 1
     assert ctl("/nonexistent/kvxferd.sock", "status").returncode == 3
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_daemons_are_quiet_when_idle_after_transfers(two_daemons: Cluster) -> None:
+    """UCX progress must not spin once the transfers are over (UCXX's own driver did)."""
+    a, b = two_daemons.daemons
+    prefill = two_daemons.engine(a, "idle-prefill")
+    decode = two_daemons.engine(b, "idle-decode")
+    shape = {"layers": 2, "blocks": 64, "block_bytes": 65536}
+    prefill("pool", shape=shape, seed=4)
+    decode("pool", shape=shape)
+    ticket = prefill("offer", requests=[list(range(0, 64, 2))])["tickets"][0]
+    assert decode("pull", pulls=[[ticket, list(range(1, 64, 2))]])["results"][0]["ok"]
+    time.sleep(0.5)
+    pids = [d.proc.pid for d in (a, b) if d.proc is not None]
+    before = [_cpu_seconds(pid) for pid in pids]
+    time.sleep(2.0)
+    used = [_cpu_seconds(pid) - b0 for pid, b0 in zip(pids, before, strict=True)]
+    assert max(used) < 0.5, f"idle daemons used {used} CPU seconds in 2 s"
