@@ -1,7 +1,8 @@
 """Baseline: a plain UCXX tag send of one contiguous host buffer between two processes.
 
 Same UCX settings as kvxferd (``apply_ucx_defaults``, endpoint from a worker address, error
-handling as kvxferd's ``auto`` picks for a peer on this host). ``--memory shm`` (the default)
+handling as kvxferd's ``auto`` picks for a peer on this host, UCX progressed every loop
+iteration as kvxferd does during a transfer). ``--memory shm`` (the default)
 sends between POSIX shared-memory buffers, the memory kvxfer's host pools live in;
 ``--memory numpy`` between ordinary numpy arrays, which the kernel backs with huge pages and
 copies faster on this machine. Prints one JSON line.
@@ -34,6 +35,15 @@ def _buffer(nbytes: int, memory: str) -> Any:
     return arr
 
 
+def _tight_progress(ucxx: Any) -> Any:
+    """Drive UCX progress the way kvxferd does during a transfer (every loop iteration)."""
+    from kvxferd.dataplane.ucx import ProgressDriver, _take_over_progress
+
+    driver = ProgressDriver(_take_over_progress(ucxx))
+    driver.active += 1
+    return driver
+
+
 def _receiver(nbytes: int, iters: int, memory: str, addr_q: Any, ready_q: Any) -> None:
     from kvxferd.dataplane.ucx import apply_ucx_defaults
 
@@ -42,6 +52,7 @@ def _receiver(nbytes: int, iters: int, memory: str, addr_q: Any, ready_q: Any) -
 
     async def run() -> None:
         addr_q.put(bytes(ucxx.get_worker_address()))
+        driver = _tight_progress(ucxx)
         buf = _buffer(nbytes, memory)
         peer = ready_q.get()
         from ucxx._lib.libucxx import UCXAddress
@@ -52,6 +63,7 @@ def _receiver(nbytes: int, iters: int, memory: str, addr_q: Any, ready_q: Any) -
         for i in range(iters + 1):
             await ep.recv(buf, tag=1000 + i, force_tag=True)
         await ep.send(np.zeros(1, np.uint8), tag=999, force_tag=True)
+        driver.stop()
 
     asyncio.run(run())
 
@@ -66,6 +78,7 @@ def _sender(nbytes: int, iters: int, memory: str, addr_q: Any, ready_q: Any, out
     async def run() -> None:
         peer = addr_q.get()
         ready_q.put(bytes(ucxx.get_worker_address()))
+        driver = _tight_progress(ucxx)
         ep = await ucxx.create_endpoint_from_worker_address(
             UCXAddress.create_from_buffer(peer), endpoint_error_handling=False
         )
@@ -78,6 +91,7 @@ def _sender(nbytes: int, iters: int, memory: str, addr_q: Any, ready_q: Any, out
             if i:
                 times.append(time.perf_counter() - t0)
         await ep.recv(np.zeros(1, np.uint8), tag=999, force_tag=True)
+        driver.stop()
         out_q.put(times)
 
     asyncio.run(run())
