@@ -76,8 +76,8 @@ class Settings:
     ready_file: str = ""
 
     def validate(self) -> None:
-        if self.chunk_bytes < 4096 or self.chunk_bytes > 256 * _MiB:
-            raise ValueError("chunk_bytes must be in 4 KiB..256 MiB")
+        if self.chunk_bytes < 64 << 10 or self.chunk_bytes > 256 * _MiB:
+            raise ValueError("chunk_bytes must be in 64 KiB..256 MiB")
         if self.window < 1 or self.copy_threads < 1:
             raise ValueError("window and copy_threads must be >= 1")
         if self.staging_bytes < self.chunk_bytes:

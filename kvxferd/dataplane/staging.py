@@ -42,7 +42,10 @@ class StagingPool:
     def __init__(self, total_bytes: int, buffer_bytes: int) -> None:
         self.capacity = max(1, total_bytes // buffer_bytes)
         self.buffer_bytes = buffer_bytes
-        self._free: list[U8] = [self._new() for _ in range(self.capacity)]
+        # Buffers are made on first need (a daemon that receives by scatter never needs its
+        # receive staging) and kept for reuse; never more than ``capacity`` of them.
+        self._free: list[U8] = []
+        self._made = 0
         self._cond = asyncio.Condition()
         self.replaced = 0
 
@@ -55,14 +58,17 @@ class StagingPool:
 
     @property
     def in_use(self) -> int:
-        return self.capacity - len(self._free)
+        return self._made - len(self._free)
 
     @asynccontextmanager
     async def lease(self, count: int) -> AsyncIterator[StagingLease]:
         """Hold ``min(count, capacity)`` buffers (first come, first served) until exit."""
         count = max(0, min(count, self.capacity))
         async with self._cond:
-            await self._cond.wait_for(lambda: len(self._free) >= count)
+            await self._cond.wait_for(lambda: len(self._free) + self.capacity - self._made >= count)
+            while len(self._free) < count:
+                self._free.append(self._new())
+                self._made += 1
             lease = StagingLease([self._free.pop() for _ in range(count)])
         try:
             yield lease

@@ -301,9 +301,14 @@ async def _pipeline(
         free.put_nowait(buf)
     slots = asyncio.Semaphore(window)
 
+    failures: list[BaseException] = []
+
     async def run(chunk: ChunkPlan, staged: U8 | None) -> None:
         try:
             await move(chunk, staged)
+        except Exception as exc:
+            failures.append(exc)  # seen by the loop below before it starts another chunk
+            raise
         finally:
             if staged is not None:
                 free.put_nowait(staged)
@@ -317,9 +322,8 @@ async def _pipeline(
             if staged is not None and pack is not None:
                 await pack(chunk, staged)
             tasks.append(asyncio.create_task(run(chunk, staged)))
-            failed = next((t for t in tasks if t.done() and not t.cancelled() and t.exception()), None)
-            if failed is not None:
-                failed.result()
+            if failures:
+                raise failures[0]
         await asyncio.gather(*tasks)
     except BaseException as exc:
         lease.poisoned = True

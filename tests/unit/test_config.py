@@ -37,7 +37,8 @@ def test_booleans_parse_from_every_source(tmp_path: Path) -> None:
         (["--window", "0"], {}, "window"),
         ([], {"KVXFERD_CHUNK_BYTES": "lots"}, "KVXFERD_CHUNK_BYTES: expected int"),
         (["--ucx-error-handling", "maybe"], {}, "ucx_error_handling"),
-        (["--staging-bytes", "4096", "--chunk-bytes", "8192"], {}, "staging_bytes"),
+        (["--staging-bytes", "65536", "--chunk-bytes", "131072"], {}, "staging_bytes"),
+        (["--chunk-bytes", "4096"], {}, "chunk_bytes"),
     ],
 )
 def test_bad_values_are_refused_with_their_source(argv: list[str], env: dict[str, str], message: str) -> None:

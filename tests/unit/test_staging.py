@@ -32,3 +32,13 @@ async def test_poisoned_buffers_are_replaced_not_reused() -> None:
     async with pool.lease(2) as lease:
         assert not set(old) & {id(b) for b in lease.buffers}
     assert pool.replaced == 2 and pool.in_use == 0
+
+
+async def test_buffers_are_made_on_first_need_and_reused() -> None:
+    pool = StagingPool(total_bytes=3 * 4096, buffer_bytes=4096)
+    assert pool.in_use == 0
+    async with pool.lease(2) as lease:
+        first = {id(b) for b in lease.buffers}
+        assert pool.in_use == 2
+    async with pool.lease(2) as lease:
+        assert {id(b) for b in lease.buffers} == first
