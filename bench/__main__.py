@@ -14,7 +14,7 @@ import numpy as np
 
 from . import ucx_baseline
 from .cluster import Cluster
-from .workloads import WORKLOADS, run_concurrent, run_sequential
+from .workloads import WORKLOADS, both_paths, run_concurrent, run_sequential
 
 SEED = 7
 
@@ -41,12 +41,7 @@ def main() -> None:
     for name in args.workloads.split(","):
         w = WORKLOADS[name]
         with Cluster() as c:
-            a, b = c.daemon("bench-a"), c.daemon("bench-b")
-            prefill = c.engine(a, "prefill")
-            prefill("pool", shape=w.shape, seed=SEED)
-            for path, daemon in (("local", a), ("remote", b)):
-                decode = c.engine(daemon, f"decode-{path}")
-                decode("pool", shape=w.shape)
+            for path, prefill, decode in both_paths(c, w, SEED, "bench"):
                 if name == "small":
                     row = run_concurrent(prefill, decode, w, rng, args.small_count, args.concurrency)
                 else:

@@ -16,7 +16,7 @@ import sys
 import numpy as np
 
 from .cluster import Cluster, _env
-from .workloads import WORKLOADS, run_sequential
+from .workloads import WORKLOADS, both_paths, run_sequential
 
 SEED = 2024
 
@@ -26,12 +26,7 @@ def main() -> int:
     rng = np.random.default_rng(SEED)
     ok = True
     with Cluster() as cluster:
-        a, b = cluster.daemon("demo-a"), cluster.daemon("demo-b")
-        prefill = cluster.engine(a, "prefill")
-        prefill("pool", shape=w.shape, seed=SEED)
-        for path, daemon in (("local", a), ("remote", b)):
-            decode = cluster.engine(daemon, f"decode-{path}")
-            decode("pool", shape=w.shape)
+        for path, prefill, decode in both_paths(cluster, w, SEED, "demo"):
             row = run_sequential(prefill, decode, w, rng, iters=4, warmup=1, verify_seed=SEED)
             ok &= bool(row["verified"])
             print(
@@ -49,7 +44,7 @@ def main() -> int:
                 flush=True,
             )
         ctl = subprocess.run(
-            [sys.executable, "-m", "kvxfer_client._ctl", "--socket", a.socket, "transfers", "--all"],
+            [sys.executable, "-m", "kvxfer_client._ctl", "--socket", cluster.daemons[0].socket, "transfers", "--all"],
             env=_env(),
             capture_output=True,
             text=True,

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from .cluster import EngineProcess
+from .cluster import Cluster, EngineProcess
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,20 @@ WORKLOADS = {
     "contig": Workload("contig", 1, 128 << 20, 1, 2, "one contiguous K and V: 2 x 128 MiB"),
     "small": Workload("small", 1, 2 << 10, 1, 8192, "4 KiB requests (2 x 2 KiB), many at once"),
 }
+
+
+def both_paths(
+    cluster: Cluster, w: Workload, seed: int, prefix: str
+) -> Iterator[tuple[str, EngineProcess, EngineProcess]]:
+    """Daemons A and B; a prefill engine on A with a pool filled from ``seed``; then, for the
+    local path a decode engine on A and for the remote path one on B."""
+    a, b = cluster.daemon(f"{prefix}-a"), cluster.daemon(f"{prefix}-b")
+    prefill = cluster.engine(a, "prefill")
+    prefill("pool", shape=w.shape, seed=seed)
+    for path, daemon in (("local", a), ("remote", b)):
+        decode = cluster.engine(daemon, f"decode-{path}")
+        decode("pool", shape=w.shape)
+        yield path, prefill, decode
 
 
 def random_requests(rng: np.random.Generator, w: Workload, count: int) -> list[tuple[list[int], list[int]]]:
