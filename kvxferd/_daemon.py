@@ -68,8 +68,9 @@ async def serve(settings: Settings) -> int:
         log_event("daemon.socket_in_use", logging.ERROR, path=settings.engine_socket)
         return 2
     listeners: list[Listener] = []
-    admin = AdminService(node, request_drain)
-    admin_adder = (admin_pb2_grpc.add_AdminServiceServicer_to_server, admin, ADMIN_SERVICE)
+    add_admin = admin_pb2_grpc.add_AdminServiceServicer_to_server
+    local_admin = (add_admin, AdminService(node, request_drain, allow_changes=True), ADMIN_SERVICE)
+    tcp_admin = (add_admin, AdminService(node, request_drain, allow_changes=False), ADMIN_SERVICE)
     try:
         peer_listener = await start_listener(
             settings.peer_listen, [(peer_pb2_grpc.add_PeerServiceServicer_to_server, PeerService(node), PEER_SERVICE)]
@@ -82,12 +83,12 @@ async def serve(settings: Settings) -> int:
                 "unix:" + settings.engine_socket,
                 [
                     (engine_pb2_grpc.add_EngineServiceServicer_to_server, EngineService(node), ENGINE_SERVICE),
-                    admin_adder,
+                    local_admin,
                 ],
             )
         )
         if settings.admin_listen:
-            admin_listener = await start_listener(settings.admin_listen, [admin_adder])
+            admin_listener = await start_listener(settings.admin_listen, [tcp_admin])
             listeners.append(admin_listener)
             node.admin_address = admin_listener.address
     except OSError as exc:

@@ -7,7 +7,7 @@ import socket
 import time
 from typing import Any
 
-from kvxfer_client._errors import NotFoundError
+from kvxfer_client._errors import NotFoundError, PermissionDeniedError
 from kvxfer_client._proto import admin_pb2, admin_pb2_grpc, common_pb2
 
 from .._node import Node
@@ -17,9 +17,17 @@ Ctx = Any  # grpc.aio.ServicerContext
 
 
 class AdminService(admin_pb2_grpc.AdminServiceServicer):
-    def __init__(self, node: Node, request_drain: Any) -> None:
+    """Read calls everywhere; Cancel and Drain only where ``allow_changes`` (the Unix socket,
+    whose file mode decides who may connect). The plaintext TCP port is read-only."""
+
+    def __init__(self, node: Node, request_drain: Any, *, allow_changes: bool) -> None:
         self.node = node
         self._request_drain = request_drain
+        self._allow_changes = allow_changes
+
+    def _check_changes_allowed(self, what: str) -> None:
+        if not self._allow_changes:
+            raise PermissionDeniedError(f"{what} is accepted only on the daemon's Unix socket")
 
     @rpc_method
     async def Status(self, request: admin_pb2.StatusRequest, context: Ctx) -> admin_pb2.StatusResponse:  # noqa: N802
@@ -115,6 +123,7 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
 
     @rpc_method
     async def Cancel(self, request: admin_pb2.AdminCancelRequest, context: Ctx) -> admin_pb2.AdminCancelResponse:  # noqa: N802
+        self._check_changes_allowed("Cancel")
         if self.node.cancel_transfer(request.id):
             return admin_pb2.AdminCancelResponse(cancelled=True, detail="transfer cancelled")
         offer = self.node.offers.offers.get(request.id)
@@ -127,5 +136,6 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
 
     @rpc_method
     async def Drain(self, request: admin_pb2.DrainRequest, context: Ctx) -> admin_pb2.DrainResponse:  # noqa: N802
+        self._check_changes_allowed("Drain")
         self._request_drain()
         return admin_pb2.DrainResponse(draining=True)

@@ -120,6 +120,25 @@ def test_kvxferctl_tells_the_truth(two_daemons: Cluster) -> None:
     human = ctl(a.socket, "status").stdout
     assert re.search(r"daemon\s+a ", human) and kept["offer_id"] in human
 
+    # The plaintext admin port reads but does not change anything.
+    remote = subprocess.run(
+        [sys.executable, "-m", "kvxfer_client._ctl", "--addr", a.info["admin_address"], "cancel", kept["offer_id"]],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        check=False,
+    )
+    assert remote.returncode == 1 and "only on the daemon's Unix socket" in remote.stderr
+    assert json.loads(
+        subprocess.run(
+            [sys.executable, "-m", "kvxfer_client._ctl", "--addr", a.info["admin_address"], "--json", "offers"],
+            capture_output=True,
+            text=True,
+            env=_env(),
+            check=True,
+        ).stdout
+    )
+
     cancel = ctl(a.socket, "cancel", kept["offer_id"])
     assert cancel.returncode == 0 and "released" in cancel.stdout
     assert ctl(a.socket, "cancel", "nope").returncode == 1
