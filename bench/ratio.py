@@ -1,0 +1,55 @@
+"""The remote-path target, measured fairly on a noisy machine: interleaved rounds.
+
+Each round measures the plain UCXX one-buffer send (shared-memory buffers, as the pools use)
+and then remote ``b16`` handoffs through two daemons, back to back, so both see the same
+machine state; the line printed gives every round's ratio and their median.
+
+Run: ``python -m bench.ratio [--rounds 5] [--iters 4]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import numpy as np
+
+from . import ucx_baseline
+from .cluster import Cluster
+from .workloads import WORKLOADS, both_paths, run_sequential
+
+SEED = 11
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--iters", type=int, default=4)
+    parser.add_argument("--memory", choices=["shm", "numpy"], default="shm")
+    args = parser.parse_args()
+    w = WORKLOADS["b16"]
+    rng = np.random.default_rng(SEED)
+    rounds = []
+    with Cluster() as cluster:
+        remote = next((p, d) for path, p, d in both_paths(cluster, w, SEED, "ratio") if path == "remote")
+        for _ in range(args.rounds):
+            base = ucx_baseline.measure(w.request_bytes, args.iters, args.memory)["gbps_median"]
+            ours = run_sequential(*remote, w, rng, args.iters, warmup=1)["gbps"]
+            rounds.append(
+                {"baseline_gbps": round(base, 3), "remote_gbps": round(ours, 3), "ratio": round(ours / base, 3)}
+            )
+    print(
+        json.dumps(
+            {
+                "workload": "b16 remote vs plain UCXX one-buffer send",
+                "baseline_memory": args.memory,
+                "rounds": rounds,
+                "median_ratio": statistics.median(r["ratio"] for r in rounds),
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
