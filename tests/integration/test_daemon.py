@@ -20,7 +20,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from bench.cluster import Cluster, _env
 from kvxfer_client import AsyncKvxferClient, HostBuffer, Layout, ReleaseReason, UnavailableError
 
-BIG = Layout.paged_kv(num_layers=1, num_blocks=2, block_bytes=32 << 20)
+BLOCK = 96 << 20
+BIG = Layout.paged_kv(num_layers=1, num_blocks=2, block_bytes=BLOCK)
 
 
 def ctl(daemon_socket: str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -34,7 +35,8 @@ def ctl(daemon_socket: str, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 async def test_sigterm_drains_finishes_the_running_transfer_and_exits_0(cluster: Cluster) -> None:
-    # Small chunks and a window of one make a 64 MiB pull take long enough to overlap SIGTERM.
+    # Small chunks and a window of one make a 192 MiB pull (3072 chunks, one at a time) take
+    # long enough to overlap SIGTERM.
     slow = ("--chunk-bytes", "65536", "--window", "1")
     a, b = cluster.daemon("drain-a", *slow), cluster.daemon("drain-b", *slow)
     p = await AsyncKvxferClient(a.socket, engine_name="p").connect()
@@ -56,10 +58,10 @@ async def test_sigterm_drains_finishes_the_running_transfer_and_exits_0(cluster:
         await d.pull(spare, dpool, [0])
 
     result = await pull  # the running transfer finishes inside the grace period
-    assert result.bytes == 64 << 20
-    k, v = src[0].array()[: 32 << 20], src[0].array()[64 << 20 : 96 << 20]
-    assert np.array_equal(dst[0].array()[32 << 20 : 64 << 20], k)
-    assert np.array_equal(dst[0].array()[96 << 20 :], v)
+    assert result.bytes == 2 * BLOCK
+    k, v = src[0].array()[:BLOCK], src[0].array()[2 * BLOCK : 3 * BLOCK]
+    assert np.array_equal(dst[0].array()[BLOCK : 2 * BLOCK], k)
+    assert np.array_equal(dst[0].array()[3 * BLOCK :], v)
     assert await asyncio.to_thread(b.proc.wait, 30) == 0
     log = b.log()
     assert log.index("daemon.drain") < log.index("transfer.done")
