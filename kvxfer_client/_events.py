@@ -25,12 +25,6 @@ class ReleaseReason(StrEnum):
     def from_proto(cls, value: common_pb2.ReleaseReason.ValueType) -> ReleaseReason:
         return _REASONS.get(value, cls.UNKNOWN)
 
-    def to_proto(self) -> common_pb2.ReleaseReason.ValueType:
-        for k, v in _REASONS.items():
-            if v is self:
-                return k
-        return common_pb2.RELEASE_REASON_UNSPECIFIED
-
 
 _REASONS: dict[common_pb2.ReleaseReason.ValueType, ReleaseReason] = {
     common_pb2.RELEASE_REASON_PULLED: ReleaseReason.PULLED,

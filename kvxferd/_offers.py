@@ -7,7 +7,7 @@ import hmac
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
@@ -31,7 +31,6 @@ class Offer:
     deadline: float
     nbytes: int
     state: str = OFFERED
-    created: float = field(default_factory=time.time)
     timer: asyncio.TimerHandle | None = None
 
 

@@ -199,10 +199,6 @@ class UcxTransport:
             except Exception:  # noqa: BLE001 - an endpoint already torn down is fine
                 pass
 
-    @property
-    def endpoint_count(self) -> int:
-        return len(self._endpoints)
-
     async def send(
         self,
         ep: Any,
