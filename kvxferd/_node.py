@@ -370,6 +370,10 @@ class Node:
             raise UnavailableError("the UCX data plane is not available (install kvxfer[ucx] or a cu12/cu13 extra)")
         peer = await self.peers.dial(ticket.peer_address)
         if peer.daemon_id != ticket.daemon_id:
+            # Another daemon may have restarted on that address since our Hello: say it again.
+            self._drop_peer(peer)
+            peer = await self.peers.dial(ticket.peer_address)
+        if peer.daemon_id != ticket.daemon_id:
             raise IncompatibleError(
                 f"the daemon at {ticket.peer_address} is {peer.daemon_id!r}, the ticket names {ticket.daemon_id!r}"
             )
@@ -430,9 +434,17 @@ class Node:
                         self.ucx.forget(peer.daemon_id)  # UCXX receives cancel only with it
                     lease.poisoned = True
                 call.cancel()
-                if isinstance(exc, grpc.RpcError):
-                    raise _peer_error(exc, ticket.peer_address) from None
-                raise
+                err = _peer_error(exc, ticket.peer_address) if isinstance(exc, grpc.RpcError) else exc
+                if isinstance(err, UnavailableError):
+                    self._drop_peer(peer)  # the next pull says Hello again and makes a new endpoint
+                if err is exc:
+                    raise
+                raise err from None
+
+    def _drop_peer(self, peer: Peer) -> None:
+        assert self.peers is not None and self.ucx is not None
+        self.peers.mark_failed(peer)
+        self.ucx.forget(peer.daemon_id)
 
     # -- prefill side ------------------------------------------------------------------------
 

@@ -77,3 +77,24 @@ def test_receiving_through_staging_instead_of_iov_is_byte_exact(cluster: Cluster
     assert decode("pull", pulls=[[ticket, pairs[0][1]]])["results"][0]["ok"]
     assert decode("verify", seed=8, pairs=pairs)["verified"]
     assert "ucx_iov_receive=False" in cluster.daemons[1].log()
+
+
+def test_a_prefill_daemon_restarted_on_the_same_address_is_greeted_again(cluster: Cluster) -> None:
+    """The decode daemon's cached Hello and endpoint must not outlive the daemon they named."""
+    a = cluster.daemon("a")
+    cluster.daemon("b")
+    shape = {"layers": 1, "blocks": 8, "block_bytes": 8192}
+    prefill, decode = engines(cluster, "remote", shape, seed=2, tag="before")
+    ticket = prefill("offer", requests=[[1]])["tickets"][0]
+    assert decode("pull", pulls=[[ticket, [2]]])["results"][0]["ok"]
+
+    prefill.kill()
+    a.kill()
+    restarted = cluster.daemon("a2", "--peer-listen", a.info["peer_address"])
+    assert restarted.info["peer_address"] == a.info["peer_address"]
+    prefill2 = cluster.engine(restarted, "prefill-after")
+    prefill2("pool", shape=shape, seed=3)
+    ticket2 = prefill2("offer", requests=[[5]])["tickets"][0]
+    result = decode("pull", pulls=[[ticket2, [6]]])["results"][0]
+    assert result["ok"], result
+    assert decode("verify", seed=3, pairs=[[[5], [6]]])["verified"]
