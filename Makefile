@@ -13,7 +13,7 @@ all: test
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[ucx,test]'
+	$(BIN)/python -m pip install -q -e '.[ucx,test,e2e]'
 	touch $(STAMP)
 
 venv: $(STAMP)

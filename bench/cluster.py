@@ -96,12 +96,17 @@ class Daemon:
 
 
 class EngineProcess:
-    """A ``bench.engine`` process attached to one daemon."""
+    """An engine process attached to one daemon, driven by JSON lines on its stdin.
 
-    def __init__(self, daemon: Daemon, name: str) -> None:
+    ``module`` is ``bench.engine`` (the benchmark engine) unless another engine is named; it
+    gets ``--socket <daemon socket>`` and then ``args``.
+    """
+
+    def __init__(self, daemon: Daemon, name: str, module: str = "bench.engine", args: list[str] | None = None) -> None:
         self.name = name
+        extra = ["--name", name] if args is None else args
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "bench.engine", "--socket", daemon.socket, "--name", name],
+            [sys.executable, "-m", module, "--socket", daemon.socket, *extra],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=_env(),
@@ -110,7 +115,7 @@ class EngineProcess:
         hello = self._read()
         if not hello.get("ready"):
             raise RuntimeError(f"engine {name} failed to start: {hello}")
-        self.session_id = hello["session_id"]
+        self.session_id = hello.get("session_id", "")
 
     def _read(self) -> dict[str, Any]:
         assert self.proc.stdout is not None
@@ -165,8 +170,10 @@ class Cluster:
         self.daemons.append(d)
         return d
 
-    def engine(self, daemon: Daemon, name: str) -> EngineProcess:
-        e = EngineProcess(daemon, name)
+    def engine(
+        self, daemon: Daemon, name: str, module: str = "bench.engine", args: list[str] | None = None
+    ) -> EngineProcess:
+        e = EngineProcess(daemon, name, module, args)
         self.engines.append(e)
         return e
 

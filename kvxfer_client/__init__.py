@@ -7,6 +7,7 @@ prefill side receives an :class:`OfferReleased` event once it may free them.
 
 from ._client import AsyncKvxferClient, KvxferClient, Pool, PullResult
 from ._config import default_socket_path
+from ._connector import ConnectorMetadata, ConnectorScheduler, ConnectorWorker, LoadSpec, SendSpec
 from ._errors import (
     AlreadyExistsError,
     CancelledError,
@@ -30,6 +31,9 @@ __all__ = [
     "AlreadyExistsError",
     "AsyncKvxferClient",
     "CancelledError",
+    "ConnectorMetadata",
+    "ConnectorScheduler",
+    "ConnectorWorker",
     "DeadlineExceededError",
     "HostBuffer",
     "IncompatibleError",
@@ -38,6 +42,7 @@ __all__ = [
     "KvxferClient",
     "KvxferError",
     "Layout",
+    "LoadSpec",
     "ModelInfo",
     "NotFoundError",
     "OfferReleased",
@@ -47,6 +52,7 @@ __all__ = [
     "Region",
     "ReleaseReason",
     "ResourceExhaustedError",
+    "SendSpec",
     "Ticket",
     "TransferFailed",
     "UnavailableError",

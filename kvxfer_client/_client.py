@@ -14,6 +14,7 @@ engine's session with the daemon (pools die with it).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 from collections.abc import AsyncIterator, Awaitable, Coroutine, Sequence
 from dataclasses import dataclass
@@ -346,6 +347,24 @@ class KvxferClient:
         timeout_s: float = 60.0,
     ) -> PullResult:
         return self._run(self._async.pull(ticket, pool, block_ids, transfer_id=transfer_id, timeout_s=timeout_s))
+
+    def start_pull(
+        self,
+        ticket: Ticket | str | dict[str, Any],
+        pool: Pool | str,
+        block_ids: Sequence[int] | np.ndarray[Any, Any],
+        *,
+        transfer_id: str = "",
+        timeout_s: float = 60.0,
+    ) -> concurrent.futures.Future[PullResult]:
+        """Like :meth:`pull` but returns at once; the future completes when the bytes landed
+        (or holds the :class:`KvxferError` that ended the pull)."""
+        coro = self._async.pull(ticket, pool, block_ids, transfer_id=transfer_id, timeout_s=timeout_s)
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def watch_release(self, offer_id: str, timeout_s: float | None = None) -> concurrent.futures.Future[OfferReleased]:
+        """Like :meth:`wait_released` but returns at once with a future."""
+        return asyncio.run_coroutine_threadsafe(self._async.wait_released(offer_id, timeout_s), self._loop)
 
     def release(self, offer_id: str) -> None:
         self._run(self._async.release(offer_id))

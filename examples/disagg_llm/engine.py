@@ -1,0 +1,139 @@
+"""One engine process (prefill or decode) of the example, driven by JSON lines on stdin.
+
+It talks to its daemon only through ``kvxfer_client``'s public surface: a
+:class:`~kvxfer_client.ConnectorScheduler` and :class:`~kvxfer_client.ConnectorWorker`, the way
+an engine's KV-connector plugin would.
+
+Run: ``python -m examples.disagg_llm.engine --role prefill --socket /run/kvxfer/kvxferd.sock``
+then write ``{"op": "prefill", "request_id": "r1", "prompt": [1, 2, 3]}`` to its stdin.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from kvxfer_client import ConnectorScheduler, ConnectorWorker, KvxferClient, KvxferError
+
+from . import model as m
+
+
+class BlockAllocator:
+    """Free block ids in a seeded random order, as a long-running engine's free list looks."""
+
+    def __init__(self, num_blocks: int, seed: int) -> None:
+        self._free = [int(b) for b in np.random.default_rng(seed).permutation(num_blocks)]
+
+    def take(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise RuntimeError(f"out of KV blocks: need {n}, {len(self._free)} free")
+        taken, self._free = self._free[:n], self._free[n:]
+        return taken
+
+    def give_back(self, ids: list[int]) -> None:
+        self._free.extend(ids)
+
+
+class Engine:
+    def __init__(self, role: str, socket: str, num_blocks: int, seed: int) -> None:
+        self.role = role
+        self.model, config = m.build_model()
+        self.kv = m.KvPool.create(config, num_blocks)
+        self.client = KvxferClient(socket, engine_name=f"example-{role}")
+        self.pool = self.client.register_pool(self.kv.buffers, self.kv.layout(), name=f"{role}-kv")
+        self.scheduler = ConnectorScheduler(self.client, self.pool, lease_s=60.0)
+        self.worker = ConnectorWorker(self.client, self.pool, load_timeout_s=30.0)
+        self.blocks = BlockAllocator(num_blocks, seed)
+        self.held: dict[str, list[int]] = {}  # request -> blocks kept until released
+
+    # -- prefill ------------------------------------------------------------------------
+    def op_prefill(self, request_id: str, prompt: list[int]) -> dict[str, Any]:
+        cache, first = m.prefill(self.model, prompt)
+        ids = self.blocks.take(m.blocks_for(len(prompt)))
+        self.kv.write(cache, ids)
+        delay_free, params = self.scheduler.request_finished(request_id, ids, len(prompt))
+        if delay_free:
+            self.held[request_id] = ids
+        self.worker.start_load_kv(self.scheduler.build_connector_meta())  # watches the offer
+        return {"kv_transfer_params": params, "first_token": first, "block_ids": ids}
+
+    def op_flip(self, request_id: str, block: int) -> dict[str, Any]:
+        """Negative control: corrupt one offered block's layer-0 K bytes before it is pulled."""
+        raw = self.kv.layer(0)[0, self.held[request_id][block]].numpy().view(np.uint8)
+        raw ^= 0x5A
+        return {"flipped_bytes": int(raw.size)}
+
+    def op_finished(self, timeout_s: float = 30.0) -> dict[str, Any]:
+        """Wait until every offered request's blocks are released; free them."""
+        reasons: dict[str, str] = {}
+        deadline = time.monotonic() + timeout_s
+        while self.held and time.monotonic() < deadline:
+            sending, _ = self.worker.get_finished()
+            for rid in sending:
+                reasons[rid] = str(self.worker.release_reason(rid))
+                self.blocks.give_back(self.held.pop(rid))
+            time.sleep(0.01)
+        return {"released": reasons, "still_held": sorted(self.held)}
+
+    # -- decode -------------------------------------------------------------------------
+    def op_decode(
+        self, request_id: str, kv_transfer_params: dict[str, Any], first_token: int, max_tokens: int
+    ) -> dict[str, Any]:
+        num_tokens = self.scheduler.get_num_new_matched_tokens(request_id, kv_transfer_params)
+        ids = self.blocks.take(m.blocks_for(num_tokens))
+        try:
+            self.scheduler.update_state_after_alloc(request_id, kv_transfer_params, ids)
+            self.worker.start_load_kv(self.scheduler.build_connector_meta())
+            self._wait_loaded(request_id, deadline_s=35.0)
+            cache = self.kv.read(ids, num_tokens)
+            tokens = m.decode(self.model, cache, first_token, max_tokens)
+        finally:
+            self.blocks.give_back(ids)
+        return {"tokens": tokens, "block_ids": ids}
+
+    def _wait_loaded(self, request_id: str, deadline_s: float) -> None:
+        deadline = time.monotonic() + deadline_s
+        while time.monotonic() < deadline:
+            _, recving = self.worker.get_finished()
+            if request_id in recving:
+                return
+            failed = self.worker.get_failed()
+            if request_id in failed:
+                raise failed[request_id]
+            time.sleep(0.001)
+        raise TimeoutError(f"KV of {request_id} did not arrive in {deadline_s} s")
+
+    def close(self) -> None:
+        self.client.close()
+        self.kv.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--role", choices=["prefill", "decode"], required=True)
+    parser.add_argument("--socket", required=True)
+    parser.add_argument("--blocks", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    engine = Engine(args.role, args.socket, args.blocks, args.seed)
+    print(json.dumps({"ok": True, "ready": args.role}), flush=True)
+    for line in sys.stdin:
+        request = json.loads(line)
+        op = request.pop("op")
+        if op == "exit":
+            break
+        try:
+            reply = {"ok": True, **getattr(engine, f"op_{op}")(**request)}
+        except (KvxferError, RuntimeError, TimeoutError) as exc:
+            reply = {"ok": False, "error": type(exc).__name__, "detail": str(exc)}
+        print(json.dumps(reply), flush=True)
+    engine.close()
+
+
+if __name__ == "__main__":
+    main()

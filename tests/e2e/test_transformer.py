@@ -1,0 +1,93 @@
+"""Disaggregated prefill/decode of a real transformer gives the same tokens as one process.
+
+A prefill engine process runs the prompt and offers its paged KV through kvxfer; a decode
+engine process (same daemon: local path; other daemon: UCX path) pulls it into different block
+ids, rebuilds the model's cache from its own pool and decodes greedily. The tokens must equal a
+single process's. Flipping bytes of one block before the pull must change them, which shows the
+comparison can fail.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from examples.disagg_llm import __main__ as example
+from examples.disagg_llm import model as m
+
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def engines() -> Iterator[example.Engines]:
+    with example.engines() as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def reference_model() -> Any:
+    model, _ = m.build_model()
+    return model
+
+
+def decoder(engines: example.Engines, path: str) -> Any:
+    return engines.decode_local if path == "local" else engines.decode_remote
+
+
+@pytest.mark.parametrize("path", ["local", "remote"])
+@pytest.mark.parametrize("length", [5, 16, 37, 64])
+def test_decode_from_pulled_kv_generates_the_single_process_tokens(
+    engines: example.Engines, reference_model: Any, path: str, length: int
+) -> None:
+    prompt = m.prompt_tokens(100 + length, length)
+    expected = m.generate(reference_model, prompt, MAX_TOKENS)
+    got = example.handoff(engines.prefill, decoder(engines, path), f"same-{path}-{length}", prompt, MAX_TOKENS)
+    assert got["ok"], got
+    assert got["tokens"] == expected
+    assert got["release_reason"] == "pulled"
+    # The decode engine used its own block ids, not the prefill engine's.
+    assert got["block_ids"] != got["prefill_block_ids"]
+
+
+@pytest.mark.parametrize("path", ["local", "remote"])
+def test_a_flipped_block_changes_the_generated_tokens(
+    engines: example.Engines, reference_model: Any, path: str
+) -> None:
+    prompt = m.prompt_tokens(7, 37)
+    expected = m.generate(reference_model, prompt, MAX_TOKENS)
+    got = example.handoff(engines.prefill, decoder(engines, path), f"flip-{path}", prompt, MAX_TOKENS, flip=True)
+    assert got["ok"], got
+    assert got["tokens"] != expected
+
+
+def test_a_ticket_with_the_wrong_token_is_reported_as_a_failed_load(engines: example.Engines) -> None:
+    done = engines.prefill("prefill", request_id="bad-token", prompt=m.prompt_tokens(3, 20))
+    params = dict(done["kv_transfer_params"])
+    ticket = dict(params["kvxfer_ticket"])
+    ticket["token"] = "00" * 16
+    params["kvxfer_ticket"] = ticket
+    reply = engines.decode_remote.call(
+        "decode", request_id="bad-token", kv_transfer_params=params, first_token=done["first_token"], max_tokens=2
+    )
+    assert reply == {"ok": False, "error": "PermissionDeniedError", "detail": reply["detail"]}
+    # The offer survived the bad pull: the prefill engine still holds its blocks.
+    assert engines.prefill("finished", timeout_s=0.2)["still_held"] == ["bad-token"]
+    assert engines.decode_remote(
+        "decode",
+        request_id="bad-token",
+        kv_transfer_params=done["kv_transfer_params"],
+        first_token=done["first_token"],
+        max_tokens=2,
+    )["ok"]
+    assert engines.prefill("finished")["released"] == {"bad-token": "pulled"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("length", [255, 500])
+def test_long_prompts_and_long_generations_match(engines: example.Engines, reference_model: Any, length: int) -> None:
+    prompt = m.prompt_tokens(length, length)
+    expected = m.generate(reference_model, prompt, 64)
+    got = example.handoff(engines.prefill, engines.decode_remote, f"long-{length}", prompt, 64)
+    assert got["tokens"] == expected
