@@ -47,7 +47,16 @@ class Engine:
         self.client = KvxferClient(socket, engine_name=f"example-{role}")
         self.pool = self.client.register_pool(self.kv.buffers, self.kv.layout(), name=f"{role}-kv")
         self.scheduler = ConnectorScheduler(self.client, self.pool, lease_s=60.0)
-        self.worker = ConnectorWorker(self.client, self.pool, load_timeout_s=30.0)
+        #: (callback, request id) as the connector reported them, on the client's thread.
+        self.callbacks: list[tuple[str, str]] = []
+        self.worker = ConnectorWorker(
+            self.client,
+            self.pool,
+            load_timeout_s=30.0,
+            on_load_done=lambda rid, _result: self.callbacks.append(("load_done", rid)),
+            on_load_failed=lambda rid, _error: self.callbacks.append(("load_failed", rid)),
+            on_send_done=lambda rid, released: self.callbacks.append((f"send_done:{released.reason}", rid)),
+        )
         self.blocks = BlockAllocator(num_blocks, seed)
         self.held: dict[str, list[int]] = {}  # request -> blocks kept until released
 
@@ -79,6 +88,10 @@ class Engine:
                 self.blocks.give_back(self.held.pop(rid))
             time.sleep(0.01)
         return {"released": reasons, "still_held": sorted(self.held)}
+
+    def op_callbacks(self, request_id: str) -> dict[str, Any]:
+        """The connector callbacks seen so far for ``request_id``, in order."""
+        return {"callbacks": [name for name, rid in list(self.callbacks) if rid == request_id]}
 
     # -- decode -------------------------------------------------------------------------
     def op_decode(

@@ -82,6 +82,9 @@ def test_a_ticket_with_the_wrong_token_is_reported_as_a_failed_load(engines: exa
         max_tokens=2,
     )["ok"]
     assert engines.prefill("finished")["released"] == {"bad-token": "pulled"}
+    # The same outcomes reached the engines through the connector's callbacks.
+    assert engines.decode_remote("callbacks", request_id="bad-token")["callbacks"] == ["load_failed", "load_done"]
+    assert engines.prefill("callbacks", request_id="bad-token")["callbacks"] == ["send_done:pulled"]
 
 
 @pytest.mark.slow
