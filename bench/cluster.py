@@ -54,6 +54,8 @@ class Daemon:
             "127.0.0.1:0",
             "--admin-listen",
             "127.0.0.1:0",
+            "--metrics-listen",
+            "127.0.0.1:0",
             "--daemon-id",
             self.name,
             "--ready-file",

@@ -39,6 +39,8 @@ class Settings:
     peer_advertise: str = ""
     #: host:port of AdminService over TCP; empty disables it.
     admin_listen: str = "127.0.0.1:7462"
+    #: host:port serving Prometheus metrics on /metrics; empty disables it.
+    metrics_listen: str = "127.0.0.1:7463"
     #: Stable id of this daemon in tickets and logs; generated when empty.
     daemon_id: str = ""
     #: Lease of an offer when the engine asks for none, and the longest one allowed.

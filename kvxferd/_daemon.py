@@ -18,7 +18,9 @@ from kvxfer_client._proto import admin_pb2, admin_pb2_grpc, engine_pb2, engine_p
 
 from ._config import Settings, load_settings
 from ._log import configure, log_event
+from ._metrics import serve_metrics
 from ._node import Node
+from ._systemd import Notifier
 from .control.admin_service import AdminService
 from .control.engine_service import EngineService
 from .control.peer_service import PeerService
@@ -91,6 +93,9 @@ async def serve(settings: Settings) -> int:
             admin_listener = await start_listener(settings.admin_listen, [tcp_admin])
             listeners.append(admin_listener)
             node.admin_address = admin_listener.address
+        metrics_server, metrics_address = None, ""
+        if settings.metrics_listen:
+            metrics_server, metrics_address = serve_metrics(node.metrics, settings.metrics_listen)
     except OSError as exc:
         log_event("daemon.listen_failed", logging.ERROR, detail=str(exc))
         for listener in listeners:
@@ -103,6 +108,7 @@ async def serve(settings: Settings) -> int:
         "engine_socket": settings.engine_socket,
         "peer_address": node.peer_address,
         "admin_address": node.admin_address,
+        "metrics_address": metrics_address,
         "ucx_transports": ucx.transports if ucx else [],
     }
     log_event("daemon.ready", **ready)
@@ -111,8 +117,12 @@ async def serve(settings: Settings) -> int:
         with open(tmp, "w") as fh:
             json.dump(ready, fh)
         os.replace(tmp, settings.ready_file)
+    systemd = Notifier()
+    systemd.notify(f"READY=1\nSTATUS=serving as {node.daemon_id}\nMAINPID={os.getpid()}")
+    systemd.start_watchdog()
 
     await stop.wait()
+    systemd.notify("STOPPING=1\nSTATUS=draining")
 
     # Drain: health says NOT_SERVING, no new offers or pulls, running transfers get the grace
     # period, then whatever is left is cancelled and every offer released.
@@ -129,6 +139,9 @@ async def serve(settings: Settings) -> int:
         await listener.server.stop(grace=1.0)
     if node.peers is not None:
         await node.peers.close()
+    if metrics_server is not None:
+        metrics_server.shutdown()
+    systemd.stop()
     node.executor.shutdown(wait=True)
     log_event("daemon.exit", transfers_cancelled=not finished)
     if settings.ready_file and os.path.exists(settings.ready_file):

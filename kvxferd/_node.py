@@ -16,6 +16,7 @@ import secrets
 import socket
 import threading
 import time
+from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -40,6 +41,7 @@ from kvxfer_client._version import PROTOCOL_VERSION, __version__
 
 from ._config import Settings
 from ._log import log_event
+from ._metrics import Metrics, NodeState
 from ._offers import Offer, OfferTable
 from ._sessions import Session
 from ._transfers import TransferRecord, TransferTable
@@ -53,6 +55,15 @@ from .memory.pools import Pool, PoolRegistry, check_block_ids
 
 __all__ = ["Node"]
 
+_PATH_NAMES = {common_pb2.TRANSFER_PATH_LOCAL: "local", common_pb2.TRANSFER_PATH_REMOTE: "remote"}
+_RESULT_NAMES = {
+    common_pb2.TRANSFER_STATE_SUCCEEDED: "succeeded",
+    common_pb2.TRANSFER_STATE_CANCELLED: "cancelled",
+}
+_MEMORY_KINDS: dict[int, tuple[str, str]] = {
+    common_pb2.MEMORY_KIND_HOST_SHM: ("host", "cpu"),
+    common_pb2.MEMORY_KIND_CUDA_IPC: ("cuda", "gpu"),
+}
 _REASON_NAMES: dict[int, str] = {
     v: k.removeprefix("RELEASE_REASON_").lower() for k, v in common_pb2.ReleaseReason.items()
 }
@@ -78,8 +89,28 @@ class Node:
         self.send_staging = StagingPool(settings.staging_bytes, settings.chunk_bytes)
         self.recv_staging = StagingPool(settings.staging_bytes, settings.chunk_bytes)
         self.peers: PeerDirectory | None = None
+        self.metrics = Metrics(
+            NodeState(
+                offers=lambda: len(self.offers.offers),
+                transfers=lambda: Counter(role for role, _ in list(self.transfers.active)),
+                pool_bytes=self._pool_bytes,
+                peers=lambda: Counter(p.state for p in list(self.peers.by_id.values())) if self.peers else Counter(),
+                staging=lambda: {
+                    "send": (self.send_staging.in_use, self.send_staging.capacity, self.send_staging.buffer_bytes),
+                    "receive": (self.recv_staging.in_use, self.recv_staging.capacity, self.recv_staging.buffer_bytes),
+                },
+                serving=lambda: not self.draining,
+            )
+        )
         self._idle = asyncio.Event()
         self._idle.set()
+
+    def _pool_bytes(self) -> dict[tuple[str, str], int]:
+        totals: dict[tuple[str, str], int] = {}
+        for pool in list(self.pools.pools.values()):
+            key = _MEMORY_KINDS.get(pool.kind, ("unknown", "unknown"))
+            totals[key] = totals.get(key, 0) + pool.nbytes
+        return totals
 
     # -- identity and peers ------------------------------------------------------------------
 
@@ -204,6 +235,7 @@ class Node:
                     )
                 )
             )
+        self.metrics.offer_released(_REASON_NAMES.get(reason, "unknown"))
         log_event(
             "offer.release",
             offer_id=offer.offer_id,
@@ -241,6 +273,13 @@ class Node:
 
     def _end(self, record: TransferRecord, state: common_pb2.TransferState.ValueType, detail: str = "") -> None:
         self.transfers.finish(record, state, detail)
+        self.metrics.transfer_finished(
+            _PATH_NAMES.get(record.path, "unknown"),
+            record.transport,
+            _RESULT_NAMES.get(state, "failed"),
+            record.nbytes,
+            record.duration_s,
+        )
         if not self.transfers.active:
             self._idle.set()
         fields: dict[str, Any] = {

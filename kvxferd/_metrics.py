@@ -1,0 +1,136 @@
+"""Prometheus metrics of one daemon, served on ``metrics_listen`` (``/metrics``).
+
+Events (a transfer ends, a lease expires, an offer is released) update counters and the
+duration histogram as they happen; state (offers, transfers, pools, peers, staging) is read
+from the node at scrape time, so it can never drift from what ``kvxferctl`` shows. Label values
+are bounded sets (path, transport, result, reason, memory kind, device, peer state): never a
+request, offer or transfer id.
+
+>>> m = Metrics()
+>>> m.transfer_finished("local", "local-copy", "succeeded", 4096, 0.002)
+>>> b"kvxfer_transfers_total{path=\\"local\\",result=\\"succeeded\\",transport=\\"local-copy\\"} 1.0" in m.render()
+True
+"""
+
+from __future__ import annotations
+
+from collections import Counter as Tally
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, start_http_server
+from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvxfer_client._version import PROTOCOL_VERSION, __version__
+
+__all__ = ["Metrics", "NodeState", "serve_metrics"]
+
+#: Seconds: from sub-millisecond local copies to a minute-long pull of tens of GB.
+DURATION_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+@dataclass
+class NodeState:
+    """What the scrape-time collector reads; the daemon fills it with callables."""
+
+    offers: Callable[[], int] = lambda: 0
+    transfers: Callable[[], Tally[str]] = Tally
+    #: ``(memory_kind, device) -> bytes`` of registered pools.
+    pool_bytes: Callable[[], dict[tuple[str, str], int]] = dict
+    #: peer state -> number of peers in it.
+    peers: Callable[[], Tally[str]] = Tally
+    #: direction -> (buffers in use, buffers allowed, bytes per buffer).
+    staging: Callable[[], dict[str, tuple[int, int, int]]] = dict
+    serving: Callable[[], bool] = lambda: True
+
+
+class _StateCollector(Collector):
+    def __init__(self, state: NodeState) -> None:
+        self._state = state
+
+    def collect(self) -> Iterable[Metric]:
+        s = self._state
+        yield GaugeMetricFamily("kvxfer_offers_active", "Offers holding blocks, waiting for a pull", value=s.offers())
+        active = GaugeMetricFamily("kvxfer_transfers_active", "Transfers running now, by role", labels=["role"])
+        for role in ("decode", "prefill"):
+            active.add_metric([role], s.transfers().get(role, 0))
+        yield active
+        pools = GaugeMetricFamily(
+            "kvxfer_pool_registered_bytes", "Bytes of registered KV pools", labels=["memory_kind", "device"]
+        )
+        for (kind, device), nbytes in sorted(s.pool_bytes().items()):
+            pools.add_metric([kind, device], nbytes)
+        yield pools
+        peers = GaugeMetricFamily("kvxfer_peers", "Peer daemons known, by connection state", labels=["state"])
+        counts = s.peers()
+        for state in ("connected", "failed"):
+            peers.add_metric([state], counts.get(state, 0))
+        yield peers
+        used = GaugeMetricFamily(
+            "kvxfer_staging_bytes_in_use", "Staging buffer bytes leased to transfers", labels=["direction"]
+        )
+        cap = GaugeMetricFamily("kvxfer_staging_bytes_limit", "Staging buffer bytes allowed", labels=["direction"])
+        for direction, (in_use, limit, size) in sorted(s.staging().items()):
+            used.add_metric([direction], in_use * size)
+            cap.add_metric([direction], limit * size)
+        yield used
+        yield cap
+        yield GaugeMetricFamily("kvxfer_serving", "1 while accepting work, 0 while draining", value=s.serving())
+        info = InfoMetricFamily("kvxfer_build", "Version of this daemon")
+        info.add_metric([], {"version": __version__, "protocol_version": str(PROTOCOL_VERSION)})
+        yield info
+
+
+class Metrics:
+    """The daemon's metrics in their own registry (several daemons may share a process in tests)."""
+
+    def __init__(self, state: NodeState | None = None) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = ["path", "transport", "result"]
+        self.transfer_seconds = Histogram(
+            "kvxfer_transfer_duration_seconds",
+            "Time from a transfer's start to its end on this daemon",
+            labels,
+            buckets=DURATION_BUCKETS,
+            registry=self.registry,
+        )
+        self.transfer_bytes = Counter(
+            "kvxfer_transfer_bytes", "Payload bytes of ended transfers", labels, registry=self.registry
+        )
+        self.transfers = Counter("kvxfer_transfers", "Ended transfers", labels, registry=self.registry)
+        self.lease_expiries = Counter(
+            "kvxfer_lease_expiries", "Offers released because nobody pulled them in time", registry=self.registry
+        )
+        self.offers_released = Counter(
+            "kvxfer_offers_released", "Offers released, by reason", ["reason"], registry=self.registry
+        )
+        self.state = state or NodeState()
+        self.registry.register(_StateCollector(self.state))
+
+    def transfer_finished(self, path: str, transport: str, result: str, nbytes: int, seconds: float) -> None:
+        """Record one ended transfer (``result``: succeeded, failed or cancelled)."""
+        labels = (path, transport or "none", result)
+        self.transfer_seconds.labels(*labels).observe(seconds)
+        self.transfers.labels(*labels).inc()
+        if result == "succeeded":
+            self.transfer_bytes.labels(*labels).inc(nbytes)
+
+    def offer_released(self, reason: str) -> None:
+        self.offers_released.labels(reason).inc()
+        if reason == "expired":
+            self.lease_expiries.inc()
+
+    def render(self) -> bytes:
+        """The text exposition format, as ``/metrics`` serves it."""
+        return generate_latest(self.registry)
+
+
+def serve_metrics(metrics: Metrics, address: str) -> tuple[Any, str]:
+    """Serve ``/metrics`` on ``host:port`` from a background thread; returns (server, bound address)."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise OSError(f"metrics_listen must be host:port, got {address!r}")
+    server, _thread = start_http_server(int(port), addr=host.strip("[]"), registry=metrics.registry)
+    return server, f"{host}:{server.server_port}"

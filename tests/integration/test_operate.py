@@ -1,0 +1,107 @@
+"""Operating a daemon: Prometheus metrics and systemd notifications, from real processes."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import tempfile
+import time
+import urllib.request
+
+from bench.cluster import Cluster
+
+
+def scrape(address: str) -> str:
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as resp:
+        return str(resp.read().decode())
+
+
+def sample(text: str, name: str, **labels: str) -> float:
+    """The value of one sample, matched by name and exact label set (0 when absent)."""
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        m = re.fullmatch(r"([a-z_]+)(?:\{(.*)\})? (\S+)", line)
+        if m is None or m.group(1) != name:
+            continue
+        got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+        if got == labels:
+            return float(m.group(3))
+    return 0.0
+
+
+def test_metrics_count_transfers_bytes_offers_pools_and_expiries(cluster: Cluster) -> None:
+    a = cluster.daemon("a", "--default-lease-s", "0.5")
+    prefill, decode = cluster.engine(a, "prefill"), cluster.engine(a, "decode")
+    shape = {"layers": 2, "blocks": 32, "block_bytes": 4096}
+    prefill("pool", shape=shape, seed=1)
+    decode("pool", shape=shape)
+    before = scrape(a.info["metrics_address"])
+    assert sample(before, "kvxfer_pool_registered_bytes", memory_kind="host", device="cpu") == 2 * 2 * 2 * 32 * 4096
+    assert sample(before, "kvxfer_build_info", version=_version(), protocol_version="1") == 1
+
+    tickets = prefill("offer", requests=[[1, 2, 3], [4, 5]])["tickets"]
+    assert sample(scrape(a.info["metrics_address"]), "kvxfer_offers_active") == 2
+    assert decode("pull", pulls=[[tickets[0], [7, 8, 9]]])["results"][0]["ok"]
+    time.sleep(1.5)  # the second offer's 0.5 s lease ends
+
+    text = scrape(a.info["metrics_address"])
+    ok = {"path": "local", "transport": "local-copy", "result": "succeeded"}
+    assert sample(text, "kvxfer_transfers_total", **ok) == 1
+    assert sample(text, "kvxfer_transfer_bytes_total", **ok) == 3 * 2 * 2 * 4096
+    assert sample(text, "kvxfer_transfer_duration_seconds_count", **ok) == 1
+    assert sample(text, "kvxfer_lease_expiries_total") == 1
+    assert sample(text, "kvxfer_offers_released_total", reason="pulled") == 1
+    assert sample(text, "kvxfer_offers_released_total", reason="expired") == 1
+    assert sample(text, "kvxfer_offers_active") == 0
+    assert sample(text, "kvxfer_transfers_active", role="decode") == 0
+    assert sample(text, "kvxfer_serving") == 1
+    # No request-scoped label values: no offer, transfer or session id appears anywhere.
+    for ticket in tickets:
+        assert ticket["offer_id"] not in text
+    assert prefill.session_id not in text
+
+
+def test_remote_transfers_are_labelled_with_their_ucx_transport(two_daemons: Cluster) -> None:
+    a, b = two_daemons.daemons
+    prefill, decode = two_daemons.engine(a, "p-metrics"), two_daemons.engine(b, "d-metrics")
+    shape = {"layers": 1, "blocks": 8, "block_bytes": 65536}
+    prefill("pool", shape=shape, seed=2)
+    decode("pool", shape=shape)
+    ticket = prefill("offer", requests=[[0, 1]])["tickets"][0]
+    assert decode("pull", pulls=[[ticket, [3, 4]]])["results"][0]["ok"]
+    labels = {"path": "remote", "transport": "ucx:shm+cma", "result": "succeeded"}
+    assert sample(scrape(b.info["metrics_address"]), "kvxfer_transfer_bytes_total", **labels) == 2 * 2 * 65536
+    assert sample(scrape(b.info["metrics_address"]), "kvxfer_peers", state="connected") == 1
+
+
+def test_the_daemon_tells_systemd_ready_pings_the_watchdog_and_says_stopping(cluster: Cluster) -> None:
+    path = os.path.join(tempfile.mkdtemp(prefix="kvxfer-notify-"), "notify.sock")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(path)
+    sock.settimeout(10)
+    try:
+        d = cluster.daemon("a", env={"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "200000"})
+        messages = [sock.recv(4096).decode() for _ in range(4)]  # READY, then pings every 0.1 s
+        assert messages[0].startswith("READY=1\n") and "MAINPID=" in messages[0]
+        assert messages[1:] == ["WATCHDOG=1"] * 3
+        assert d.terminate() == 0
+        rest = []
+        while True:
+            try:
+                rest.append(sock.recv(4096).decode())
+            except TimeoutError:
+                break
+            if rest[-1].startswith("STOPPING=1"):
+                break
+        assert rest and rest[-1].startswith("STOPPING=1")
+    finally:
+        sock.close()
+        os.unlink(path)
+
+
+def _version() -> str:
+    from kvxfer_client import __version__
+
+    return __version__
