@@ -3,14 +3,21 @@
     kvxferctl status                 # the local daemon, over its Unix socket
     kvxferctl --addr host:7462 peers # a daemon's admin TCP port
     kvxferctl --json transfers --all # machine-readable
+    kvxferctl transfers --watch      # live view, refreshed every second
+    kvxferctl health                 # exit 0 when serving, 1 when not (draining)
 
-Exit codes: 0 success, 1 the daemon answered with an error, 2 usage error, 3 daemon unreachable.
+A remote daemon with mTLS needs --tls-cert, --tls-key and --tls-ca (or KVXFER_TLS_CERT,
+KVXFER_TLS_KEY, KVXFER_TLS_CA); cancel and drain are accepted over the Unix socket or mTLS only.
+
+Exit codes: 0 success, 1 the daemon answered with an error (or is not serving), 2 usage error,
+3 daemon unreachable.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -18,9 +25,11 @@ from typing import Any
 
 import grpc
 from google.protobuf.json_format import MessageToDict
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ._config import channel_options, default_socket_path
 from ._proto import admin_pb2, admin_pb2_grpc, common_pb2
+from ._tls import TlsFiles
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
 
@@ -52,9 +61,12 @@ def _path(value: int) -> str:
 
 
 class Ctl:
-    def __init__(self, stub: admin_pb2_grpc.AdminServiceStub, timeout_s: float) -> None:
+    def __init__(
+        self, stub: admin_pb2_grpc.AdminServiceStub, timeout_s: float, health: health_pb2_grpc.HealthStub
+    ) -> None:
         self.stub = stub
         self.timeout_s = timeout_s
+        self.health = health
 
     def call(self, name: str, request: Any) -> Any:
         return getattr(self.stub, name)(request, timeout=self.timeout_s)
@@ -168,8 +180,12 @@ def run(args: argparse.Namespace, ctl: Ctl) -> int:
         _print(args, "", ctl.offers(), OFFER_COLUMNS)
     elif args.command == "peers":
         _print(args, "", ctl.peers(), PEER_COLUMNS)
+    elif args.command == "transfers" and args.watch:
+        return _watch(args, ctl)
     elif args.command == "transfers":
         _print(args, "", ctl.transfers(args.all), TRANSFER_COLUMNS)
+    elif args.command == "health":
+        return _health(args, ctl)
     elif args.command == "cancel":
         resp = ctl.call("Cancel", admin_pb2.AdminCancelRequest(id=args.id))
         print(json.dumps({"cancelled": resp.cancelled, "detail": resp.detail}) if args.json else resp.detail)
@@ -177,6 +193,34 @@ def run(args: argparse.Namespace, ctl: Ctl) -> int:
     elif args.command == "drain":
         ctl.call("Drain", admin_pb2.DrainRequest())
         print(json.dumps({"draining": True}) if args.json else "draining")
+    return EXIT_OK
+
+
+def _health(args: argparse.Namespace, ctl: Ctl) -> int:
+    resp = ctl.health.Check(health_pb2.HealthCheckRequest(service=args.service), timeout=ctl.timeout_s)
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+    print(json.dumps({"status": status}) if args.json else status.lower())
+    return EXIT_OK if resp.status == health_pb2.HealthCheckResponse.SERVING else EXIT_ERROR
+
+
+def _watch(args: argparse.Namespace, ctl: Ctl) -> int:
+    """Redraw running (and, with --all, recent) transfers every ``--interval`` seconds."""
+    shown = 0
+    try:
+        while args.count == 0 or shown < args.count:
+            rows = ctl.transfers(args.all)
+            if args.json:
+                print(json.dumps({"ts": round(time.time(), 3), "transfers": rows}), flush=True)
+            else:
+                if sys.stdout.isatty():
+                    print("\x1b[H\x1b[2J", end="")  # home + clear: a live view, not a scroll
+                print(f"{time.strftime('%H:%M:%S')}  transfers ({len(rows)})")
+                print(_table(rows, TRANSFER_COLUMNS), flush=True)
+            shown += 1
+            if args.count == 0 or shown < args.count:
+                time.sleep(args.interval)
+    except KeyboardInterrupt:
+        pass
     return EXIT_OK
 
 
@@ -194,6 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--addr", help="daemon admin address host:port (instead of the socket)")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds per call (default 5)")
+    parser.add_argument("--tls-cert", default=os.environ.get("KVXFER_TLS_CERT", ""), help="client certificate (PEM)")
+    parser.add_argument("--tls-key", default=os.environ.get("KVXFER_TLS_KEY", ""), help="client key (PEM)")
+    parser.add_argument("--tls-ca", default=os.environ.get("KVXFER_TLS_CA", ""), help="CA of the daemon (PEM)")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("status", help="the daemon, its pools, offers, peers and running transfers")
     sub.add_parser("pools", help="registered pools")
@@ -201,6 +248,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("peers", help="peer daemons")
     t = sub.add_parser("transfers", help="running transfers")
     t.add_argument("--all", action="store_true", help="include recently finished transfers")
+    t.add_argument("--watch", action="store_true", help="keep refreshing (Ctrl-C stops)")
+    t.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1)")
+    t.add_argument("--count", type=int, default=0, help="with --watch: stop after this many refreshes")
+    h = sub.add_parser("health", help="gRPC health of the daemon: exit 0 when serving")
+    h.add_argument("--service", default="", help="a service name (default: the whole daemon)")
     c = sub.add_parser("cancel", help="cancel a transfer or release an offer")
     c.add_argument("id")
     sub.add_parser("drain", help="stop taking offers and pulls, finish what runs, exit")
@@ -211,8 +263,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
     target = args.addr if args.addr else "unix:" + (args.socket or default_socket_path())
-    with grpc.insecure_channel(target, options=channel_options()) as channel:
-        ctl = Ctl(admin_pb2_grpc.AdminServiceStub(channel), args.timeout)
+    try:
+        tls = TlsFiles.from_paths(args.tls_cert, args.tls_key, args.tls_ca) if args.addr else None
+    except ValueError as exc:
+        parser.error(str(exc))
+    channel = (
+        grpc.secure_channel(target, tls.channel_credentials(), options=channel_options())
+        if tls is not None
+        else grpc.insecure_channel(target, options=channel_options())
+    )
+    with channel:
+        ctl = Ctl(admin_pb2_grpc.AdminServiceStub(channel), args.timeout, health_pb2_grpc.HealthStub(channel))
         try:
             code = run(args, ctl)
         except grpc.RpcError as exc:

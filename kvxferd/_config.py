@@ -39,6 +39,12 @@ class Settings:
     peer_advertise: str = ""
     #: host:port of AdminService over TCP; empty disables it.
     admin_listen: str = "127.0.0.1:7462"
+    #: Group owning the engine socket (mode 0660): engines in it may connect. Empty: ours.
+    engine_socket_group: str = ""
+    #: mTLS on the TCP listeners and towards peers: PEM certificate, key and CA (all or none).
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
     #: host:port serving Prometheus metrics on /metrics; empty disables it.
     metrics_listen: str = "127.0.0.1:7463"
     #: Stable id of this daemon in tickets and logs; generated when empty.
@@ -88,6 +94,9 @@ class Settings:
             raise ValueError("ucx_error_handling must be auto, on or off")
         if not 0 < self.default_lease_s <= self.max_lease_s:
             raise ValueError("need 0 < default_lease_s <= max_lease_s")
+        tls = [bool(self.tls_cert), bool(self.tls_key), bool(self.tls_ca)]
+        if any(tls) and not all(tls):
+            raise ValueError("mTLS needs tls_cert, tls_key and tls_ca together")
         for name in ("pull_timeout_s", "peer_timeout_s", "drain_grace_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")

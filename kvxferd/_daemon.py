@@ -15,6 +15,7 @@ from typing import Any
 import uvloop
 
 from kvxfer_client._proto import admin_pb2, admin_pb2_grpc, engine_pb2, engine_pb2_grpc, peer_pb2_grpc
+from kvxfer_client._tls import TlsFiles
 
 from ._config import Settings, load_settings
 from ._log import configure, log_event
@@ -70,16 +71,25 @@ async def serve(settings: Settings) -> int:
         log_event("daemon.socket_in_use", logging.ERROR, path=settings.engine_socket)
         return 2
     listeners: list[Listener] = []
+    try:
+        tls = TlsFiles.from_paths(settings.tls_cert, settings.tls_key, settings.tls_ca)
+    except ValueError as exc:
+        log_event("daemon.tls_invalid", logging.ERROR, detail=str(exc))
+        return 2
+    server_creds = tls.server_credentials() if tls else None
     add_admin = admin_pb2_grpc.add_AdminServiceServicer_to_server
     local_admin = (add_admin, AdminService(node, request_drain, allow_changes=True), ADMIN_SERVICE)
-    tcp_admin = (add_admin, AdminService(node, request_drain, allow_changes=False), ADMIN_SERVICE)
+    # Over TCP, cancel and drain need a client certificate signed by our CA.
+    tcp_admin = (add_admin, AdminService(node, request_drain, allow_changes=tls is not None), ADMIN_SERVICE)
     try:
         peer_listener = await start_listener(
-            settings.peer_listen, [(peer_pb2_grpc.add_PeerServiceServicer_to_server, PeerService(node), PEER_SERVICE)]
+            settings.peer_listen,
+            [(peer_pb2_grpc.add_PeerServiceServicer_to_server, PeerService(node), PEER_SERVICE)],
+            server_creds,
         )
         listeners.append(peer_listener)
         node.peer_address = settings.peer_advertise or peer_listener.address
-        node.start_peers()
+        node.start_peers(tls.channel_credentials() if tls else None)
         listeners.append(
             await start_listener(
                 "unix:" + settings.engine_socket,
@@ -87,10 +97,11 @@ async def serve(settings: Settings) -> int:
                     (engine_pb2_grpc.add_EngineServiceServicer_to_server, EngineService(node), ENGINE_SERVICE),
                     local_admin,
                 ],
+                socket_group=settings.engine_socket_group,
             )
         )
         if settings.admin_listen:
-            admin_listener = await start_listener(settings.admin_listen, [tcp_admin])
+            admin_listener = await start_listener(settings.admin_listen, [tcp_admin], server_creds)
             listeners.append(admin_listener)
             node.admin_address = admin_listener.address
         metrics_server, metrics_address = None, ""
@@ -110,6 +121,7 @@ async def serve(settings: Settings) -> int:
         "admin_address": node.admin_address,
         "metrics_address": metrics_address,
         "ucx_transports": ucx.transports if ucx else [],
+        "tls": tls is not None,
     }
     log_event("daemon.ready", **ready)
     if settings.ready_file:

@@ -125,8 +125,8 @@ class Node:
             peer_address=self.peer_address,
         )
 
-    def start_peers(self) -> None:
-        self.peers = PeerDirectory(self.identity(), self.settings.peer_timeout_s)
+    def start_peers(self, credentials: grpc.ChannelCredentials | None = None) -> None:
+        self.peers = PeerDirectory(self.identity(), self.settings.peer_timeout_s, credentials)
 
     def _error_handling(self, peer: Peer) -> bool:
         mode = self.settings.ucx_error_handling

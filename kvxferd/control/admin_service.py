@@ -17,8 +17,9 @@ Ctx = Any  # grpc.aio.ServicerContext
 
 
 class AdminService(admin_pb2_grpc.AdminServiceServicer):
-    """Read calls everywhere; Cancel and Drain only where ``allow_changes`` (the Unix socket,
-    whose file mode decides who may connect). The plaintext TCP port is read-only."""
+    """Read calls everywhere; Cancel and Drain only where ``allow_changes``: the Unix socket
+    (whose file mode and group decide who may connect) and the TCP port when it requires mTLS.
+    The plaintext TCP port is read-only."""
 
     def __init__(self, node: Node, request_drain: Any, *, allow_changes: bool) -> None:
         self.node = node
@@ -27,7 +28,7 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
 
     def _check_changes_allowed(self, what: str) -> None:
         if not self._allow_changes:
-            raise PermissionDeniedError(f"{what} is accepted only on the daemon's Unix socket")
+            raise PermissionDeniedError(f"{what} is accepted only on the daemon's Unix socket or over mTLS")
 
     @rpc_method
     async def Status(self, request: admin_pb2.StatusRequest, context: Ctx) -> admin_pb2.StatusResponse:  # noqa: N802

@@ -54,9 +54,12 @@ def check_compatible(ours: peer_pb2.PeerIdentity, theirs: peer_pb2.PeerIdentity)
 
 
 class PeerDirectory:
-    def __init__(self, identity: peer_pb2.PeerIdentity, timeout_s: float) -> None:
+    def __init__(
+        self, identity: peer_pb2.PeerIdentity, timeout_s: float, credentials: grpc.ChannelCredentials | None = None
+    ) -> None:
         assert identity.protocol_version == PROTOCOL_VERSION
         self.identity = identity
+        self._credentials = credentials
         self.timeout_s = timeout_s
         self.by_id: dict[str, Peer] = {}
         self._by_address: dict[str, Peer] = {}
@@ -86,7 +89,11 @@ class PeerDirectory:
                 return peer
             if peer is not None and peer.channel is not None:
                 await peer.channel.close()
-            channel = grpc.aio.insecure_channel(address, options=channel_options())
+            channel = (
+                grpc.aio.secure_channel(address, self._credentials, options=channel_options())
+                if self._credentials is not None
+                else grpc.aio.insecure_channel(address, options=channel_options())
+            )
             stub = peer_pb2_grpc.PeerServiceStub(channel)
             try:
                 resp = await stub.Hello(

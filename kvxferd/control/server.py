@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import grp
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -29,12 +30,17 @@ class Listener:
 
 
 async def start_listener(
-    address: str, adders: Sequence[tuple[Callable[[Any, grpc.aio.Server], None], Any, str]]
+    address: str,
+    adders: Sequence[tuple[Callable[[Any, grpc.aio.Server], None], Any, str]],
+    credentials: grpc.ServerCredentials | None = None,
+    socket_group: str = "",
 ) -> Listener:
     """Bind ``address`` ("unix:/path" or "host:port") and serve the given services on it.
 
-    ``adders`` holds (add_XServicer_to_server, servicer, full service name) triples.
-    Returns the listener with its actual address (the bound port when 0 was asked for).
+    ``adders`` holds (add_XServicer_to_server, servicer, full service name) triples; a TCP
+    address uses ``credentials`` (mTLS) when given; a Unix socket gets mode 0660 and, when
+    named, ``socket_group``. Returns the listener with its actual address (the bound port when
+    0 was asked for).
     """
     server = grpc.aio.server(options=channel_options())
     names = []
@@ -52,14 +58,22 @@ async def start_listener(
         server.add_insecure_port(address)
         bound = address
     else:
-        port = server.add_insecure_port(address)
+        port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
         if port == 0:
             raise OSError(f"cannot listen on {address}")
         host = address.rsplit(":", 1)[0]
         bound = f"{host}:{port}"
     await server.start()
     if address.startswith("unix:"):
-        os.chmod(address.removeprefix("unix:"), 0o660)
+        path = address.removeprefix("unix:")
+        os.chmod(path, 0o660)
+        if socket_group:
+            try:
+                gid = int(socket_group) if socket_group.isdigit() else grp.getgrnam(socket_group).gr_gid
+                os.chown(path, -1, gid)
+            except (KeyError, OSError) as exc:
+                await server.stop(None)
+                raise OSError(f"cannot give {path} to group {socket_group!r}: {exc}") from None
     listener = Listener(server, health_servicer, names, bound)
     await listener.set_serving(True)
     return listener

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
 
-from bench.cluster import Cluster
+from bench.cluster import Cluster, _env
 
 
 def scrape(address: str) -> str:
@@ -105,3 +108,22 @@ def _version() -> str:
     from kvxfer_client import __version__
 
     return __version__
+
+
+def test_kvxferctl_health_and_a_watched_transfer_list(cluster: Cluster) -> None:
+    a = cluster.daemon("a")
+
+    def ctl(*args: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "kvxfer_client._ctl", "--socket", a.socket, *args]
+        return subprocess.run(cmd, capture_output=True, text=True, env=_env(), check=False)
+
+    assert (ctl("health").returncode, ctl("health").stdout.strip()) == (0, "serving")
+    assert json.loads(ctl("--json", "health").stdout) == {"status": "SERVING"}
+    watched = ctl("--json", "transfers", "--watch", "--interval", "0.05", "--count", "3")
+    frames = [json.loads(line) for line in watched.stdout.splitlines()]
+    assert watched.returncode == 0 and len(frames) == 3 and all(f["transfers"] == [] for f in frames)
+    human = ctl("transfers", "--watch", "--interval", "0.05", "--count", "2").stdout
+    assert human.count("transfers (0)") == 2
+    assert ctl("drain").returncode == 0
+    assert a.proc is not None and a.proc.wait(30) == 0
+    assert ctl("health").returncode == 3  # gone after draining: unreachable
