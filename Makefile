@@ -24,6 +24,8 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
+	$(BIN)/hadolint Dockerfile
+	$(BIN)/kubernetes-validate --strict --quiet deploy/kubernetes/*.yaml
 
 typecheck: $(STAMP)
 	$(BIN)/mypy

@@ -19,6 +19,7 @@ import ctypes
 import itertools
 import os
 from collections.abc import Sequence
+from typing import cast
 
 import numpy as np
 import numpy.typing as npt
@@ -85,10 +86,7 @@ class IovReceiver:
     """Posts IOV tag receives on UCXX's worker and turns completions into futures."""
 
     def __init__(self, ucp_worker: int) -> None:
-        import libucx
-
-        path = os.path.join(os.path.dirname(libucx.__file__), "lib", "libucp.so.0")
-        lib = ctypes.CDLL(path)  # the library UCXX already loaded: same handle, same worker
+        lib = _loaded_libucp()
         lib.ucp_tag_recv_nbx.restype = ctypes.c_void_p
         lib.ucp_tag_recv_nbx.argtypes = [
             ctypes.c_void_p,
@@ -167,6 +165,20 @@ async def _drain_one(receiver: IovReceiver, sink: npt.NDArray[np.uint64], tag: i
         await asyncio.wait_for(receiver.recv(sink, tag), timeout_s)
     except (TimeoutError, UnavailableError):
         pass
+
+
+def _loaded_libucp() -> ctypes.CDLL:
+    """The libucp UCXX loaded: the wheel's, or the system's when
+    ``RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY`` is set (as in the container image, whose UCX has
+    the RDMA transports). A second copy of libucp would not know UCXX's worker."""
+    import libucx
+
+    libraries = libucx.load_library()  # already loaded by UCXX: returns the same handles
+    names = list(getattr(libucx.load, "UCX_LIBRARIES", ["libucs.so", "libucs_signal.so", "libuct.so", "libucp.so"]))
+    lib = libraries[names.index("libucp.so")]
+    if lib is None:
+        raise UnavailableError("libucp is not loaded")
+    return cast(ctypes.CDLL, lib)
 
 
 def _resolve(fut: asyncio.Future[int], status: int) -> None:

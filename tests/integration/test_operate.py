@@ -127,3 +127,26 @@ def test_kvxferctl_health_and_a_watched_transfer_list(cluster: Cluster) -> None:
     assert ctl("drain").returncode == 0
     assert a.proc is not None and a.proc.wait(30) == 0
     assert ctl("health").returncode == 3  # gone after draining: unreachable
+
+
+def test_json_logs_one_line_per_lifecycle_event_with_ids_and_nothing_per_segment(cluster: Cluster) -> None:
+    a = cluster.daemon("a", "--log-json")
+    b = cluster.daemon("b", "--log-json")
+    prefill, decode = cluster.engine(a, "log-prefill"), cluster.engine(b, "log-decode")
+    shape = {"layers": 4, "blocks": 256, "block_bytes": 4096}
+    prefill("pool", shape=shape, seed=5)
+    decode("pool", shape=shape)
+    ticket = prefill("offer", requests=[list(range(0, 256, 2))])["tickets"][0]  # 128 blocks: 1024 segments
+    result = decode("pull", pulls=[[ticket, list(range(128))]])["results"][0]
+    assert result["ok"]
+    prefill("released", offer_ids=[ticket["offer_id"]])
+    for daemon in (a, b):
+        records = [json.loads(line) for line in daemon.log().splitlines() if line.startswith("{")]
+        assert records and all({"ts", "level", "event"} <= r.keys() for r in records)
+        for r in records:
+            if r["event"].startswith("transfer."):
+                assert r["transfer_id"] == result["transfer_id"] and r["offer_id"] == ticket["offer_id"]
+            if r["event"].startswith("offer."):
+                assert r["offer_id"] == ticket["offer_id"]
+        about_it = [r for r in records if result["transfer_id"] in json.dumps(r) or ticket["offer_id"] in json.dumps(r)]
+        assert 1 <= len(about_it) <= 6, [r["event"] for r in about_it]  # not one per segment or chunk
