@@ -17,9 +17,9 @@ import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
@@ -55,6 +55,7 @@ from .memory.pools import Pool, PoolRegistry, check_block_ids
 
 __all__ = ["Node"]
 
+T = TypeVar("T")
 _PATH_NAMES = {common_pb2.TRANSFER_PATH_LOCAL: "local", common_pb2.TRANSFER_PATH_REMOTE: "remote"}
 _RESULT_NAMES = {
     common_pb2.TRANSFER_STATE_SUCCEEDED: "succeeded",
@@ -388,10 +389,18 @@ class Node:
             dst_plan = build_plan(dst.regions, dst_ids, chunk)
             record.nbytes = src_plan.total_bytes
             src.busy += 1
+            stop = threading.Event()
+            copying = asyncio.get_running_loop().run_in_executor(
+                self.executor, _copy_plan, src.arrays, src_plan, dst.arrays, dst_plan, stop
+            )
             try:
-                await asyncio.get_running_loop().run_in_executor(
-                    self.executor, _copy_plan, src.arrays, src_plan, dst.arrays, dst_plan
-                )
+                await asyncio.shield(copying)
+            except asyncio.CancelledError:
+                # The copy thread stops at its next chunk; wait for it, so that nobody hears
+                # "cancelled" (and reuses the destination) while it can still write there.
+                stop.set()
+                await asyncio.wait({copying})
+                raise
             finally:
                 src.busy -= 1
         except BaseException as exc:
@@ -422,7 +431,7 @@ class Node:
         need = 0 if self.ucx.scatter_receive else min(self.settings.window, _staged_chunks(plan))
         assert peer.stub is not None
         async with self.recv_staging.lease(need) as lease:
-            ep = await asyncio.wait_for(
+            ep = await _within(
                 self.ucx.endpoint(peer.daemon_id, peer.identity.ucx_worker_address, self._error_handling(peer)),
                 self.settings.peer_timeout_s,
             )
@@ -489,7 +498,7 @@ class Node:
 
     async def serve_transfer(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
         """Answer one ``PeerService.Transfer`` stream (see peer.proto for the sequence)."""
-        first = await asyncio.wait_for(context.read(), self.settings.peer_timeout_s)
+        first = await _within(context.read(), self.settings.peer_timeout_s)
         if first is grpc.aio.EOF or first.WhichOneof("msg") != "start":
             raise InvalidRequestError("a Transfer stream must begin with start")
         start = first.start
@@ -530,7 +539,7 @@ class Node:
             timeout = min(start.timeout_s or self.settings.pull_timeout_s, 3600.0)
             async with asyncio.timeout(timeout + self.settings.peer_timeout_s):
                 plan = build_plan(pool.regions, offer.block_ids, start.chunk_bytes)
-                ep = await asyncio.wait_for(
+                ep = await _within(
                     self.ucx.endpoint(peer.daemon_id, peer.identity.ucx_worker_address, self._error_handling(peer)),
                     self.settings.peer_timeout_s,
                 )
@@ -570,9 +579,21 @@ class Node:
         self._end(record, common_pb2.TRANSFER_STATE_SUCCEEDED)
 
 
-def _copy_plan(src_arrays: Sequence[Any], src: SidePlan, dst_arrays: Sequence[Any], dst: SidePlan) -> None:
+async def _within(aw: Awaitable[T], timeout: float | None) -> T:
+    """``await aw`` with a deadline. Unlike ``asyncio.wait_for`` on Python 3.11, this never
+    swallows a cancellation that arrives as ``aw`` completes (an outer pull deadline would be
+    lost and the transfer would run on)."""
+    async with asyncio.timeout(timeout):
+        return await aw
+
+
+def _copy_plan(
+    src_arrays: Sequence[Any], src: SidePlan, dst_arrays: Sequence[Any], dst: SidePlan, stop: threading.Event
+) -> None:
     scratch = _scratch(src.chunk_bytes)
     for a, b in zip(src.chunks, dst.chunks, strict=True):
+        if stop.is_set():
+            return
         copy_chunk(src_arrays, a, dst_arrays, b, scratch)
 
 
@@ -594,7 +615,7 @@ def _staged_chunks(plan: SidePlan) -> int:
 
 
 async def _read(call: Any, expected: str, timeout: float | None) -> Any:
-    msg = await asyncio.wait_for(call.read(), timeout)
+    msg = await _within(call.read(), timeout)
     if msg is grpc.aio.EOF:
         raise UnavailableError(f"peer closed the transfer before {expected}")
     if msg.WhichOneof("msg") != expected:

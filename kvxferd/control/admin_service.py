@@ -54,6 +54,10 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
             transfers_failed=n.transfers.failed,
             bytes_moved=n.transfers.bytes_moved,
             lease_expiries=n.lease_expiries,
+            staging_send_in_use=n.send_staging.in_use,
+            staging_receive_in_use=n.recv_staging.in_use,
+            ucx_endpoints=n.ucx.endpoint_count if n.ucx else 0,
+            ucx_receives_unconfirmed=n.ucx.iov.unconfirmed if n.ucx and n.ucx.iov else 0,
         )
 
     @rpc_method

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import functools
 import itertools
 import os
 from collections.abc import Sequence
@@ -103,12 +104,19 @@ class IovReceiver:
         self._ids = itertools.count(1)
         self._pending: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future[int]]] = {}
         self._callback = _RECV_CALLBACK(self._on_complete)  # one instance, alive as long as self
+        #: Receives cancelled but not confirmed by UCX (their memory may still be written).
+        self.unconfirmed = 0
 
     def _on_complete(self, request: int, status: int, info: int, user_data: int) -> None:
         entry = self._pending.pop(user_data or 0, None)
         if entry is not None:
             loop, fut = entry
             loop.call_soon_threadsafe(_resolve, fut, status)
+
+    def _confirmed(self, req: int, iov: npt.NDArray[np.uint64], _fut: object) -> None:
+        # ``iov`` was kept alive until now: UCX reads the entries while the request runs.
+        self.unconfirmed -= 1
+        self._lib.ucp_request_free(req)
 
     async def drain(self, tags: Sequence[int], nbytes: int, timeout_s: float = 2.0) -> None:
         """Swallow chunks of an abandoned transfer into a throw-away buffer.
@@ -150,9 +158,14 @@ class IovReceiver:
             # Stop UCX writing into the pool before anyone is told the transfer is over.
             self._lib.ucp_request_cancel(self._worker, req)
             try:
-                await asyncio.wait_for(asyncio.shield(fut), 5.0)
+                async with asyncio.timeout(5.0):
+                    await asyncio.shield(fut)
             except (TimeoutError, asyncio.CancelledError):
-                return  # the request stays with UCX; freeing it now would be unsafe
+                # The request stays with UCX; freeing it now would be unsafe. Count it until
+                # UCX completes it (the callback still resolves ``fut``).
+                self.unconfirmed += 1
+                fut.add_done_callback(functools.partial(self._confirmed, req, iov))
+                raise asyncio.CancelledError from None
             self._lib.ucp_request_free(req)
             raise
         self._lib.ucp_request_free(req)

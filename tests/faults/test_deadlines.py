@@ -28,6 +28,10 @@ async def test_a_timed_out_remote_pull_stops_writing_before_it_returns(cluster: 
         buf.array()[:] = np.random.default_rng(1).integers(1, 256, buf.size, dtype=np.uint8)
     dst = [HostBuffer.create(s) for s in LAYOUT.buffer_sizes()]
     ppool, dpool = await p.register_pool(src, LAYOUT), await d.register_pool(dst, LAYOUT)
+    # Warm up (Hello, UCX endpoint) so that the deadline below falls inside the data transfer.
+    # A deadline before the prefill daemon claims the offer leaves the offer available instead.
+    warm = await p.offer(ppool, [1, 3])
+    await d.pull(warm, dpool, [0, 2], timeout_s=30)
     ticket = await p.offer(ppool, list(range(0, 1024, 2)))
 
     t0 = time.monotonic()

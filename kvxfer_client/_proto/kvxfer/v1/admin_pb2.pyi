@@ -61,6 +61,10 @@ class StatusResponse(_message.Message):
     TRANSFERS_FAILED_FIELD_NUMBER: _builtins.int
     BYTES_MOVED_FIELD_NUMBER: _builtins.int
     LEASE_EXPIRIES_FIELD_NUMBER: _builtins.int
+    STAGING_SEND_IN_USE_FIELD_NUMBER: _builtins.int
+    STAGING_RECEIVE_IN_USE_FIELD_NUMBER: _builtins.int
+    UCX_ENDPOINTS_FIELD_NUMBER: _builtins.int
+    UCX_RECEIVES_UNCONFIRMED_FIELD_NUMBER: _builtins.int
     daemon_id: _builtins.str
     version: _builtins.str
     hostname: _builtins.str
@@ -80,6 +84,13 @@ class StatusResponse(_message.Message):
     transfers_failed: _builtins.int
     bytes_moved: _builtins.int
     lease_expiries: _builtins.int
+    staging_send_in_use: _builtins.int
+    """Staging buffers leased to transfers now (0 when idle: anything else is a leak)."""
+    staging_receive_in_use: _builtins.int
+    ucx_endpoints: _builtins.int
+    """UCX endpoints held towards peer daemons."""
+    ucx_receives_unconfirmed: _builtins.int
+    """Receives handed to UCX for a failed transfer that UCX has not confirmed cancelled yet."""
     @_builtins.property
     def ucx_transports(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
@@ -105,10 +116,14 @@ class StatusResponse(_message.Message):
         transfers_failed: _builtins.int = ...,
         bytes_moved: _builtins.int = ...,
         lease_expiries: _builtins.int = ...,
+        staging_send_in_use: _builtins.int = ...,
+        staging_receive_in_use: _builtins.int = ...,
+        ucx_endpoints: _builtins.int = ...,
+        ucx_receives_unconfirmed: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_offers", b"active_offers", "active_transfers", b"active_transfers", "admin_address", b"admin_address", "bytes_moved", b"bytes_moved", "daemon_id", b"daemon_id", "draining", b"draining", "engine_socket", b"engine_socket", "hostname", b"hostname", "lease_expiries", b"lease_expiries", "peer_address", b"peer_address", "peers", b"peers", "pid", b"pid", "pools", b"pools", "registered_bytes", b"registered_bytes", "sessions", b"sessions", "transfers_failed", b"transfers_failed", "transfers_succeeded", b"transfers_succeeded", "ucx_transports", b"ucx_transports", "uptime_s", b"uptime_s", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_offers", b"active_offers", "active_transfers", b"active_transfers", "admin_address", b"admin_address", "bytes_moved", b"bytes_moved", "daemon_id", b"daemon_id", "draining", b"draining", "engine_socket", b"engine_socket", "hostname", b"hostname", "lease_expiries", b"lease_expiries", "peer_address", b"peer_address", "peers", b"peers", "pid", b"pid", "pools", b"pools", "registered_bytes", b"registered_bytes", "sessions", b"sessions", "staging_receive_in_use", b"staging_receive_in_use", "staging_send_in_use", b"staging_send_in_use", "transfers_failed", b"transfers_failed", "transfers_succeeded", b"transfers_succeeded", "ucx_endpoints", b"ucx_endpoints", "ucx_receives_unconfirmed", b"ucx_receives_unconfirmed", "ucx_transports", b"ucx_transports", "uptime_s", b"uptime_s", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
