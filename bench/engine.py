@@ -113,6 +113,10 @@ class Engine:
                 bad += int(np.count_nonzero(e != g))
         return {"verified": bad == 0, "bad_bytes": bad}
 
+    async def op_withdraw(self, offer_id: str) -> Any:
+        await self.client.release(offer_id)
+        return {}
+
     async def op_released(self, offer_ids: list[str], timeout_s: float = 10.0) -> Any:
         events = await asyncio.gather(*(self.client.wait_released(o, timeout_s) for o in offer_ids))
         return {"reasons": [e.reason.value for e in events], "transfer_ids": [e.transfer_id for e in events]}

@@ -193,9 +193,18 @@ class Node:
         session = self.sessions.get(pool.session_id)
         if session is not None:
             session.pools.discard(pool_id)
-        pool.close()
-        log_event("pool.deregister", pool_id=pool_id, released_offers=released)
+        # Unmap only once no transfer touches the memory: cancelled transfers are still
+        # unwinding here, and UCX or a copy thread writing into unmapped memory would crash us.
+        pool.closing = True
+        if pool.busy == 0:
+            pool.close()
+        log_event("pool.deregister", pool_id=pool_id, released_offers=released, busy=pool.busy)
         return released
+
+    def _done_with(self, pool: Pool) -> None:
+        pool.busy -= 1
+        if pool.closing and pool.busy == 0:
+            pool.close()
 
     def offer(self, req: engine_pb2.OfferRequest) -> tuple[Offer, Ticket]:
         if self.draining:
@@ -363,7 +372,7 @@ class Node:
             self._end(record, common_pb2.TRANSFER_STATE_FAILED, repr(exc))
             raise
         finally:
-            pool.busy -= 1
+            self._done_with(pool)
         self._end(record, common_pb2.TRANSFER_STATE_SUCCEEDED)
         return engine_pb2.PullResponse(
             transfer_id=transfer_id,
@@ -402,7 +411,7 @@ class Node:
                 await asyncio.wait({copying})
                 raise
             finally:
-                src.busy -= 1
+                self._done_with(src)
         except BaseException as exc:
             if offer.state == "pulling":
                 self.release_offer(
@@ -575,7 +584,7 @@ class Node:
                 raise DeadlineExceededError(f"transfer {record.transfer_id} exceeded its deadline") from None
             raise
         finally:
-            pool.busy -= 1
+            self._done_with(pool)
         self._end(record, common_pb2.TRANSFER_STATE_SUCCEEDED)
 
 

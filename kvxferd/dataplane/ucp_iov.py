@@ -113,8 +113,8 @@ class IovReceiver:
             loop, fut = entry
             loop.call_soon_threadsafe(_resolve, fut, status)
 
-    def _confirmed(self, req: int, iov: npt.NDArray[np.uint64], _fut: object) -> None:
-        # ``iov`` was kept alive until now: UCX reads the entries while the request runs.
+    def _confirmed(self, req: int, kept: object, _fut: object) -> None:
+        # ``kept`` (the IOV entries and the arrays they point into) was alive until now.
         self.unconfirmed -= 1
         self._lib.ucp_request_free(req)
 
@@ -133,8 +133,13 @@ class IovReceiver:
         await asyncio.gather(*(_drain_one(self, entry, tag, timeout_s) for tag in tags))
         del sink
 
-    async def recv(self, iov: npt.NDArray[np.uint64], tag: int) -> None:
-        """Receive one tagged message scattered over ``iov`` (kept alive until done)."""
+    async def recv(self, iov: npt.NDArray[np.uint64], tag: int, keep: object = None) -> None:
+        """Receive one tagged message scattered over ``iov``.
+
+        ``iov`` and ``keep`` (the arrays whose memory ``iov`` points into) stay referenced
+        until UCX is done with the request, even when it outlives a cancellation: a mapping
+        with live numpy views is never unmapped.
+        """
         loop = asyncio.get_running_loop()
         key = next(self._ids)
         fut: asyncio.Future[int] = loop.create_future()
@@ -164,7 +169,7 @@ class IovReceiver:
                 # The request stays with UCX; freeing it now would be unsafe. Count it until
                 # UCX completes it (the callback still resolves ``fut``).
                 self.unconfirmed += 1
-                fut.add_done_callback(functools.partial(self._confirmed, req, iov))
+                fut.add_done_callback(functools.partial(self._confirmed, req, (iov, keep)))
                 raise asyncio.CancelledError from None
             self._lib.ucp_request_free(req)
             raise

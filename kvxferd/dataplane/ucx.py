@@ -248,7 +248,7 @@ class UcxTransport:
 
         async def recv(buf: U8, tag: int) -> None:
             if iov is not None:
-                await iov.recv(contiguous_iov(buf), tag)
+                await iov.recv(contiguous_iov(buf), tag, keep=buf)
             else:
                 await ep.recv(buf, tag=tag, force_tag=True)
 
@@ -258,7 +258,7 @@ class UcxTransport:
                 await recv(chunk_view(arrays, chunk), tag)
             elif staged is None:
                 assert iov is not None
-                await iov.recv(chunk_iov(arrays, chunk), tag)
+                await iov.recv(chunk_iov(arrays, chunk), tag, keep=list(arrays))
             else:
                 await recv(staged[: chunk.nbytes], tag)
                 landed.add(chunk.index)

@@ -41,6 +41,8 @@ class Pool:
     offers: set[str] = field(default_factory=set)
     #: Transfers currently reading or writing this pool's memory.
     busy: int = 0
+    #: Deregistered: unmapped when ``busy`` drops to 0.
+    closing: bool = False
 
     @property
     def nbytes(self) -> int:
