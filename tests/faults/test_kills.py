@@ -186,7 +186,8 @@ def test_sigkill_at_random_points_loses_nothing_and_never_waits_past_the_deadlin
 
     print(
         f"\nchaos: {KILLS} kills {tally.kills}, pulls ok {tally.pulls_ok} failed {tally.pulls_failed}, "
-        f"longest wait after a kill {tally.max_wait:.2f}s, late waits {len(tally.late_waits)}, leaks {len(tally.leaks)}, byte errors {tally.byte_errors}"
+        f"longest wait after a kill {tally.max_wait:.2f}s, late waits {len(tally.late_waits)}, "
+        f"leaks {len(tally.leaks)}, byte errors {tally.byte_errors}"
     )
     assert tally.late_waits == []
     assert tally.leaks == []
