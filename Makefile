@@ -41,7 +41,7 @@ proto: $(STAMP)
 
 # The fault suite with 100 SIGKILLs instead of make test's 20.
 faults: $(STAMP)
-	KVXFER_FAULT_KILLS=100 $(BIN)/python -m pytest -q -s tests/faults
+	KVXFER_FAULT_KILLS=100 $(BIN)/python -m pytest -q -s --timeout 1800 tests/faults
 
 bench: $(STAMP)
 	$(BIN)/python -m bench

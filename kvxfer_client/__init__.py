@@ -5,7 +5,7 @@ and gets a JSON :class:`Ticket`, the decode side pulls the ticket into its own b
 prefill side receives an :class:`OfferReleased` event once it may free them.
 """
 
-from ._client import AsyncKvxferClient, KvxferClient, Pool, PullResult
+from ._client import AsyncKvxferClient, CancelResult, KvxferClient, Pool, PullResult
 from ._config import default_socket_path
 from ._connector import ConnectorMetadata, ConnectorScheduler, ConnectorWorker, LoadSpec, SendSpec
 from ._errors import (
@@ -30,6 +30,7 @@ from ._version import __version__
 __all__ = [
     "AlreadyExistsError",
     "AsyncKvxferClient",
+    "CancelResult",
     "CancelledError",
     "ConnectorMetadata",
     "ConnectorScheduler",

@@ -37,7 +37,7 @@ from ._memory import HostBuffer
 from ._proto import common_pb2, engine_pb2, engine_pb2_grpc
 from ._ticket import Ticket
 
-__all__ = ["AsyncKvxferClient", "KvxferClient", "Pool", "PullResult"]
+__all__ = ["AsyncKvxferClient", "CancelResult", "KvxferClient", "Pool", "PullResult"]
 
 T = TypeVar("T")
 Event = OfferReleased | TransferFailed
@@ -82,6 +82,22 @@ def _block_ids(block_ids: Sequence[int] | np.ndarray[Any, Any], what: str) -> li
 
 
 _PATHS = {common_pb2.TRANSFER_PATH_LOCAL: "local", common_pb2.TRANSFER_PATH_REMOTE: "remote"}
+
+
+@dataclass(frozen=True)
+class CancelResult:
+    """What :meth:`AsyncKvxferClient.cancel` found and did."""
+
+    cancelled: bool  # a transfer with that id was running and is stopped
+    may_still_write: bool  # UCX did not confirm the stop: quarantine the destination blocks
+
+
+def _as_ticket(ticket: Ticket | str | dict[str, Any]) -> Ticket:
+    if isinstance(ticket, str):
+        return Ticket.from_json(ticket)
+    if isinstance(ticket, dict):
+        return Ticket.from_dict(ticket)
+    return ticket
 
 
 class AsyncKvxferClient:
@@ -245,10 +261,7 @@ class AsyncKvxferClient:
         timeout_s: float = 60.0,
     ) -> PullResult:
         """Copy the ticket's blocks into ``block_ids`` of ``pool``; returns once they landed."""
-        if isinstance(ticket, str):
-            ticket = Ticket.from_json(ticket)
-        elif isinstance(ticket, dict):
-            ticket = Ticket.from_dict(ticket)
+        ticket = _as_ticket(ticket)
         pool_id = pool.pool_id if isinstance(pool, Pool) else pool
         ids = _block_ids(block_ids, "dst block_ids")
         if len(ids) != ticket.num_blocks:
@@ -264,10 +277,22 @@ class AsyncKvxferClient:
         """Withdraw an offer nobody pulled yet (the engine gets a ``cancelled`` release)."""
         await self._call(self._engine.Release, engine_pb2.ReleaseRequest(offer_id=offer_id))
 
-    async def cancel(self, transfer_id: str) -> bool:
-        """Cancel a running transfer; returns whether one was running."""
+    async def cancel(self, transfer_id: str) -> CancelResult:
+        """Cancel a running transfer (a pull of this daemon, or a peer's pull of one of its offers).
+
+        Returns once the data plane stopped; ``may_still_write`` says when UCX has not confirmed
+        that: keep the destination blocks out of use until the pool is deregistered.
+        """
         resp = await self._call(self._engine.Cancel, engine_pb2.CancelRequest(transfer_id=transfer_id))
-        return bool(resp.cancelled)
+        return CancelResult(bool(resp.cancelled), bool(resp.may_still_write))
+
+    async def extend_lease(self, ticket: Ticket | str | dict[str, Any], lease_s: float) -> float:
+        """Heartbeat from the decode side: keep an offer alive ``lease_s`` more seconds while
+        its request waits (on whichever daemon made it). Returns the seconds left."""
+        ticket = _as_ticket(ticket)
+        req = engine_pb2.ExtendLeaseRequest(ticket=ticket.to_proto(), lease_s=lease_s)
+        resp = await self._call(self._engine.ExtendLease, req)
+        return float(resp.lease_remaining_s)
 
     async def next_event(self, timeout_s: float | None = None) -> Event:
         """The next event of this session (released offers, failed transfers)."""
@@ -369,8 +394,11 @@ class KvxferClient:
     def release(self, offer_id: str) -> None:
         self._run(self._async.release(offer_id))
 
-    def cancel(self, transfer_id: str) -> bool:
+    def cancel(self, transfer_id: str) -> CancelResult:
         return self._run(self._async.cancel(transfer_id))
+
+    def extend_lease(self, ticket: Ticket | str | dict[str, Any], lease_s: float) -> float:
+        return self._run(self._async.extend_lease(ticket, lease_s))
 
     def next_event(self, timeout_s: float | None = None) -> Event:
         return self._run(self._async.next_event(timeout_s))

@@ -12,6 +12,7 @@ runs the three handoff paths:
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import secrets
 import socket
 import threading
@@ -25,6 +26,7 @@ import grpc
 import numpy as np
 
 from kvxfer_client._errors import (
+    AlreadyExistsError,
     CancelledError,
     DeadlineExceededError,
     IncompatibleError,
@@ -312,12 +314,49 @@ class Node:
         except TimeoutError:
             return False
 
-    def cancel_transfer(self, transfer_id: str) -> bool:
+    async def cancel_transfer(self, transfer_id: str) -> tuple[bool, bool]:
+        """Cancel every running transfer with this id (our pull, or a peer's pull of our
+        offer: the peer then sees its pull fail). Returns ``(cancelled, may_still_write)``
+        once the transfers have unwound, or after ``peer_timeout_s`` if they have not."""
         records = self.transfers.find(transfer_id)
+        tasks = [r.task for r in records if r.task is not None and not r.task.done()]
+        unconfirmed = self._unconfirmed_receives()
         for r in records:
-            if r.task is not None:
-                r.task.cancel()
-        return bool(records)
+            r.abort_detail = f"transfer {transfer_id} was cancelled on daemon {self.daemon_id}"
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=self.settings.peer_timeout_s)
+        still_running = any(not t.done() for t in tasks)
+        return bool(records), still_running or self._unconfirmed_receives() > unconfirmed
+
+    def _unconfirmed_receives(self) -> int:
+        return self.ucx.iov.unconfirmed if self.ucx is not None and self.ucx.iov is not None else 0
+
+    async def extend_lease(self, ticket: Ticket, lease_s: float) -> float:
+        """Extend an offer's lease on the daemon that made it; returns seconds left."""
+        if not 0 < lease_s <= self.settings.max_lease_s:
+            raise InvalidRequestError(f"lease_s must be in (0, {self.settings.max_lease_s}]")
+        if ticket.daemon_id == self.daemon_id:
+            return self.offers.extend(ticket.offer_id, ticket.token, lease_s)
+        if self.peers is None:
+            raise UnavailableError("daemon is starting")
+        peer = await self.peers.dial(ticket.peer_address)
+        if peer.daemon_id != ticket.daemon_id:
+            self._drop_peer(peer)
+            peer = await self.peers.dial(ticket.peer_address)
+        if peer.daemon_id != ticket.daemon_id:
+            raise NotFoundError(f"daemon {ticket.daemon_id!r} is gone from {ticket.peer_address}: its offers with it")
+        assert peer.stub is not None
+        req = peer_pb2.PeerExtendLeaseRequest(offer_id=ticket.offer_id, token=ticket.token, lease_s=lease_s)
+        try:
+            resp = await peer.stub.ExtendLease(req, timeout=self.settings.peer_timeout_s)
+        except grpc.RpcError as exc:
+            err = _peer_error(exc, ticket.peer_address)
+            if isinstance(err, UnavailableError):
+                self._drop_peer(peer)
+            raise err from None
+        return float(resp.lease_remaining_s)
 
     # -- decode side -------------------------------------------------------------------------
 
@@ -341,6 +380,15 @@ class Node:
         transfer_id = req.transfer_id or "xfer-" + secrets.token_hex(8)
         if len(transfer_id) > 128:
             raise InvalidRequestError("transfer_id longer than 128 characters")
+        dst_key = _destination_key(pool.pool_id, ids)
+        if req.transfer_id:
+            done = self.transfers.succeeded_pull(transfer_id)
+            if done is not None:
+                # A retry of a pull that already landed (its answer was lost): answer again,
+                # move nothing. A different destination under the same id is a client bug.
+                if done.dst_key != dst_key or done.offer_id != ticket.offer_id:
+                    raise AlreadyExistsError(f"transfer {transfer_id!r} already moved another offer or destination")
+                return _pull_response(done)
         local = ticket.daemon_id == self.daemon_id
         record = TransferRecord(
             transfer_id,
@@ -350,6 +398,7 @@ class Node:
             peer_daemon_id="" if local else ticket.daemon_id,
             nbytes=ticket.total_bytes,
             pools=(pool.pool_id,),
+            dst_key=dst_key,
         )
         self._begin(record)
         pool.busy += 1
@@ -374,13 +423,7 @@ class Node:
         finally:
             self._done_with(pool)
         self._end(record, common_pb2.TRANSFER_STATE_SUCCEEDED)
-        return engine_pb2.PullResponse(
-            transfer_id=transfer_id,
-            bytes=record.nbytes,
-            path=record.path,
-            transport=record.transport,
-            duration_s=record.duration_s,
-        )
+        return _pull_response(record)
 
     async def _pull_local(
         self, record: TransferRecord, ticket: Ticket, dst: Pool, dst_ids: np.ndarray[Any, Any]
@@ -582,10 +625,31 @@ class Node:
                 self._end(record, common_pb2.TRANSFER_STATE_FAILED, detail)
             if isinstance(exc, TimeoutError):
                 raise DeadlineExceededError(f"transfer {record.transfer_id} exceeded its deadline") from None
+            if isinstance(exc, asyncio.CancelledError) and record.abort_detail:
+                # Cancelled here (an engine or operator aborted it), not by the peer hanging
+                # up: end the stream with a status, or the puller would wait for its deadline.
+                raise CancelledError(record.abort_detail) from None
             raise
         finally:
             self._done_with(pool)
         self._end(record, common_pb2.TRANSFER_STATE_SUCCEEDED)
+
+
+def _pull_response(record: TransferRecord) -> engine_pb2.PullResponse:
+    return engine_pb2.PullResponse(
+        transfer_id=record.transfer_id,
+        bytes=record.nbytes,
+        path=record.path,
+        transport=record.transport,
+        duration_s=record.duration_s,
+    )
+
+
+def _destination_key(pool_id: str, ids: np.ndarray[Any, Any]) -> str:
+    """Identifies a pull's destination (pool and block ids) for idempotent retries."""
+    return (
+        pool_id + ":" + hashlib.blake2b(np.ascontiguousarray(ids, dtype=np.int64).tobytes(), digest_size=16).hexdigest()
+    )
 
 
 async def _within(aw: Awaitable[T], timeout: float | None) -> T:

@@ -53,9 +53,30 @@ class OfferTable:
             deadline=time.time() + lease_s,
             nbytes=len(block_ids) * pool.layout.bytes_per_block,
         )
-        offer.timer = asyncio.get_running_loop().call_later(lease_s, self._expire, offer.offer_id)
+        self._arm(offer)
         self.offers[offer.offer_id] = offer
         pool.offers.add(offer.offer_id)
+        return offer
+
+    def _arm(self, offer: Offer) -> None:
+        if offer.timer is not None:
+            offer.timer.cancel()
+        delay = max(0.0, offer.deadline - time.time())
+        offer.timer = asyncio.get_running_loop().call_later(delay, self._expire, offer.offer_id)
+
+    def extend(self, offer_id: str, token: bytes, lease_s: float) -> float:
+        """Push the lease end to ``lease_s`` from now (never earlier); returns seconds left."""
+        offer = self._checked(offer_id, token)
+        offer.deadline = max(offer.deadline, time.time() + lease_s)
+        self._arm(offer)
+        return offer.deadline - time.time()
+
+    def _checked(self, offer_id: str, token: bytes) -> Offer:
+        offer = self.offers.get(offer_id)
+        if offer is None:
+            raise NotFoundError(f"no offer {offer_id!r} (never made, already pulled, released or expired)")
+        if not hmac.compare_digest(offer.token, token):
+            raise PermissionDeniedError(f"wrong token for offer {offer_id!r}")
         return offer
 
     def _expire(self, offer_id: str) -> None:
@@ -65,20 +86,18 @@ class OfferTable:
 
     def claim(self, offer_id: str, token: bytes) -> Offer:
         """Check the token and mark the offer as being pulled (one pull at a time)."""
-        offer = self.offers.get(offer_id)
-        if offer is None:
-            raise NotFoundError(f"no offer {offer_id!r} (never made, already pulled, released or expired)")
-        if not hmac.compare_digest(offer.token, token):
-            raise PermissionDeniedError(f"wrong token for offer {offer_id!r}")
+        offer = self._checked(offer_id, token)
         if offer.state != OFFERED:
             raise IncompatibleError(f"offer {offer_id!r} is already being pulled")
         offer.state = PULLING
         return offer
 
     def unclaim(self, offer: Offer) -> None:
-        """A pull was refused before any byte moved: the offer is pullable again."""
+        """A pull was refused before any byte moved: the offer is pullable again (and expires
+        at once if its lease ended meanwhile)."""
         if offer.offer_id in self.offers:
             offer.state = OFFERED
+            self._arm(offer)
 
     def remove(self, offer_id: str) -> Offer | None:
         offer = self.offers.pop(offer_id, None)

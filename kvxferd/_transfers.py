@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from kvxfer_client._errors import AlreadyExistsError
@@ -29,6 +29,10 @@ class TransferRecord:
     detail: str = ""
     #: Pools whose memory this transfer touches (cancelled if one is deregistered).
     pools: tuple[str, ...] = ()
+    #: Destination pool and block ids of a pull (idempotent retries compare it).
+    dst_key: str = ""
+    #: Set when this daemon cancels the transfer itself (not its peer): told to the peer.
+    abort_detail: str = ""
     task: asyncio.Task[object] | None = None
 
     def to_proto(self) -> admin_pb2.TransferInfo:
@@ -52,6 +56,8 @@ class TransferTable:
     def __init__(self, history: int) -> None:
         self.active: dict[tuple[str, str], TransferRecord] = {}
         self.finished: deque[TransferRecord] = deque(maxlen=history)
+        self._pulled: OrderedDict[str, TransferRecord] = OrderedDict()
+        self._history = history
         self.succeeded = 0
         self.failed = 0
         self.bytes_moved = 0
@@ -70,10 +76,18 @@ class TransferTable:
         self.active.pop((record.role, record.transfer_id), None)
         self.finished.append(record)
         if state == common_pb2.TRANSFER_STATE_SUCCEEDED:
+            if record.role == "decode":
+                self._pulled[record.transfer_id] = record
+                while len(self._pulled) > self._history:
+                    self._pulled.popitem(last=False)
             self.succeeded += 1
             self.bytes_moved += record.nbytes
         else:
             self.failed += 1
+
+    def succeeded_pull(self, transfer_id: str) -> TransferRecord | None:
+        """A recent pull with this id that landed in full (kept for ``history`` transfers)."""
+        return self._pulled.get(transfer_id)
 
     def find(self, transfer_id: str) -> list[TransferRecord]:
         return [r for (_, tid), r in self.active.items() if tid == transfer_id]

@@ -129,8 +129,10 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
     @rpc_method
     async def Cancel(self, request: admin_pb2.AdminCancelRequest, context: Ctx) -> admin_pb2.AdminCancelResponse:  # noqa: N802
         self._check_changes_allowed("Cancel")
-        if self.node.cancel_transfer(request.id):
-            return admin_pb2.AdminCancelResponse(cancelled=True, detail="transfer cancelled")
+        cancelled, may_still_write = await self.node.cancel_transfer(request.id)
+        if cancelled:
+            detail = "transfer cancelled" + (" (UCX may still write its destination)" if may_still_write else "")
+            return admin_pb2.AdminCancelResponse(cancelled=True, detail=detail)
         offer = self.node.offers.offers.get(request.id)
         if offer is None:
             raise NotFoundError(f"no running transfer or live offer {request.id!r}")

@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from kvxfer_client._proto import engine_pb2, engine_pb2_grpc
+from kvxfer_client._ticket import Ticket
 
 from .._node import Node
 from ._rpc import rpc_method
@@ -61,4 +62,12 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
 
     @rpc_method
     async def Cancel(self, request: engine_pb2.CancelRequest, context: Ctx) -> engine_pb2.CancelResponse:  # noqa: N802
-        return engine_pb2.CancelResponse(cancelled=self.node.cancel_transfer(request.transfer_id))
+        cancelled, may_still_write = await self.node.cancel_transfer(request.transfer_id)
+        return engine_pb2.CancelResponse(cancelled=cancelled, may_still_write=may_still_write)
+
+    @rpc_method
+    async def ExtendLease(  # noqa: N802
+        self, request: engine_pb2.ExtendLeaseRequest, context: Ctx
+    ) -> engine_pb2.ExtendLeaseResponse:
+        remaining = await self.node.extend_lease(Ticket.from_proto(request.ticket), request.lease_s)
+        return engine_pb2.ExtendLeaseResponse(lease_remaining_s=remaining)

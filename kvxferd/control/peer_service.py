@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvxfer_client._errors import UnavailableError
+from kvxfer_client._errors import InvalidRequestError, UnavailableError
 from kvxfer_client._proto import peer_pb2, peer_pb2_grpc
 
 from .._log import log_event
@@ -36,3 +36,13 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
     # fixed sequence of steps (see peer.proto), not a stream of like messages.
     async def Transfer(self, request_iterator: Any, context: Ctx) -> None:  # type: ignore[override]  # noqa: N802
         await self.node.serve_transfer(context)
+
+    @rpc_method
+    async def ExtendLease(  # noqa: N802
+        self, request: peer_pb2.PeerExtendLeaseRequest, context: Ctx
+    ) -> peer_pb2.PeerExtendLeaseResponse:
+        max_lease = self.node.settings.max_lease_s
+        if not 0 < request.lease_s <= max_lease:
+            raise InvalidRequestError(f"lease_s must be in (0, {max_lease}]")
+        remaining = self.node.offers.extend(request.offer_id, bytes(request.token), request.lease_s)
+        return peer_pb2.PeerExtendLeaseResponse(lease_remaining_s=remaining)

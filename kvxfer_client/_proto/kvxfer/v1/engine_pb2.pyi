@@ -413,16 +413,65 @@ class CancelResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     CANCELLED_FIELD_NUMBER: _builtins.int
+    MAY_STILL_WRITE_FIELD_NUMBER: _builtins.int
     cancelled: _builtins.bool
+    may_still_write: _builtins.bool
+    """True when UCX has not confirmed that the destination will not be written any more: the
+    engine must keep those blocks out of use (quarantine) until it frees the pool.
+    """
     def __init__(
         self,
         *,
         cancelled: _builtins.bool = ...,
+        may_still_write: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancelled", b"cancelled"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancelled", b"cancelled", "may_still_write", b"may_still_write"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CancelResponse: _TypeAlias = CancelResponse  # noqa: Y015
+
+@_typing.final
+class ExtendLeaseRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TICKET_FIELD_NUMBER: _builtins.int
+    LEASE_S_FIELD_NUMBER: _builtins.int
+    lease_s: _builtins.float
+    """New lease from now, in seconds (capped by the offering daemon's max_lease_s)."""
+    @_builtins.property
+    def ticket(self) -> _common_pb2.Ticket: ...
+    def __init__(
+        self,
+        *,
+        ticket: _common_pb2.Ticket | None = ...,
+        lease_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ticket", b"ticket"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_s", b"lease_s", "ticket", b"ticket"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ExtendLeaseRequest: _TypeAlias = ExtendLeaseRequest  # noqa: Y015
+
+@_typing.final
+class ExtendLeaseResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LEASE_REMAINING_S_FIELD_NUMBER: _builtins.int
+    lease_remaining_s: _builtins.float
+    def __init__(
+        self,
+        *,
+        lease_remaining_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_remaining_s", b"lease_remaining_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ExtendLeaseResponse: _TypeAlias = ExtendLeaseResponse  # noqa: Y015

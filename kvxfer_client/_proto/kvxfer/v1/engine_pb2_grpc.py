@@ -70,6 +70,11 @@ class EngineServiceStub:
                 request_serializer=kvxfer_dot_v1_dot_engine__pb2.CancelRequest.SerializeToString,
                 response_deserializer=kvxfer_dot_v1_dot_engine__pb2.CancelResponse.FromString,
                 _registered_method=True)
+        self.ExtendLease = channel.unary_unary(
+                '/kvxfer.v1.EngineService/ExtendLease',
+                request_serializer=kvxfer_dot_v1_dot_engine__pb2.ExtendLeaseRequest.SerializeToString,
+                response_deserializer=kvxfer_dot_v1_dot_engine__pb2.ExtendLeaseResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServiceServicer:
@@ -118,7 +123,16 @@ class EngineServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Cancel(self, request, context):
-        """Cancels a running transfer.
+        """Cancels a running transfer (a pull here, or a peer's pull of an offer of ours) and waits
+        until the data plane has stopped writing, or says that it may still write.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ExtendLease(self, request, context):
+        """Extends the lease of an offer this engine holds a ticket for but has not pulled yet (the
+        decode side's heartbeat while the request waits), on whichever daemon made the offer.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -161,6 +175,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.Cancel,
                     request_deserializer=kvxfer_dot_v1_dot_engine__pb2.CancelRequest.FromString,
                     response_serializer=kvxfer_dot_v1_dot_engine__pb2.CancelResponse.SerializeToString,
+            ),
+            'ExtendLease': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExtendLease,
+                    request_deserializer=kvxfer_dot_v1_dot_engine__pb2.ExtendLeaseRequest.FromString,
+                    response_serializer=kvxfer_dot_v1_dot_engine__pb2.ExtendLeaseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -352,6 +371,33 @@ class EngineService:
             '/kvxfer.v1.EngineService/Cancel',
             kvxfer_dot_v1_dot_engine__pb2.CancelRequest.SerializeToString,
             kvxfer_dot_v1_dot_engine__pb2.CancelResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExtendLease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvxfer.v1.EngineService/ExtendLease',
+            kvxfer_dot_v1_dot_engine__pb2.ExtendLeaseRequest.SerializeToString,
+            kvxfer_dot_v1_dot_engine__pb2.ExtendLeaseResponse.FromString,
             options,
             channel_credentials,
             insecure,

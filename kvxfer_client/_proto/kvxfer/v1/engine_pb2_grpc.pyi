@@ -46,7 +46,13 @@ class EngineServiceStub:
     Release: _grpc.UnaryUnaryMultiCallable[_engine_pb2.ReleaseRequest, _engine_pb2.ReleaseResponse]
     """Withdraws an offer that has not been pulled."""
     Cancel: _grpc.UnaryUnaryMultiCallable[_engine_pb2.CancelRequest, _engine_pb2.CancelResponse]
-    """Cancels a running transfer."""
+    """Cancels a running transfer (a pull here, or a peer's pull of an offer of ours) and waits
+    until the data plane has stopped writing, or says that it may still write.
+    """
+    ExtendLease: _grpc.UnaryUnaryMultiCallable[_engine_pb2.ExtendLeaseRequest, _engine_pb2.ExtendLeaseResponse]
+    """Extends the lease of an offer this engine holds a ticket for but has not pulled yet (the
+    decode side's heartbeat while the request waits), on whichever daemon made the offer.
+    """
 
 @_typing.type_check_only
 class EngineServiceAsyncStub(EngineServiceStub):
@@ -65,7 +71,13 @@ class EngineServiceAsyncStub(EngineServiceStub):
     Release: _aio.UnaryUnaryMultiCallable[_engine_pb2.ReleaseRequest, _engine_pb2.ReleaseResponse]  # type: ignore[assignment]
     """Withdraws an offer that has not been pulled."""
     Cancel: _aio.UnaryUnaryMultiCallable[_engine_pb2.CancelRequest, _engine_pb2.CancelResponse]  # type: ignore[assignment]
-    """Cancels a running transfer."""
+    """Cancels a running transfer (a pull here, or a peer's pull of an offer of ours) and waits
+    until the data plane has stopped writing, or says that it may still write.
+    """
+    ExtendLease: _aio.UnaryUnaryMultiCallable[_engine_pb2.ExtendLeaseRequest, _engine_pb2.ExtendLeaseResponse]  # type: ignore[assignment]
+    """Extends the lease of an offer this engine holds a ticket for but has not pulled yet (the
+    decode side's heartbeat while the request waits), on whichever daemon made the offer.
+    """
 
 class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -123,6 +135,18 @@ class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _engine_pb2.CancelRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_engine_pb2.CancelResponse, _abc.Awaitable[_engine_pb2.CancelResponse]]:
-        """Cancels a running transfer."""
+        """Cancels a running transfer (a pull here, or a peer's pull of an offer of ours) and waits
+        until the data plane has stopped writing, or says that it may still write.
+        """
+
+    @_abc_1.abstractmethod
+    def ExtendLease(
+        self,
+        request: _engine_pb2.ExtendLeaseRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_engine_pb2.ExtendLeaseResponse, _abc.Awaitable[_engine_pb2.ExtendLeaseResponse]]:
+        """Extends the lease of an offer this engine holds a ticket for but has not pulled yet (the
+        decode side's heartbeat while the request waits), on whichever daemon made the offer.
+        """
 
 def add_EngineServiceServicer_to_server(servicer: EngineServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

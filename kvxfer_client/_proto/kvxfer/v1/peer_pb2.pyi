@@ -23,6 +23,50 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
+class PeerExtendLeaseRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OFFER_ID_FIELD_NUMBER: _builtins.int
+    TOKEN_FIELD_NUMBER: _builtins.int
+    LEASE_S_FIELD_NUMBER: _builtins.int
+    offer_id: _builtins.str
+    token: _builtins.bytes
+    lease_s: _builtins.float
+    def __init__(
+        self,
+        *,
+        offer_id: _builtins.str = ...,
+        token: _builtins.bytes = ...,
+        lease_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_s", b"lease_s", "offer_id", b"offer_id", "token", b"token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PeerExtendLeaseRequest: _TypeAlias = PeerExtendLeaseRequest  # noqa: Y015
+
+@_typing.final
+class PeerExtendLeaseResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LEASE_REMAINING_S_FIELD_NUMBER: _builtins.int
+    lease_remaining_s: _builtins.float
+    def __init__(
+        self,
+        *,
+        lease_remaining_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_remaining_s", b"lease_remaining_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PeerExtendLeaseResponse: _TypeAlias = PeerExtendLeaseResponse  # noqa: Y015
+
+@_typing.final
 class PeerIdentity(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -45,6 +45,11 @@ class PeerServiceStub:
                 request_serializer=kvxfer_dot_v1_dot_peer__pb2.TransferClientMessage.SerializeToString,
                 response_deserializer=kvxfer_dot_v1_dot_peer__pb2.TransferServerMessage.FromString,
                 _registered_method=True)
+        self.ExtendLease = channel.unary_unary(
+                '/kvxfer.v1.PeerService/ExtendLease',
+                request_serializer=kvxfer_dot_v1_dot_peer__pb2.PeerExtendLeaseRequest.SerializeToString,
+                response_deserializer=kvxfer_dot_v1_dot_peer__pb2.PeerExtendLeaseResponse.FromString,
+                _registered_method=True)
 
 
 class PeerServiceServicer:
@@ -66,6 +71,13 @@ class PeerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExtendLease(self, request, context):
+        """Extends the lease of an offer of the called daemon (checked against the offer's token).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -78,6 +90,11 @@ def add_PeerServiceServicer_to_server(servicer, server):
                     servicer.Transfer,
                     request_deserializer=kvxfer_dot_v1_dot_peer__pb2.TransferClientMessage.FromString,
                     response_serializer=kvxfer_dot_v1_dot_peer__pb2.TransferServerMessage.SerializeToString,
+            ),
+            'ExtendLease': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExtendLease,
+                    request_deserializer=kvxfer_dot_v1_dot_peer__pb2.PeerExtendLeaseRequest.FromString,
+                    response_serializer=kvxfer_dot_v1_dot_peer__pb2.PeerExtendLeaseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -134,6 +151,33 @@ class PeerService:
             '/kvxfer.v1.PeerService/Transfer',
             kvxfer_dot_v1_dot_peer__pb2.TransferClientMessage.SerializeToString,
             kvxfer_dot_v1_dot_peer__pb2.TransferServerMessage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExtendLease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvxfer.v1.PeerService/ExtendLease',
+            kvxfer_dot_v1_dot_peer__pb2.PeerExtendLeaseRequest.SerializeToString,
+            kvxfer_dot_v1_dot_peer__pb2.PeerExtendLeaseResponse.FromString,
             options,
             channel_credentials,
             insecure,

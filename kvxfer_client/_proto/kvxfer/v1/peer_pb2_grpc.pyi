@@ -41,6 +41,8 @@ class PeerServiceStub:
     accepted, sends the bytes over UCX, answers sent; the client answers done once every byte
     has landed, and the offering daemon answers closed after releasing the offer.
     """
+    ExtendLease: _grpc.UnaryUnaryMultiCallable[_peer_pb2.PeerExtendLeaseRequest, _peer_pb2.PeerExtendLeaseResponse]
+    """Extends the lease of an offer of the called daemon (checked against the offer's token)."""
 
 @_typing.type_check_only
 class PeerServiceAsyncStub(PeerServiceStub):
@@ -52,6 +54,8 @@ class PeerServiceAsyncStub(PeerServiceStub):
     accepted, sends the bytes over UCX, answers sent; the client answers done once every byte
     has landed, and the offering daemon answers closed after releasing the offer.
     """
+    ExtendLease: _aio.UnaryUnaryMultiCallable[_peer_pb2.PeerExtendLeaseRequest, _peer_pb2.PeerExtendLeaseResponse]  # type: ignore[assignment]
+    """Extends the lease of an offer of the called daemon (checked against the offer's token)."""
 
 class PeerServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -72,5 +76,13 @@ class PeerServiceServicer(metaclass=_abc_1.ABCMeta):
         accepted, sends the bytes over UCX, answers sent; the client answers done once every byte
         has landed, and the offering daemon answers closed after releasing the offer.
         """
+
+    @_abc_1.abstractmethod
+    def ExtendLease(
+        self,
+        request: _peer_pb2.PeerExtendLeaseRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_peer_pb2.PeerExtendLeaseResponse, _abc.Awaitable[_peer_pb2.PeerExtendLeaseResponse]]:
+        """Extends the lease of an offer of the called daemon (checked against the offer's token)."""
 
 def add_PeerServiceServicer_to_server(servicer: PeerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,137 @@
+"""Leases with a decode-side heartbeat, cancel from either side, idempotent pull retries."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from bench.cluster import Cluster
+from kvxfer_client import (
+    AlreadyExistsError,
+    AsyncKvxferClient,
+    HostBuffer,
+    KvxferError,
+    Layout,
+    NotFoundError,
+    PermissionDeniedError,
+    Pool,
+    ReleaseReason,
+    Ticket,
+)
+
+LAYOUT = Layout.paged_kv(num_layers=4, num_blocks=256, block_bytes=64 << 10)  # 128 MiB per pool
+
+
+@dataclass
+class Pair:
+    prefill: AsyncKvxferClient
+    decode: AsyncKvxferClient
+    src: Pool
+    dst: Pool
+    dst_buffers: list[HostBuffer]
+
+
+@pytest.fixture
+async def pair(two_daemons: Cluster) -> AsyncIterator[Pair]:
+    a, b = two_daemons.daemons
+    p = await AsyncKvxferClient(a.socket, engine_name="p").connect()
+    d = await AsyncKvxferClient(b.socket, engine_name="d").connect()
+    src = [HostBuffer.create(s) for s in LAYOUT.buffer_sizes()]
+    for i, buf in enumerate(src):
+        buf.array()[:] = np.random.default_rng(i).integers(0, 256, buf.size, dtype=np.uint8)
+    dst = [HostBuffer.create(s) for s in LAYOUT.buffer_sizes()]
+    yield Pair(p, d, await p.register_pool(src, LAYOUT), await d.register_pool(dst, LAYOUT), dst)
+    await p.close()
+    await d.close()
+
+
+async def test_a_heartbeat_keeps_a_short_lease_alive_across_daemons(pair: Pair) -> None:
+    ticket = await pair.prefill.offer(pair.src, [1, 2, 3], lease_s=0.6)
+    for _ in range(6):  # 1.8 s of waiting, three times the lease
+        remaining = await pair.decode.extend_lease(ticket, 0.6)
+        assert 0.4 < remaining <= 0.6
+        await asyncio.sleep(0.3)
+    result = await pair.decode.pull(ticket, pair.dst, [7, 8, 9])
+    assert result.bytes == 3 * LAYOUT.bytes_per_block
+    assert (await pair.prefill.wait_released(ticket.offer_id, 5)).reason is ReleaseReason.PULLED
+
+
+async def test_without_the_heartbeat_the_lease_expires_and_the_pull_finds_nothing(pair: Pair) -> None:
+    ticket = await pair.prefill.offer(pair.src, [4], lease_s=0.3)
+    assert (await pair.prefill.wait_released(ticket.offer_id, 5)).reason is ReleaseReason.EXPIRED
+    with pytest.raises(NotFoundError):
+        await pair.decode.extend_lease(ticket, 1.0)
+    with pytest.raises(NotFoundError):
+        await pair.decode.pull(ticket, pair.dst, [4])
+
+
+async def test_a_heartbeat_with_a_wrong_token_is_refused_and_changes_nothing(pair: Pair) -> None:
+    ticket = await pair.prefill.offer(pair.src, [5], lease_s=0.5)
+    forged = Ticket(**{**ticket.__dict__, "token": b"\0" * 16})
+    with pytest.raises(PermissionDeniedError):
+        await pair.decode.extend_lease(forged, 60)
+    assert (await pair.prefill.wait_released(ticket.offer_id, 5)).reason is ReleaseReason.EXPIRED
+
+
+async def test_a_retried_pull_with_the_same_transfer_id_moves_nothing_twice(pair: Pair) -> None:
+    ticket = await pair.prefill.offer(pair.src, [10, 11])
+    first = await pair.decode.pull(ticket, pair.dst, [20, 21], transfer_id="retry-1")
+    landed = [b.array().copy() for b in pair.dst_buffers]
+    # The engine lost the answer and retries: same answer, and the destination is not written
+    # again (an engine may already have started using those blocks).
+    pair.dst_buffers[0].array()[:] = 0
+    again = await pair.decode.pull(ticket, pair.dst, [20, 21], transfer_id="retry-1")
+    assert (again.transfer_id, again.bytes) == (first.transfer_id, first.bytes)
+    assert not pair.dst_buffers[0].array().any()
+    assert all(np.array_equal(x.array(), y) for x, y in zip(pair.dst_buffers[1:], landed[1:], strict=True))
+    # The same id for another destination is refused.
+    with pytest.raises(AlreadyExistsError):
+        await pair.decode.pull(ticket, pair.dst, [30, 31], transfer_id="retry-1")
+
+
+async def test_the_decode_side_cancels_its_pull_and_learns_that_nothing_writes_any_more(
+    two_daemons: Cluster, pair: Pair
+) -> None:
+    ticket = await pair.prefill.offer(pair.src, list(range(0, 256, 2)))  # 64 MiB
+    pulling = asyncio.create_task(pair.decode.pull(ticket, pair.dst, list(range(128)), transfer_id="cancel-d"))
+    outcome = None
+    for _ in range(200):
+        await asyncio.sleep(0.005)
+        outcome = await pair.decode.cancel("cancel-d")
+        if outcome.cancelled or pulling.done():
+            break
+    assert outcome is not None
+    if not outcome.cancelled:
+        pytest.skip("the pull finished before the cancel reached it")
+    assert outcome.may_still_write is False
+    with pytest.raises(KvxferError):
+        await pulling
+    snapshot = [b.array().copy() for b in pair.dst_buffers]
+    await asyncio.sleep(0.5)
+    assert all(np.array_equal(b.array(), s) for b, s in zip(pair.dst_buffers, snapshot, strict=True))
+    released = await pair.prefill.wait_released(ticket.offer_id, 10)
+    assert released.reason is ReleaseReason.FAILED
+
+
+async def test_the_prefill_side_aborts_a_pull_of_its_offer_and_the_decode_side_is_told(pair: Pair) -> None:
+    ticket = await pair.prefill.offer(pair.src, list(range(1, 256, 2)))
+    t0 = time.monotonic()
+    pulling = asyncio.create_task(pair.decode.pull(ticket, pair.dst, list(range(128, 256)), transfer_id="abort-p"))
+    outcome = None
+    for _ in range(200):
+        await asyncio.sleep(0.005)
+        outcome = await pair.prefill.cancel("abort-p")  # the prefill daemon serves this transfer id
+        if outcome.cancelled or pulling.done():
+            break
+    assert outcome is not None
+    if not outcome.cancelled:
+        pytest.skip("the pull finished before the abort reached it")
+    with pytest.raises(KvxferError):
+        await pulling
+    assert time.monotonic() - t0 < 5.0
+    assert (await pair.prefill.wait_released(ticket.offer_id, 10)).reason is ReleaseReason.FAILED
