@@ -74,6 +74,9 @@ class Settings:
     #: Receive fragmented chunks straight into the pool with UCP IOV receives (needs UCXX's
     #: blocking or polling progress mode); off: receive into staging and unpack.
     ucx_iov_receive: bool = True
+    #: The UCX data plane; off, the daemon serves the local path only (and its peer port
+    #: reports NOT_SERVING).
+    ucx_enabled: bool = True
     #: Seconds SIGTERM waits for running transfers before cancelling them.
     drain_grace_s: float = 10.0
     #: Finished transfers kept for kvxferctl.

@@ -50,7 +50,9 @@ def _socket_in_use(path: str) -> bool:
 async def serve(settings: Settings) -> int:
     """Run the daemon until SIGTERM/SIGINT (or an admin Drain); return the exit code."""
     ucx = None
-    if ucx_available():
+    if not settings.ucx_enabled:
+        log_event("ucx.disabled", logging.WARNING, detail="ucx_enabled is off: local pulls only")
+    elif ucx_available():
         ucx = UcxTransport(iov_receive=settings.ucx_iov_receive)
     else:
         log_event("ucx.missing", logging.WARNING, detail="remote pulls disabled: install kvxfer[ucx]")
@@ -129,6 +131,7 @@ async def serve(settings: Settings) -> int:
         with open(tmp, "w") as fh:
             json.dump(ready, fh)
         os.replace(tmp, settings.ready_file)
+    health_watch = asyncio.create_task(_watch_data_plane(node, peer_listener), name="data-plane-health")
     systemd = Notifier()
     systemd.notify(f"READY=1\nSTATUS=serving as {node.daemon_id}\nMAINPID={os.getpid()}")
     systemd.start_watchdog()
@@ -138,6 +141,7 @@ async def serve(settings: Settings) -> int:
 
     # Drain: health says NOT_SERVING, no new offers or pulls, running transfers get the grace
     # period, then whatever is left is cancelled and every offer released.
+    health_watch.cancel()
     for listener in listeners:
         await listener.set_serving(False)
     finished = await node.wait_idle(settings.drain_grace_s)
@@ -159,6 +163,19 @@ async def serve(settings: Settings) -> int:
     if settings.ready_file and os.path.exists(settings.ready_file):
         os.unlink(settings.ready_file)
     return 0
+
+
+async def _watch_data_plane(node: Node, peer_listener: Listener, interval_s: float = 1.0) -> None:
+    """The peer port's health follows the data plane: NOT_SERVING without a working UCX."""
+    reported: bool | None = None
+    while True:
+        ok = node.data_plane_ok and not node.draining
+        if ok != reported:
+            await peer_listener.set_serving(ok)
+            if reported is not None or not ok:
+                log_event("health.data_plane", logging.INFO if ok else logging.ERROR, serving=ok)
+            reported = ok
+        await asyncio.sleep(interval_s)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

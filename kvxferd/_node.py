@@ -108,6 +108,11 @@ class Node:
         self._idle = asyncio.Event()
         self._idle.set()
 
+    @property
+    def data_plane_ok(self) -> bool:
+        """Whether remote transfers can run: UCX loaded and its worker progressing."""
+        return self.ucx is not None and self.ucx.healthy
+
     def _pool_bytes(self) -> dict[tuple[str, str], int]:
         totals: dict[tuple[str, str], int] = {}
         for pool in list(self.pools.pools.values()):

@@ -98,6 +98,11 @@ class ProgressDriver:
         self._wake = asyncio.Event()
         self._task = asyncio.get_running_loop().create_task(self._run(), name="ucx-progress")
 
+    @property
+    def alive(self) -> bool:
+        """False once progressing the worker failed: no UCX transfer can complete any more."""
+        return not self._task.done()
+
     def busy(self) -> AbstractContextManager[None]:
         """``with driver.busy():`` around a transfer keeps progress tight while it runs."""
         return _Busy(self)
@@ -189,6 +194,10 @@ class UcxTransport:
             ep = await self._ucxx.create_endpoint_from_worker_address(addr, endpoint_error_handling=error_handling)
             self._endpoints[peer_id] = ep
             return ep
+
+    @property
+    def healthy(self) -> bool:
+        return self.progress is None or self.progress.alive
 
     @property
     def endpoint_count(self) -> int:

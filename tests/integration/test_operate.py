@@ -150,3 +150,34 @@ def test_json_logs_one_line_per_lifecycle_event_with_ids_and_nothing_per_segment
                 assert r["offer_id"] == ticket["offer_id"]
         about_it = [r for r in records if result["transfer_id"] in json.dumps(r) or ticket["offer_id"] in json.dumps(r)]
         assert 1 <= len(about_it) <= 6, [r["event"] for r in about_it]  # not one per segment or chunk
+
+
+def test_without_a_data_plane_the_peer_port_is_not_serving_but_local_handoffs_work(cluster: Cluster) -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    a = cluster.daemon("a", "--no-ucx-enabled")
+    b = cluster.daemon("b")
+
+    def health(target: str) -> int:
+        with grpc.insecure_channel(target) as channel:
+            return int(health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status)
+
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    deadline = time.monotonic() + 5
+    while health(a.info["peer_address"]) != not_serving and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert health(a.info["peer_address"]) == not_serving
+    assert health("unix:" + a.socket) == serving
+    assert health(b.info["peer_address"]) == serving
+
+    shape = {"layers": 1, "blocks": 8, "block_bytes": 4096}
+    prefill, local, remote = cluster.engine(a, "p"), cluster.engine(a, "dl"), cluster.engine(b, "dr")
+    prefill("pool", shape=shape, seed=3)
+    local("pool", shape=shape)
+    remote("pool", shape=shape)
+    t1, t2 = prefill("offer", requests=[[1], [2]])["tickets"]
+    assert local("pull", pulls=[[t1, [5]]])["results"][0]["ok"]
+    failed = remote("pull", pulls=[[t2, [5]]])["results"][0]
+    # The Hello already tells: the peer has no UCX worker (FAILED_PRECONDITION, named).
+    assert not failed["ok"] and failed["type"] == "IncompatibleError" and "UCX" in failed["error"]
