@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import re
 import secrets
 import socket
 import threading
@@ -323,6 +324,8 @@ class Node:
         """Cancel every running transfer with this id (our pull, or a peer's pull of our
         offer: the peer then sees its pull fail). Returns ``(cancelled, may_still_write)``
         once the transfers have unwound, or after ``peer_timeout_s`` if they have not."""
+        if not 1 <= len(transfer_id) <= 128:
+            raise InvalidRequestError("transfer_id must be 1..128 characters")
         records = self.transfers.find(transfer_id)
         tasks = [r.task for r in records if r.task is not None and not r.task.done()]
         unconfirmed = self._unconfirmed_receives()
@@ -338,8 +341,9 @@ class Node:
     def _unconfirmed_receives(self) -> int:
         return self.ucx.iov.unconfirmed if self.ucx is not None and self.ucx.iov is not None else 0
 
-    async def extend_lease(self, ticket: Ticket, lease_s: float) -> float:
+    async def extend_lease(self, msg: common_pb2.Ticket, lease_s: float) -> float:
         """Extend an offer's lease on the daemon that made it; returns seconds left."""
+        ticket = _checked_ticket(msg)
         if not 0 < lease_s <= self.settings.max_lease_s:
             raise InvalidRequestError(f"lease_s must be in (0, {self.settings.max_lease_s}]")
         if ticket.daemon_id == self.daemon_id:
@@ -368,9 +372,7 @@ class Node:
     async def pull(self, req: engine_pb2.PullRequest) -> engine_pb2.PullResponse:
         if self.draining:
             raise UnavailableError("kvxferd is draining: no new pulls")
-        ticket = Ticket.from_proto(req.ticket)
-        if ticket.offer_id == "" or len(ticket.token) != 16:
-            raise InvalidRequestError("malformed ticket (offer id or token missing)")
+        ticket = _checked_ticket(req.ticket)
         pool = self.pools.get(req.pool_id)
         ids = check_block_ids(req.block_ids, pool.layout.num_blocks, "pull destination")
         if len(ids) != ticket.num_blocks:
@@ -638,6 +640,21 @@ class Node:
         finally:
             self._done_with(pool)
         self._end(record, common_pb2.TRANSFER_STATE_SUCCEEDED)
+
+
+_ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]{1,253}):[0-9]{1,5}$")
+
+
+def _checked_ticket(msg: common_pb2.Ticket) -> Ticket:
+    """A ticket from a request, refused (INVALID_ARGUMENT) unless it is well formed."""
+    ticket = Ticket.from_proto(msg)
+    if not ticket.offer_id or len(ticket.offer_id) > 128 or len(ticket.token) != 16:
+        raise InvalidRequestError("malformed ticket (offer id or 16-byte token missing)")
+    if not ticket.daemon_id or len(ticket.daemon_id) > 256:
+        raise InvalidRequestError("malformed ticket (daemon id missing)")
+    if not _ADDRESS.match(ticket.peer_address) or not 0 < int(ticket.peer_address.rsplit(":", 1)[1]) < 65536:
+        raise InvalidRequestError(f"malformed ticket: peer address {ticket.peer_address[:100]!r} is not host:port")
+    return ticket
 
 
 def _pull_response(record: TransferRecord) -> engine_pb2.PullResponse:

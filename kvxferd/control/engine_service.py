@@ -6,7 +6,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from kvxfer_client._proto import engine_pb2, engine_pb2_grpc
-from kvxfer_client._ticket import Ticket
 
 from .._node import Node
 from ._rpc import rpc_method
@@ -69,5 +68,5 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
     async def ExtendLease(  # noqa: N802
         self, request: engine_pb2.ExtendLeaseRequest, context: Ctx
     ) -> engine_pb2.ExtendLeaseResponse:
-        remaining = await self.node.extend_lease(Ticket.from_proto(request.ticket), request.lease_s)
+        remaining = await self.node.extend_lease(request.ticket, request.lease_s)
         return engine_pb2.ExtendLeaseResponse(lease_remaining_s=remaining)
