@@ -29,6 +29,8 @@ class Daemon:
     workdir: str
     args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
+    #: Words before the command, e.g. ``["ip", "netns", "exec", "ns1"]``.
+    prefix: list[str] = field(default_factory=list)
     proc: subprocess.Popen[bytes] | None = None
     info: dict[str, Any] = field(default_factory=dict)
 
@@ -45,6 +47,7 @@ class Daemon:
         if os.path.exists(ready):
             os.unlink(ready)
         cmd = [
+            *self.prefix,
             sys.executable,
             "-m",
             "kvxferd",
@@ -167,8 +170,10 @@ class Cluster:
         self.daemons: list[Daemon] = []
         self.engines: list[EngineProcess] = []
 
-    def daemon(self, name: str, *args: str, env: dict[str, str] | None = None) -> Daemon:
-        d = Daemon(name, self.workdir, list(args), env or {}).start()
+    def daemon(
+        self, name: str, *args: str, env: dict[str, str] | None = None, prefix: list[str] | None = None
+    ) -> Daemon:
+        d = Daemon(name, self.workdir, list(args), env or {}, prefix or []).start()
         self.daemons.append(d)
         return d
 
