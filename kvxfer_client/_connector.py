@@ -244,7 +244,8 @@ class ConnectorWorker:
         """Loads that failed since the last call: the engine recomputes or aborts them.
 
         The daemon cancels a failed pull's receives before it answers, so their destination
-        blocks can be reused.
+        blocks can be reused, except when the error's ``may_still_write`` is True (UCX did
+        not confirm the cancel): keep those blocks out of use until the pool goes away.
         """
         with self._lock:
             failed, self._failed = self._failed, {}

@@ -15,6 +15,7 @@ from __future__ import annotations
 import grpc
 
 __all__ = [
+    "MAY_STILL_WRITE",
     "AlreadyExistsError",
     "CancelledError",
     "DeadlineExceededError",
@@ -31,10 +32,20 @@ __all__ = [
 ]
 
 
+#: Ends the details of a failed pull whose destination UCX may still write (see below).
+MAY_STILL_WRITE = " [destination quarantined: UCX may still write it]"
+
+
 class KvxferError(Exception):
-    """Base class of every error kvxfer raises on purpose."""
+    """Base class of every error kvxfer raises on purpose.
+
+    ``may_still_write`` is True on a failed pull whose receives UCX did not confirm cancelled:
+    the engine must keep those destination blocks out of use (quarantine) until it
+    deregisters the pool, instead of handing them to another request.
+    """
 
     grpc_code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
+    may_still_write: bool = False
 
 
 class InvalidRequestError(KvxferError, ValueError):
@@ -120,7 +131,9 @@ _BY_CODE[grpc.StatusCode.UNIMPLEMENTED] = IncompatibleError
 def error_from_status(code: grpc.StatusCode | None, details: str | None) -> KvxferError:
     """Return the kvxfer error for a gRPC status code and its details."""
     cls = _BY_CODE.get(code, KvxferError) if code is not None else KvxferError
-    return cls(details or (code.name if code is not None else "unknown error"))
+    err = cls(details or (code.name if code is not None else "unknown error"))
+    err.may_still_write = bool(details and details.endswith(MAY_STILL_WRITE))
+    return err
 
 
 def error_from_rpc(exc: grpc.RpcError) -> KvxferError:

@@ -27,6 +27,7 @@ import grpc
 import numpy as np
 
 from kvxfer_client._errors import (
+    MAY_STILL_WRITE,
     AlreadyExistsError,
     CancelledError,
     DeadlineExceededError,
@@ -417,12 +418,15 @@ class Node:
                     await self._pull_remote(record, ticket, pool, ids, timeout)
         except TimeoutError:
             self._end(record, common_pb2.TRANSFER_STATE_FAILED, f"deadline of {timeout}s exceeded")
-            raise DeadlineExceededError(f"pull {transfer_id} did not finish within {timeout}s") from None
+            msg = f"pull {transfer_id} did not finish within {timeout}s"
+            raise DeadlineExceededError(msg + _quarantine(record)) from None
         except asyncio.CancelledError:
             self._end(record, common_pb2.TRANSFER_STATE_CANCELLED, "cancelled")
-            raise CancelledError(f"pull {transfer_id} was cancelled") from None
+            raise CancelledError(f"pull {transfer_id} was cancelled" + _quarantine(record)) from None
         except KvxferError as exc:
             self._end(record, common_pb2.TRANSFER_STATE_FAILED, str(exc))
+            if record.may_still_write:
+                raise type(exc)(str(exc) + _quarantine(record)) from None
             raise
         except Exception as exc:
             self._end(record, common_pb2.TRANSFER_STATE_FAILED, repr(exc))
@@ -519,7 +523,16 @@ class Node:
                         f"peer sends {accepted.accepted.total_bytes} bytes, destination expects {plan.total_bytes}"
                     )
                 receiving = asyncio.create_task(
-                    self.ucx.receive(ep, plan, dst.arrays, tag_base, lease, self.executor, self.settings.window)
+                    self.ucx.receive(
+                        ep,
+                        plan,
+                        dst.arrays,
+                        tag_base,
+                        lease,
+                        self.executor,
+                        self.settings.window,
+                        on_unconfirmed=lambda: setattr(record, "may_still_write", True),
+                    )
                 )
                 sent_task = asyncio.create_task(_read(call, "sent", None))
                 done, _ = await asyncio.wait({receiving, sent_task}, return_when=asyncio.FIRST_EXCEPTION)
@@ -655,6 +668,11 @@ def _checked_ticket(msg: common_pb2.Ticket) -> Ticket:
     if not _ADDRESS.match(ticket.peer_address) or not 0 < int(ticket.peer_address.rsplit(":", 1)[1]) < 65536:
         raise InvalidRequestError(f"malformed ticket: peer address {ticket.peer_address[:100]!r} is not host:port")
     return ticket
+
+
+def _quarantine(record: TransferRecord) -> str:
+    """The marker the SDK turns into ``KvxferError.may_still_write``."""
+    return MAY_STILL_WRITE if record.may_still_write else ""
 
 
 def _pull_response(record: TransferRecord) -> engine_pb2.PullResponse:

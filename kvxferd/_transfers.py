@@ -33,6 +33,8 @@ class TransferRecord:
     dst_key: str = ""
     #: Set when this daemon cancels the transfer itself (not its peer): told to the peer.
     abort_detail: str = ""
+    #: A receive of this (failed) pull was not confirmed cancelled by UCX.
+    may_still_write: bool = False
     task: asyncio.Task[object] | None = None
 
     def to_proto(self) -> admin_pb2.TransferInfo:

@@ -19,7 +19,7 @@ import ctypes
 import functools
 import itertools
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import cast
 
 import numpy as np
@@ -133,7 +133,13 @@ class IovReceiver:
         await asyncio.gather(*(_drain_one(self, entry, tag, timeout_s) for tag in tags))
         del sink
 
-    async def recv(self, iov: npt.NDArray[np.uint64], tag: int, keep: object = None) -> None:
+    async def recv(
+        self,
+        iov: npt.NDArray[np.uint64],
+        tag: int,
+        keep: object = None,
+        on_unconfirmed: Callable[[], None] | None = None,
+    ) -> None:
         """Receive one tagged message scattered over ``iov``.
 
         ``iov`` and ``keep`` (the arrays whose memory ``iov`` points into) stay referenced
@@ -169,6 +175,8 @@ class IovReceiver:
                 # The request stays with UCX; freeing it now would be unsafe. Count it until
                 # UCX completes it (the callback still resolves ``fut``).
                 self.unconfirmed += 1
+                if on_unconfirmed is not None:
+                    on_unconfirmed()
                 fut.add_done_callback(functools.partial(self._confirmed, req, (iov, keep)))
                 raise asyncio.CancelledError from None
             self._lib.ucp_request_free(req)

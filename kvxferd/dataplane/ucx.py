@@ -245,11 +245,13 @@ class UcxTransport:
         lease: StagingLease,
         executor: Executor,
         window: int,
+        on_unconfirmed: Callable[[], None] | None = None,
     ) -> None:
         """Receive every chunk of ``plan`` into the pool, ``window`` receives posted ahead.
 
         With scatter receives, a fragmented chunk lands directly in its segments; otherwise it
-        lands in staging and is unpacked.
+        lands in staging and is unpacked. ``on_unconfirmed`` is called when a cancelled receive
+        is not confirmed by UCX (its memory may still be written).
         """
         loop = asyncio.get_running_loop()
         iov = self.iov
@@ -257,7 +259,7 @@ class UcxTransport:
 
         async def recv(buf: U8, tag: int) -> None:
             if iov is not None:
-                await iov.recv(contiguous_iov(buf), tag, keep=buf)
+                await iov.recv(contiguous_iov(buf), tag, keep=buf, on_unconfirmed=on_unconfirmed)
             else:
                 await ep.recv(buf, tag=tag, force_tag=True)
 
@@ -267,7 +269,7 @@ class UcxTransport:
                 await recv(chunk_view(arrays, chunk), tag)
             elif staged is None:
                 assert iov is not None
-                await iov.recv(chunk_iov(arrays, chunk), tag, keep=list(arrays))
+                await iov.recv(chunk_iov(arrays, chunk), tag, keep=list(arrays), on_unconfirmed=on_unconfirmed)
             else:
                 await recv(staged[: chunk.nbytes], tag)
                 landed.add(chunk.index)

@@ -41,3 +41,12 @@ def test_errors_are_also_the_matching_builtin() -> None:
     assert issubclass(kx.DeadlineExceededError, TimeoutError)
     assert issubclass(kx.UnavailableError, ConnectionError)
     assert issubclass(kx.NotFoundError, LookupError)
+
+
+def test_a_quarantine_marker_in_the_details_sets_may_still_write() -> None:
+    import grpc
+
+    from kvxfer_client._errors import MAY_STILL_WRITE, error_from_status
+
+    assert error_from_status(grpc.StatusCode.UNAVAILABLE, "peer gone" + MAY_STILL_WRITE).may_still_write
+    assert not error_from_status(grpc.StatusCode.UNAVAILABLE, "peer gone").may_still_write

@@ -1,0 +1,41 @@
+"""The Hello's compatibility check: a mismatch is FAILED_PRECONDITION and names what differs."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from kvxfer_client import IncompatibleError
+from kvxfer_client._proto import peer_pb2
+from kvxferd.control.peers import check_compatible
+
+OURS = peer_pb2.PeerIdentity(daemon_id="a", version="0.1.0", protocol_version=1, ucx_worker_address=b"w")
+
+
+def theirs(**changes: object) -> peer_pb2.PeerIdentity:
+    msg = peer_pb2.PeerIdentity(daemon_id="b", version="0.1.0", protocol_version=1, ucx_worker_address=b"w")
+    for k, v in changes.items():
+        setattr(msg, k, v)
+    return msg
+
+
+def test_a_compatible_peer_passes() -> None:
+    check_compatible(OURS, theirs())
+
+
+@pytest.mark.parametrize(
+    ("changes", "named"),
+    [
+        (
+            {"protocol_version": 2, "version": "0.9.0"},
+            "speaks protocol 2, this daemon speaks 1 (versions 0.9.0 vs 0.1.0)",
+        ),
+        ({"daemon_id": "a"}, "equals ours"),
+        ({"daemon_id": ""}, "is empty"),
+        ({"ucx_worker_address": b""}, "has no UCX worker"),
+    ],
+)
+def test_an_incompatible_peer_is_refused_naming_the_mismatch(changes: dict[str, object], named: str) -> None:
+    with pytest.raises(IncompatibleError, match=named.replace("(", r"\(").replace(")", r"\)")) as info:
+        check_compatible(OURS, theirs(**changes))
+    assert info.value.grpc_code == grpc.StatusCode.FAILED_PRECONDITION
