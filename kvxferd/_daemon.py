@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import json
 import logging
 import os
@@ -68,6 +69,7 @@ async def serve(settings: Settings) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, request_drain)
+    loop.add_signal_handler(signal.SIGUSR1, _dump_tasks)
 
     if _socket_in_use(settings.engine_socket):
         log_event("daemon.socket_in_use", logging.ERROR, path=settings.engine_socket)
@@ -147,8 +149,7 @@ async def serve(settings: Settings) -> int:
     finished = await node.wait_idle(settings.drain_grace_s)
     if not finished:
         for record in list(node.transfers.active.values()):
-            if record.task is not None:
-                record.task.cancel()
+            node.abort(record, f"daemon {node.daemon_id} is shutting down (drain grace over)")
         await node.wait_idle(2.0)
     node.shutdown()
     for listener in listeners:
@@ -163,6 +164,19 @@ async def serve(settings: Settings) -> int:
     if settings.ready_file and os.path.exists(settings.ready_file):
         os.unlink(settings.ready_file)
     return 0
+
+
+def _dump_tasks() -> None:
+    """SIGUSR1: write every asyncio task's stack to the log (what is a stuck daemon doing?)."""
+    for task in asyncio.all_tasks():
+        frames: list[str] = []
+        awaited: Any = task.get_coro()
+        while awaited is not None and len(frames) < 40:
+            frame = getattr(awaited, "cr_frame", None) or getattr(awaited, "ag_frame", None)
+            if frame is not None:
+                frames.append(f"{frame.f_code.co_name}@{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}")
+            awaited = getattr(awaited, "cr_await", None) or getattr(awaited, "ag_await", None)
+        log_event("debug.task", name=task.get_name(), stack=" > ".join(frames))
 
 
 async def _watch_data_plane(node: Node, peer_listener: Listener, interval_s: float = 1.0) -> None:
@@ -180,6 +194,8 @@ async def _watch_data_plane(node: Node, peer_listener: Listener, interval_s: flo
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Console entry point of ``kvxferd``."""
+    # A fatal signal (a native library touching unmapped memory) leaves a traceback in the log.
+    faulthandler.enable()
     try:
         settings = load_settings(sys.argv[1:] if argv is None else argv)
     except (ValueError, OSError) as exc:

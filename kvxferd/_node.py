@@ -196,8 +196,10 @@ class Node:
                 self.release_offer(offer, reason, "pool deregistered")
                 released += 1
         for record in list(self.transfers.active.values()):
-            if pool_id in record.pools and record.task is not None:
-                record.task.cancel()
+            if pool_id in record.pools:
+                self.abort(
+                    record, f"pool {pool_id} of transfer {record.transfer_id} was deregistered on {self.daemon_id}"
+                )
         self.pools.remove(pool_id)
         session = self.sessions.get(pool.session_id)
         if session is not None:
@@ -331,13 +333,18 @@ class Node:
         tasks = [r.task for r in records if r.task is not None and not r.task.done()]
         unconfirmed = self._unconfirmed_receives()
         for r in records:
-            r.abort_detail = f"transfer {transfer_id} was cancelled on daemon {self.daemon_id}"
-        for task in tasks:
-            task.cancel()
+            self.abort(r, f"transfer {transfer_id} was cancelled on daemon {self.daemon_id}")
         if tasks:
             await asyncio.wait(tasks, timeout=self.settings.peer_timeout_s)
         still_running = any(not t.done() for t in tasks)
         return bool(records), still_running or self._unconfirmed_receives() > unconfirmed
+
+    def abort(self, record: TransferRecord, detail: str) -> None:
+        """Cancel a running transfer from this side; the peer is told ``detail`` (a cancelled
+        stream handler alone would leave it waiting for its deadline)."""
+        record.abort_detail = record.abort_detail or detail
+        if record.task is not None and not record.task.done():
+            record.task.cancel()
 
     def _unconfirmed_receives(self) -> int:
         return self.ucx.iov.unconfirmed if self.ucx is not None and self.ucx.iov is not None else 0

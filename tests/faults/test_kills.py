@@ -37,7 +37,9 @@ SLACK_S = 2.0  # process scheduling on a loaded 2-core machine
 SHAPE = {"layers": 4, "blocks": 256, "block_bytes": 128 << 10}  # 256 KiB per block and layer (K+V)
 BLOCKS_PER_PULL = 16  # 16 MiB per pull
 PULLS = 4
-VICTIMS = ("prefill_daemon", "decode_daemon", "prefill_engine", "decode_engine")
+ALL_VICTIMS = ("prefill_daemon", "decode_daemon", "prefill_engine", "decode_engine")
+#: ``KVXFER_FAULT_VICTIMS=prefill_engine`` narrows the chaos to one kind of process.
+VICTIMS = tuple(os.environ.get("KVXFER_FAULT_VICTIMS", ",".join(ALL_VICTIMS)).split(","))
 PEER_TIMEOUT_S = 2.0
 DAEMON_ARGS = ("--peer-timeout-s", str(PEER_TIMEOUT_S), "--chunk-bytes", "1048576", "--window", "4")
 
@@ -171,6 +173,8 @@ def test_sigkill_at_random_points_loses_nothing_and_never_waits_past_the_deadlin
             for t in tickets:
                 chaos.prefill_engine.call("withdraw", offer_id=t["offer_id"])
         for d in survivors:
+            alive = d.proc is not None and d.proc.poll() is None
+            assert alive, f"round {round_no}: {d.name} died after {victim} was killed:\n{d.log()[-4000:]}"
             assert serving(d), f"round {round_no}: {d.name} is not serving after {victim} was killed"
             s = settled(d)
             for what in (
