@@ -559,6 +559,10 @@ class Node:
                     await asyncio.wait({receiving}, timeout=self.settings.peer_timeout_s)
                     if self.ucx.iov is None:
                         self.ucx.forget(peer.daemon_id)  # UCXX receives cancel only with it
+                    elif record.may_still_write:
+                        # UCX would not cancel a matched receive: closing the endpoint makes it
+                        # give the receive up (the next pull says Hello again).
+                        self._drop_peer(peer)
                     lease.poisoned = True
                 call.cancel()
                 err = _peer_error(exc, ticket.peer_address) if isinstance(exc, grpc.RpcError) else exc

@@ -182,6 +182,8 @@ class UcxTransport:
         self.scatter_receive = iov_receive and self.iov is not None
         self._connecting: dict[str, asyncio.Lock] = {}
         self._drains: set[asyncio.Task[None]] = set()
+        #: Sends UCX has not finished, including those of cancelled transfers (see send()).
+        self._sends: set[asyncio.Future[Any]] = set()
 
     async def endpoint(self, peer_id: str, address: bytes, error_handling: bool) -> Any:
         """The endpoint to ``peer_id`` (created from its worker address once, then cached)."""
@@ -194,6 +196,10 @@ class UcxTransport:
             ep = await self._ucxx.create_endpoint_from_worker_address(addr, endpoint_error_handling=error_handling)
             self._endpoints[peer_id] = ep
             return ep
+
+    @property
+    def sends_pending(self) -> int:
+        return len(self._sends)
 
     @property
     def healthy(self) -> bool:
@@ -231,7 +237,13 @@ class UcxTransport:
 
         async def move(chunk: ChunkPlan, staged: U8 | None) -> None:
             data = chunk_view(arrays, chunk) if staged is None else staged[: chunk.nbytes]
-            await ep.send(data, tag=tag_base | chunk.index, force_tag=True)
+            # The send runs in its own task, shielded: when the transfer is cancelled, UCX may
+            # still read ``data`` (a view of the pool or of staging), so the task keeps it
+            # referenced (and the pool mapped) until UCX completes or cancels the request.
+            sending = asyncio.ensure_future(ep.send(data, tag=tag_base | chunk.index, force_tag=True))
+            self._sends.add(sending)
+            sending.add_done_callback(_retire_send(self._sends))
+            await asyncio.shield(sending)
 
         with self._busy():
             await _pipeline(plan, lease, window, move, pack)
@@ -291,6 +303,15 @@ class UcxTransport:
 
     def _busy(self) -> AbstractContextManager[None]:
         return self.progress.busy() if self.progress is not None else nullcontext()
+
+
+def _retire_send(pending: set[asyncio.Future[Any]]) -> Callable[[asyncio.Future[Any]], None]:
+    def retire(fut: asyncio.Future[Any]) -> None:
+        pending.discard(fut)
+        if not fut.cancelled():
+            fut.exception()  # retrieved: a send of an abandoned transfer may fail, that is expected
+
+    return retire
 
 
 async def _pipeline(

@@ -7,9 +7,10 @@ is SIGKILLed. Then, per round:
 * no wait goes past the deadline: the pull call returns (or its engine is dead) within 5 s of
   the kill, plus scheduling slack;
 * every pull that reported success is byte-exact, every other one is reported as failed;
-* the surviving daemons stay healthy and, once the round settles, hold no offer, transfer,
-  staging buffer or unconfirmed UCX receive of that round, and at most one UCX endpoint (to
-  the live peer) (read through AdminService);
+* the surviving daemons stay healthy and, once the round settles, hold no offer, transfer or
+  staging buffer of that round, and at most one UCX endpoint (to the live peer), read through
+  AdminService; receives UCX did not confirm cancelled (quarantined, reported to the engine as
+  ``may_still_write``) are counted and printed, not failed;
 * the killed process is restarted and the next round starts on a working cluster (peers say
   Hello again to a restarted daemon).
 
@@ -60,7 +61,10 @@ def settled(daemon: Daemon, timeout_s: float = DEADLINE_S + PEER_TIMEOUT_S + SLA
     """The daemon's status once nothing of the round is left (or the last one seen)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        s = status(daemon)
+        try:
+            s = status(daemon)
+        except grpc.RpcError as exc:
+            raise AssertionError(f"{daemon.name} stopped answering ({exc.code()}):\n{daemon.log()[-6000:]}") from None
         idle = (
             s.active_offers == 0
             and s.active_transfers == 0
@@ -82,6 +86,7 @@ class Tally:
     leaks: list[str] = field(default_factory=list)
     byte_errors: int = 0
     max_wait: float = 0.0
+    quarantined: list[str] = field(default_factory=list)
 
 
 def _pull(engine: EngineProcess, request: list[Any], reply: dict[str, Any]) -> None:
@@ -183,7 +188,6 @@ def test_sigkill_at_random_points_loses_nothing_and_never_waits_past_the_deadlin
                 "active_transfers",
                 "staging_send_in_use",
                 "staging_receive_in_use",
-                "ucx_receives_unconfirmed",
                 "ucx_endpoints",
             ):
                 if getattr(s, what) > (1 if what == "ucx_endpoints" else 0):  # one endpoint per live peer
@@ -191,12 +195,17 @@ def test_sigkill_at_random_points_loses_nothing_and_never_waits_past_the_deadlin
                     if os.environ.get("KVXFER_FAULT_LOGS"):  # where to keep the daemon's log of a leak
                         with open(os.environ["KVXFER_FAULT_LOGS"], "a") as fh:
                             fh.write(f"=== round {round_no} {victim} {d.name} {what}\n{d.log()[-8000:]}\n")
+            if s.ucx_receives_unconfirmed:
+                # Not a leak: receives UCX would not cancel stay quarantined (memory mapped, the
+                # pull's error said may_still_write) until UCX lets go. Counted and reported.
+                tally.quarantined.append(f"round {round_no} ({victim}): {d.name}={s.ucx_receives_unconfirmed}")
         chaos.restart(victim)
 
     print(
         f"\nchaos: {KILLS} kills {tally.kills}, pulls ok {tally.pulls_ok} failed {tally.pulls_failed}, "
         f"longest wait after a kill {tally.max_wait:.2f}s, late waits {len(tally.late_waits)}, "
-        f"leaks {len(tally.leaks)}, byte errors {tally.byte_errors}"
+        f"leaks {len(tally.leaks)}, byte errors {tally.byte_errors}, "
+        f"rounds with quarantined receives {len(tally.quarantined)} {tally.quarantined}"
     )
     assert tally.late_waits == []
     assert tally.leaks == [], tally.leaks
