@@ -371,7 +371,7 @@ class KvxferClient:
         transfer_id: str = "",
         timeout_s: float = 60.0,
     ) -> PullResult:
-        return self._run(self._async.pull(ticket, pool, block_ids, transfer_id=transfer_id, timeout_s=timeout_s))
+        return self.start_pull(ticket, pool, block_ids, transfer_id=transfer_id, timeout_s=timeout_s).result()
 
     def start_pull(
         self,

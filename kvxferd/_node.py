@@ -358,10 +358,7 @@ class Node:
             return self.offers.extend(ticket.offer_id, ticket.token, lease_s)
         if self.peers is None:
             raise UnavailableError("daemon is starting")
-        peer = await self.peers.dial(ticket.peer_address)
-        if peer.daemon_id != ticket.daemon_id:
-            self._drop_peer(peer)
-            peer = await self.peers.dial(ticket.peer_address)
+        peer = await self._dial_offerer(ticket)
         if peer.daemon_id != ticket.daemon_id:
             raise NotFoundError(f"daemon {ticket.daemon_id!r} is gone from {ticket.peer_address}: its offers with it")
         assert peer.stub is not None
@@ -486,11 +483,7 @@ class Node:
     ) -> None:
         if self.ucx is None or self.peers is None:
             raise UnavailableError("the UCX data plane is not available (install kvxfer[ucx] or a cu12/cu13 extra)")
-        peer = await self.peers.dial(ticket.peer_address)
-        if peer.daemon_id != ticket.daemon_id:
-            # Another daemon may have restarted on that address since our Hello: say it again.
-            self._drop_peer(peer)
-            peer = await self.peers.dial(ticket.peer_address)
+        peer = await self._dial_offerer(ticket)
         if peer.daemon_id != ticket.daemon_id:
             raise IncompatibleError(
                 f"the daemon at {ticket.peer_address} is {peer.daemon_id!r}, the ticket names {ticket.daemon_id!r}"
@@ -571,6 +564,16 @@ class Node:
                 if err is exc:
                     raise
                 raise err from None
+
+    async def _dial_offerer(self, ticket: Ticket) -> Peer:
+        """The peer at the ticket's address. When it is not the daemon the ticket names, another
+        daemon may have restarted on that address since our Hello: say Hello again (once)."""
+        assert self.peers is not None
+        peer = await self.peers.dial(ticket.peer_address)
+        if peer.daemon_id != ticket.daemon_id:
+            self._drop_peer(peer)
+            peer = await self.peers.dial(ticket.peer_address)
+        return peer
 
     def _drop_peer(self, peer: Peer) -> None:
         assert self.peers is not None and self.ucx is not None

@@ -268,6 +268,7 @@ class UcxTransport:
         loop = asyncio.get_running_loop()
         iov = self.iov
         landed: set[int] = set()
+        keep = list(arrays)  # the pool's views outlive a deregistration while UCX may write
 
         async def recv(buf: U8, tag: int) -> None:
             if iov is not None:
@@ -281,7 +282,7 @@ class UcxTransport:
                 await recv(chunk_view(arrays, chunk), tag)
             elif staged is None:
                 assert iov is not None
-                await iov.recv(chunk_iov(arrays, chunk), tag, keep=list(arrays), on_unconfirmed=on_unconfirmed)
+                await iov.recv(chunk_iov(arrays, chunk), tag, keep=keep, on_unconfirmed=on_unconfirmed)
             else:
                 await recv(staged[: chunk.nbytes], tag)
                 landed.add(chunk.index)

@@ -12,6 +12,9 @@ import tempfile
 import time
 import urllib.request
 
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from bench.cluster import Cluster, _env
 
 
@@ -153,9 +156,6 @@ def test_json_logs_one_line_per_lifecycle_event_with_ids_and_nothing_per_segment
 
 
 def test_without_a_data_plane_the_peer_port_is_not_serving_but_local_handoffs_work(cluster: Cluster) -> None:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
     a = cluster.daemon("a", "--no-ucx-enabled")
     b = cluster.daemon("b")
 
