@@ -6,7 +6,9 @@ command line gets one JSON reply line on stdout (``{"ok": true, ...}`` or ``{"ok
 
 * ``pool``: register a pool: ``{"op": "pool", "shape": {...}, "seed": 7}``; ``shape`` is
   ``{"layers": L, "blocks": N, "block_bytes": B}`` (vLLM-style per-layer K/V tensors) and a
-  seed fills the pool with reproducible random bytes;
+  seed fills the pool with reproducible random bytes; ``"memory": "gpu"`` makes each layer a
+  CuPy tensor on GPU 0 instead of shared memory, ``"gpu_offset": 4096`` places each tensor that
+  many bytes into its allocation (as torch's caching allocator does);
 * ``offer``: ``{"op": "offer", "requests": [[ids...], ...], "lease_s": 30}`` → tickets;
 * ``pull``: ``{"op": "pull", "pulls": [[ticket, [ids...]], ...]}`` runs all pulls at once;
 * ``verify``: ``{"op": "verify", "seed": 7, "pairs": [[[src ids], [dst ids]], ...]}`` checks
@@ -52,22 +54,47 @@ class Engine:
         self.client = client
         self.pool: Pool | None = None
         self.shape: dict[str, int] = {}
+        self.gpu = False
 
     def arrays(self) -> list[npt.NDArray[np.uint8]]:
+        """The pool's buffers as host arrays (a copy from the GPU for GPU pools)."""
         assert self.pool is not None
+        if self.gpu:
+            return [b.get() for b in self.pool.buffers]
         return [b.array() for b in self.pool.buffers]
 
-    async def op_pool(self, shape: dict[str, int], seed: int | None = None, model: dict[str, Any] | None = None) -> Any:
+    async def op_pool(
+        self,
+        shape: dict[str, int],
+        seed: int | None = None,
+        model: dict[str, Any] | None = None,
+        memory: str = "host",
+        gpu_offset: int = 0,
+    ) -> Any:
         layout = Layout.paged_kv(
             num_layers=shape["layers"],
             num_blocks=shape["blocks"],
             block_bytes=shape["block_bytes"],
             model=ModelInfo(**model) if model else MODEL,
         )
-        buffers = [HostBuffer.create(size) for size in layout.buffer_sizes()]
         self.shape = shape
-        if seed is not None:
-            fill_random([b.array() for b in buffers], seed)
+        buffers: list[Any]
+        if memory == "gpu":
+            import cupy
+
+            self.gpu = True
+            # Each layer's tensor sits ``gpu_offset`` bytes into its own allocation.
+            buffers = [cupy.zeros(size + gpu_offset, dtype=cupy.uint8)[gpu_offset:] for size in layout.buffer_sizes()]
+            if seed is not None:
+                host = [np.empty(size, dtype=np.uint8) for size in layout.buffer_sizes()]
+                fill_random(host, seed)
+                for dev, h in zip(buffers, host, strict=True):
+                    dev.set(h)
+            cupy.cuda.Device().synchronize()  # written before anything is offered
+        else:
+            buffers = [HostBuffer.create(size) for size in layout.buffer_sizes()]
+            if seed is not None:
+                fill_random([b.array() for b in buffers], seed)
         self.pool = await self.client.register_pool(buffers, layout, name=self.client.engine_name)
         return {"pool_id": self.pool.pool_id, "fingerprint": self.pool.fingerprint}
 
@@ -103,11 +130,12 @@ class Engine:
 
     async def op_verify(self, seed: int, pairs: list[tuple[list[int], list[int]]]) -> Any:
         s = self.shape
-        expected = [np.empty(b.nbytes, dtype=np.uint8) for b in self.arrays()]
+        actual = self.arrays()
+        expected = [np.empty(b.nbytes, dtype=np.uint8) for b in actual]
         fill_random(expected, seed)
         bad = 0
         for src_ids, dst_ids in pairs:
-            for exp, got in zip(expected, self.arrays(), strict=True):
+            for exp, got in zip(expected, actual, strict=True):
                 e = kv_view(exp, s["blocks"], s["block_bytes"])[:, src_ids]
                 g = kv_view(got, s["blocks"], s["block_bytes"])[:, dst_ids]
                 bad += int(np.count_nonzero(e != g))

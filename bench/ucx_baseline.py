@@ -5,7 +5,8 @@ handling as kvxferd's ``auto`` picks for a peer on this host, UCX progressed eve
 iteration as kvxferd does during a transfer). ``--memory shm`` (the default)
 sends between POSIX shared-memory buffers, the memory kvxfer's host pools live in;
 ``--memory numpy`` between ordinary numpy arrays, which the kernel backs with huge pages and
-copies faster on this machine. Prints one JSON line.
+copies faster on this machine; ``--memory cupy`` between two CuPy buffers on GPU 0 (the GPU
+baseline). Prints one JSON line.
 
 Run: ``python -m bench.ucx_baseline --bytes 268435456 --iters 10 --memory shm``.
 """
@@ -24,6 +25,10 @@ import numpy as np
 
 
 def _buffer(nbytes: int, memory: str) -> Any:
+    if memory == "cupy":
+        import cupy
+
+        return cupy.zeros(nbytes, dtype=cupy.uint8)
     if memory == "numpy":
         return np.zeros(nbytes, dtype=np.uint8)
     from kvxfer_client import HostBuffer
@@ -44,9 +49,18 @@ def _tight_progress(ucxx: Any) -> Any:
     return driver
 
 
+def _cuda_first(memory: str) -> None:
+    """GPU buffers: create the CUDA context before UCX starts, as kvxferd does."""
+    if memory == "cupy":
+        import cupy
+
+        cupy.cuda.runtime.free(0)
+
+
 def _receiver(nbytes: int, iters: int, memory: str, addr_q: Any, ready_q: Any) -> None:
     from kvxferd.dataplane.ucx import apply_ucx_defaults
 
+    _cuda_first(memory)
     apply_ucx_defaults()
     import ucxx
 
@@ -71,6 +85,7 @@ def _receiver(nbytes: int, iters: int, memory: str, addr_q: Any, ready_q: Any) -
 def _sender(nbytes: int, iters: int, memory: str, addr_q: Any, ready_q: Any, out_q: Any) -> None:
     from kvxferd.dataplane.ucx import apply_ucx_defaults
 
+    _cuda_first(memory)
     apply_ucx_defaults()
     import ucxx
     from ucxx._lib.libucxx import UCXAddress
@@ -83,7 +98,11 @@ def _sender(nbytes: int, iters: int, memory: str, addr_q: Any, ready_q: Any, out
             UCXAddress.create_from_buffer(peer), endpoint_error_handling=False
         )
         buf = _buffer(nbytes, memory)
-        buf[:] = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
+        data = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
+        if memory == "cupy":
+            buf.set(data)
+        else:
+            buf[:] = data
         times = []
         for i in range(iters + 1):  # the first send warms up registration and pages
             t0 = time.perf_counter()
@@ -122,7 +141,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--bytes", type=int, default=256 << 20)
     parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--memory", choices=["shm", "numpy"], default="shm")
+    parser.add_argument("--memory", choices=["shm", "numpy", "cupy"], default="shm")
     args = parser.parse_args()
     print(json.dumps({"baseline": "ucxx-one-buffer", **measure(args.bytes, args.iters, args.memory)}))
 

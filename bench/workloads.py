@@ -48,16 +48,17 @@ WORKLOADS = {
 
 
 def both_paths(
-    cluster: Cluster, w: Workload, seed: int, prefix: str
+    cluster: Cluster, w: Workload, seed: int, prefix: str, memory: str = "host", daemon_args: tuple[str, ...] = ()
 ) -> Iterator[tuple[str, EngineProcess, EngineProcess]]:
     """Daemons A and B; a prefill engine on A with a pool filled from ``seed``; then, for the
-    local path a decode engine on A and for the remote path one on B."""
-    a, b = cluster.daemon(f"{prefix}-a"), cluster.daemon(f"{prefix}-b")
+    local path a decode engine on A and for the remote path one on B. ``memory``: "host" or
+    "gpu" pools on both sides."""
+    a, b = cluster.daemon(f"{prefix}-a", *daemon_args), cluster.daemon(f"{prefix}-b", *daemon_args)
     prefill = cluster.engine(a, "prefill")
-    prefill("pool", shape=w.shape, seed=seed)
+    prefill("pool", shape=w.shape, seed=seed, memory=memory)
     for path, daemon in (("local", a), ("remote", b)):
         decode = cluster.engine(daemon, f"decode-{path}")
-        decode("pool", shape=w.shape)
+        decode("pool", shape=w.shape, memory=memory)
         yield path, prefill, decode
 
 
@@ -79,8 +80,10 @@ def run_sequential(
     iters: int,
     warmup: int = 2,
     verify_seed: int | None = None,
+    verify_count: int | None = None,
 ) -> dict[str, Any]:
-    """One handoff at a time: offer, pull, (verify); returns throughput and latency."""
+    """One handoff at a time: offer, pull, (verify the first ``verify_count``, default all);
+    returns throughput and latency."""
     latencies, daemon_s, transports = [], [], set()
     verified = True
     for i in range(warmup + iters):
@@ -92,7 +95,7 @@ def run_sequential(
         if not res["ok"]:
             raise RuntimeError(f"pull failed: {res}")
         prefill("released", offer_ids=[ticket["offer_id"]])
-        if verify_seed is not None:
+        if verify_seed is not None and (verify_count is None or i < verify_count):
             verified &= decode("verify", seed=verify_seed, pairs=[[src, dst]])["verified"]
         if i >= warmup:
             latencies.append(elapsed)
@@ -109,6 +112,8 @@ def run_sequential(
         "handoffs_per_s": iters / sum(latencies),
         "p50_ms": statistics.median(latencies) * 1e3,
         "p99_ms": float(np.percentile(latencies, 99)) * 1e3,
+        "daemon_p50_ms": statistics.median(daemon_s) * 1e3,
+        "daemon_p99_ms": float(np.percentile(daemon_s, 99)) * 1e3,
         "transport": ",".join(sorted(transports)),
         "verified": bool(verified) if verify_seed is not None else None,
     }

@@ -24,6 +24,7 @@ import grpc
 import numpy as np
 
 from ._config import channel_options, default_socket_path
+from ._cuda import describe_cuda_tensor
 from ._errors import (
     DeadlineExceededError,
     InvalidRequestError,
@@ -50,7 +51,8 @@ class Pool:
 
     pool_id: str
     layout: Layout
-    buffers: tuple[HostBuffer, ...]
+    #: The :class:`HostBuffer` objects or GPU tensors, kept alive with the pool.
+    buffers: tuple[Any, ...]
     fingerprint: str
 
 
@@ -210,30 +212,33 @@ class AsyncKvxferClient:
         assert self._stub is not None
         return self._stub
 
-    async def register_pool(self, buffers: Sequence[HostBuffer], layout: Layout, *, name: str = "") -> Pool:
-        """Register host buffers and their layout; the daemon maps them.
+    async def register_pool(self, buffers: Sequence[Any], layout: Layout, *, name: str = "") -> Pool:
+        """Register buffers and their layout; the daemon maps them.
 
-        Once the daemon has mapped them, the buffers' names are removed from ``/dev/shm``
-        (the memory lives on in both mappings), so a buffer is registered once.
+        ``buffers`` are all :class:`HostBuffer` (POSIX shared memory) or all GPU tensors of
+        one GPU (anything with ``__cuda_array_interface__`` or DLPack: torch, CuPy, ...;
+        contiguous, allocated with ``cudaMalloc`` so that a legacy CUDA IPC handle exists).
+        Several buffers per pool are normal (vLLM keeps one tensor per layer). The engine
+        keeps GPU tensors alive until the pool is deregistered, and offers blocks only after
+        the stream that wrote them has been synchronised.
+
+        Once the daemon has mapped host buffers, their names are removed from ``/dev/shm``
+        (the memory lives on in both mappings), so a host buffer is registered once.
         """
         if not buffers:
             raise InvalidRequestError("a pool needs at least one buffer")
-        layout.validate([b.size for b in buffers])
+        specs = [_buffer_spec(b) for b in buffers]
+        layout.validate([s.size for s in specs])
         await self.connect()
         req = engine_pb2.RegisterPoolRequest(
-            session_id=self.session_id,
-            buffers=[
-                common_pb2.BufferSpec(kind=common_pb2.MEMORY_KIND_HOST_SHM, size=b.size, shm_name=b.name)
-                for b in buffers
-            ],
-            layout=layout.to_proto(),
-            name=name,
+            session_id=self.session_id, buffers=specs, layout=layout.to_proto(), name=name
         )
         resp = await self._call(self._engine.RegisterPool, req)
         # Both processes have the memory mapped now: drop the names so nothing is left in
         # /dev/shm even if this engine or the daemon is killed.
         for b in buffers:
-            b.unlink()
+            if isinstance(b, HostBuffer):
+                b.unlink()
         return Pool(resp.pool_id, layout, tuple(buffers), resp.fingerprint)
 
     async def deregister_pool(self, pool: Pool | str) -> int:
@@ -351,7 +356,7 @@ class KvxferClient:
 
         return asyncio.run_coroutine_threadsafe(wrap(), self._loop).result()
 
-    def register_pool(self, buffers: Sequence[HostBuffer], layout: Layout, *, name: str = "") -> Pool:
+    def register_pool(self, buffers: Sequence[Any], layout: Layout, *, name: str = "") -> Pool:
         return self._run(self._async.register_pool(buffers, layout, name=name))
 
     def deregister_pool(self, pool: Pool | str) -> int:
@@ -422,3 +427,17 @@ class KvxferClient:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _buffer_spec(buf: Any) -> common_pb2.BufferSpec:
+    """A :class:`HostBuffer` or a GPU tensor as the daemon's ``BufferSpec``."""
+    if isinstance(buf, HostBuffer):
+        return common_pb2.BufferSpec(kind=common_pb2.MEMORY_KIND_HOST_SHM, size=buf.size, shm_name=buf.name)
+    spec = describe_cuda_tensor(buf)
+    return common_pb2.BufferSpec(
+        kind=common_pb2.MEMORY_KIND_CUDA_IPC,
+        size=spec.size,
+        cuda_ipc_handle=spec.ipc_handle,
+        cuda_alloc_offset=spec.alloc_offset,
+        gpu_uuid=spec.gpu_uuid,
+    )

@@ -28,6 +28,7 @@ from .control.engine_service import EngineService
 from .control.peer_service import PeerService
 from .control.server import Listener, start_listener
 from .dataplane.ucx import UcxTransport, ucx_available
+from .memory.cuda_ipc import gpu_support, init_cuda
 
 __all__ = ["main", "serve"]
 
@@ -51,6 +52,8 @@ def _socket_in_use(path: str) -> bool:
 async def serve(settings: Settings) -> int:
     """Run the daemon until SIGTERM/SIGINT (or an admin Drain); return the exit code."""
     ucx = None
+    gpus = init_cuda()
+    log_event("gpu.probe", gpus=",".join(gpus) or "none", detail=gpu_support() or "GPU pools supported")
     if not settings.ucx_enabled:
         log_event("ucx.disabled", logging.WARNING, detail="ucx_enabled is off: local pulls only")
     elif ucx_available():

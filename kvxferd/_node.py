@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import re
 import secrets
 import socket
@@ -51,6 +52,7 @@ from ._sessions import Session
 from ._transfers import TransferRecord, TransferTable
 from .control.peers import Peer, PeerDirectory
 from .dataplane.aligned import aligned_empty
+from .dataplane.gpucopy import GpuDevices, PieceTable, segment_addresses
 from .dataplane.hostcopy import copy_chunk
 from .dataplane.plan import SidePlan, build_plan, num_chunks
 from .dataplane.staging import StagingPool
@@ -109,6 +111,8 @@ class Node:
         )
         self._idle = asyncio.Event()
         self._idle.set()
+        self._gpu: GpuDevices | None = None
+        self._tcp_warned: set[str] = set()
 
     @property
     def data_plane_ok(self) -> bool:
@@ -118,7 +122,7 @@ class Node:
     def _pool_bytes(self) -> dict[tuple[str, str], int]:
         totals: dict[tuple[str, str], int] = {}
         for pool in list(self.pools.pools.values()):
-            key = _MEMORY_KINDS.get(pool.kind, ("unknown", "unknown"))
+            key = (_MEMORY_KINDS.get(pool.kind, ("unknown", ""))[0], pool.device_name)
             totals[key] = totals.get(key, 0) + pool.nbytes
         return totals
 
@@ -142,11 +146,29 @@ class Node:
         mode = self.settings.ucx_error_handling
         return mode == "on" or (mode == "auto" and not peer.same_host)
 
-    def _transport(self, peer: Peer) -> str:
+    def _transport(self, peer: Peer, pool: Pool | None = None) -> str:
         assert self.ucx is not None
-        return describe_transport(
-            self.ucx.transports, list(peer.identity.ucx_transports), peer.same_host, self._error_handling(peer)
+        gpu = pool is not None and pool.on_gpu
+        transport = describe_transport(
+            self.ucx.transports, list(peer.identity.ucx_transports), peer.same_host, self._error_handling(peer), gpu
         )
+        if gpu and transport == "ucx:tcp" and peer.daemon_id not in self._tcp_warned:
+            self._tcp_warned.add(peer.daemon_id)
+            log_event(
+                "transport.gpu_over_tcp",
+                level=logging.WARNING,
+                peer=peer.daemon_id,
+                detail="GPU memory to this peer goes over TCP (no cuda_ipc or RDMA in common): expect a few GB/s; "
+                "check UCX_TLS and that both daemons load a UCX with cuda and rdma transports",
+            )
+        return transport
+
+    @property
+    def gpu(self) -> GpuDevices:
+        """Per-GPU copiers and staging, made when the first GPU pool moves bytes."""
+        if self._gpu is None:
+            self._gpu = GpuDevices(self.settings.staging_bytes, self.settings.chunk_bytes)
+        return self._gpu
 
     # -- sessions, pools, offers -------------------------------------------------------------
 
@@ -451,6 +473,15 @@ class Node:
             if mismatch:
                 self.offers.unclaim(offer)
                 raise IncompatibleError(f"incompatible layouts: {mismatch}")
+            if src.on_gpu or dst.on_gpu:
+                src.busy += 1
+                try:
+                    record.transport = await self._copy_local_gpu(src, offer.block_ids, dst, dst_ids)
+                finally:
+                    self._done_with(src)
+                record.nbytes = int(ticket.total_bytes)
+                self.release_offer(offer, common_pb2.RELEASE_REASON_PULLED, "", record.transfer_id)
+                return
             chunk = self.settings.local_chunk_bytes
             src_plan = build_plan(src.regions, offer.block_ids, chunk)
             dst_plan = build_plan(dst.regions, dst_ids, chunk)
@@ -478,6 +509,21 @@ class Node:
             raise
         self.release_offer(offer, common_pb2.RELEASE_REASON_PULLED, "", record.transfer_id)
 
+    async def _copy_local_gpu(
+        self, src: Pool, src_ids: np.ndarray[Any, Any], dst: Pool, dst_ids: np.ndarray[Any, Any]
+    ) -> str:
+        """One kernel launch over every segment (a host side is pinned and read over PCIe)."""
+        device = dst.device if dst.device is not None else src.device
+        assert device is not None
+        for pool in (src, dst):
+            pool.pin_for_gpu()
+        src_addr, lens = segment_addresses(src.base, src.regions, src_ids)
+        dst_addr, dst_lens = segment_addresses(dst.base, dst.regions, dst_ids)
+        src_dev = src.device if src.device is not None else device
+        return await self.gpu.copy_local(
+            (src_dev, src_addr, lens), (device, dst_addr, dst_lens), self.settings.local_chunk_bytes
+        )
+
     async def _pull_remote(
         self, record: TransferRecord, ticket: Ticket, dst: Pool, dst_ids: np.ndarray[Any, Any], timeout: float
     ) -> None:
@@ -488,12 +534,18 @@ class Node:
             raise IncompatibleError(
                 f"the daemon at {ticket.peer_address} is {peer.daemon_id!r}, the ticket names {ticket.daemon_id!r}"
             )
-        record.transport = self._transport(peer)
+        record.transport = self._transport(peer, dst)
         chunk = self.settings.chunk_bytes
         plan = build_plan(dst.regions, dst_ids, chunk)
-        need = 0 if self.ucx.scatter_receive else min(self.settings.window, _staged_chunks(plan))
+        if dst.on_gpu:
+            assert dst.device is not None
+            staging = self.gpu.staging(dst.device, "receive")
+            need = min(self.settings.window, len(plan.chunks))
+        else:
+            staging = self.recv_staging
+            need = 0 if self.ucx.scatter_receive else min(self.settings.window, _staged_chunks(plan))
         assert peer.stub is not None
-        async with self.recv_staging.lease(need) as lease:
+        async with staging.lease(need) as lease:
             ep = await _within(
                 self.ucx.endpoint(peer.daemon_id, peer.identity.ucx_worker_address, self._error_handling(peer)),
                 self.settings.peer_timeout_s,
@@ -522,8 +574,14 @@ class Node:
                     raise IncompatibleError(
                         f"peer sends {accepted.accepted.total_bytes} bytes, destination expects {plan.total_bytes}"
                     )
-                receiving = asyncio.create_task(
-                    self.ucx.receive(
+                if dst.on_gpu:
+                    assert dst.device is not None
+                    copier = self.gpu.copier(dst.device)
+                    a, pos, n, first = PieceTable.stream(segment_addresses(dst.base, dst.regions, dst_ids), chunk)
+                    pieces = copier.upload(a, pos, n, chunk_first=first)
+                    receive = self.ucx.receive_gpu(ep, plan, pieces, copier, tag_base, lease, self.settings.window)
+                else:
+                    receive = self.ucx.receive(
                         ep,
                         plan,
                         dst.arrays,
@@ -533,7 +591,7 @@ class Node:
                         self.settings.window,
                         on_unconfirmed=lambda: setattr(record, "may_still_write", True),
                     )
-                )
+                receiving = asyncio.create_task(receive)
                 sent_task = asyncio.create_task(_read(call, "sent", None))
                 done, _ = await asyncio.wait({receiving, sent_task}, return_when=asyncio.FIRST_EXCEPTION)
                 for task in done:
@@ -603,7 +661,7 @@ class Node:
             offer.offer_id,
             peer_daemon_id=peer.daemon_id,
             nbytes=offer.nbytes,
-            transport=self._transport(peer),
+            transport=self._transport(peer, offer.pool),
             pools=(offer.pool.pool_id,),
         )
         try:
@@ -629,8 +687,19 @@ class Node:
                     self.ucx.endpoint(peer.daemon_id, peer.identity.ucx_worker_address, self._error_handling(peer)),
                     self.settings.peer_timeout_s,
                 )
-                need = min(self.settings.window, _staged_chunks(plan))
-                async with self.send_staging.lease(need) as lease:
+                if start.chunk_bytes > self.settings.chunk_bytes and (pool.on_gpu or _staged_chunks(plan)):
+                    raise InvalidRequestError(
+                        f"the puller asks for {start.chunk_bytes}-byte chunks; this daemon stages at most "
+                        f"{self.settings.chunk_bytes} (set the same chunk_bytes on both daemons)"
+                    )
+                if pool.on_gpu:
+                    assert pool.device is not None
+                    staging = self.gpu.staging(pool.device, "send")
+                    need = min(self.settings.window, len(plan.chunks))
+                else:
+                    staging = self.send_staging
+                    need = min(self.settings.window, _staged_chunks(plan))
+                async with staging.lease(need) as lease:
                     await context.write(
                         peer_pb2.TransferServerMessage(
                             accepted=peer_pb2.TransferAccepted(
@@ -638,7 +707,15 @@ class Node:
                             )
                         )
                     )
-                    await self.ucx.send(ep, plan, pool.arrays, start.tag_base, lease, self.settings.window)
+                    if pool.on_gpu:
+                        assert pool.device is not None
+                        copier = self.gpu.copier(pool.device)
+                        seg = segment_addresses(pool.base, pool.regions, offer.block_ids)
+                        a, pos, n, first = PieceTable.stream(seg, start.chunk_bytes)
+                        pieces = copier.upload(a, pos, n, chunk_first=first)
+                        await self.ucx.send_gpu(ep, plan, pieces, copier, start.tag_base, lease, self.settings.window)
+                    else:
+                        await self.ucx.send(ep, plan, pool.arrays, start.tag_base, lease, self.settings.window)
                 await context.write(
                     peer_pb2.TransferServerMessage(
                         sent=peer_pb2.TransferSent(bytes=plan.total_bytes, transport=record.transport)

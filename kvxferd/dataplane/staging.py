@@ -16,9 +16,10 @@ send and receive at the same time, and memory stays at ``capacity`` however many
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -32,27 +33,29 @@ U8 = npt.NDArray[np.uint8]
 
 @dataclass
 class StagingLease:
-    buffers: list[U8]
+    buffers: list[Any]  # numpy uint8 arrays, or CuPy ones for GPU staging
     #: Set when a network operation may still write into the buffers after the transfer gave
     #: up: they are then dropped (and replaced) instead of being handed to the next transfer.
     poisoned: bool = False
 
 
 class StagingPool:
-    def __init__(self, total_bytes: int, buffer_bytes: int) -> None:
+    def __init__(self, total_bytes: int, buffer_bytes: int, allocate: Callable[[int], Any] | None = None) -> None:
+        #: Makes one buffer (host memory by default; the GPU data plane passes a CuPy allocator).
+        self._allocate = allocate or aligned_empty
         self.capacity = max(1, total_bytes // buffer_bytes)
         self.buffer_bytes = buffer_bytes
         # Buffers are made on first need (a daemon that receives by scatter never needs its
         # receive staging) and kept for reuse; never more than ``capacity`` of them.
-        self._free: list[U8] = []
+        self._free: list[Any] = []
         self._made = 0
         self._cond = asyncio.Condition()
         self.replaced = 0
 
-    def _new(self) -> U8:
+    def _new(self) -> Any:
         # Touch every page now (np.zeros would map them lazily): a first-use page fault costs
         # more than the copy itself.
-        buf = aligned_empty(self.buffer_bytes)
+        buf = self._allocate(self.buffer_bytes)
         buf.fill(0)
         return buf
 

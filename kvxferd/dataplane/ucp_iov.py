@@ -37,6 +37,7 @@ _OP_ATTR_FIELD_CALLBACK = 1 << 1
 _OP_ATTR_FIELD_USER_DATA = 1 << 2
 _OP_ATTR_FIELD_DATATYPE = 1 << 3
 _DATATYPE_IOV = 2
+_DATATYPE_CONTIG_BYTES = 1 << 3  # ucp_dt_make_contig(1)
 _UCS_OK = 0
 _UCS_ERR_LAST = -100
 _FULL_MASK = (1 << 64) - 1
@@ -146,6 +147,24 @@ class IovReceiver:
         until UCX is done with the request, even when it outlives a cancellation: a mapping
         with live numpy views is never unmapped.
         """
+        await self._post(iov.ctypes.data, len(iov), _DATATYPE_IOV, tag, (iov, keep), on_unconfirmed)
+
+    async def recv_contig(
+        self, address: int, nbytes: int, tag: int, keep: object, on_unconfirmed: Callable[[], None] | None = None
+    ) -> None:
+        """Receive one tagged message into ``nbytes`` at ``address`` (host or GPU memory: UCX
+        detects the memory type), inside the memory ``keep`` owns."""
+        await self._post(address, nbytes, _DATATYPE_CONTIG_BYTES, tag, keep, on_unconfirmed)
+
+    async def _post(
+        self,
+        buffer: int,
+        count: int,
+        datatype: int,
+        tag: int,
+        keep: object,
+        on_unconfirmed: Callable[[], None] | None,
+    ) -> None:
         loop = asyncio.get_running_loop()
         key = next(self._ids)
         fut: asyncio.Future[int] = loop.create_future()
@@ -154,8 +173,8 @@ class IovReceiver:
         param.op_attr_mask = _OP_ATTR_FIELD_CALLBACK | _OP_ATTR_FIELD_USER_DATA | _OP_ATTR_FIELD_DATATYPE
         param.cb = ctypes.cast(self._callback, ctypes.c_void_p).value
         param.user_data = key
-        param.datatype = _DATATYPE_IOV
-        req = self._lib.ucp_tag_recv_nbx(self._worker, iov.ctypes.data, len(iov), tag, _FULL_MASK, ctypes.byref(param))
+        param.datatype = datatype
+        req = self._lib.ucp_tag_recv_nbx(self._worker, buffer, count, tag, _FULL_MASK, ctypes.byref(param))
         req = req or 0
         if req == 0:  # completed in place; the callback is not called
             self._pending.pop(key, None)
@@ -177,7 +196,7 @@ class IovReceiver:
                 self.unconfirmed += 1
                 if on_unconfirmed is not None:
                     on_unconfirmed()
-                fut.add_done_callback(functools.partial(self._confirmed, req, (iov, keep)))
+                fut.add_done_callback(functools.partial(self._confirmed, req, keep))
                 raise asyncio.CancelledError from None
             self._lib.ucp_request_free(req)
             raise

@@ -39,6 +39,7 @@ import numpy.typing as npt
 
 from kvxfer_client._errors import UnavailableError
 
+from .gpucopy import GpuCopier, PieceTable, settle
 from .hostcopy import chunk_view, gather_chunk, scatter_chunk
 from .plan import ChunkPlan, SidePlan
 from .staging import StagingLease
@@ -75,9 +76,26 @@ def ucx_available() -> bool:
     return True
 
 
-def describe_transport(ours: Sequence[str], theirs: Sequence[str], same_host: bool, error_handling: bool) -> str:
-    """Name the transport UCX can pick between two workers, from their active transports."""
+def describe_transport(
+    ours: Sequence[str], theirs: Sequence[str], same_host: bool, error_handling: bool, gpu: bool = False
+) -> str:
+    """Name the transport UCX can pick between two workers, from their active transports.
+
+    ``gpu``: this side's pool is GPU memory (its chunks are staged in GPU memory).
+
+    >>> describe_transport(["cuda_ipc", "tcp"], ["cuda_ipc", "tcp"], True, False, gpu=True)
+    'ucx:cuda_ipc'
+    >>> describe_transport(["cuda_copy", "tcp"], ["cuda_copy", "tcp"], False, True, gpu=True)
+    'ucx:tcp'
+    """
     common = set(ours) & set(theirs)
+    if gpu:
+        if same_host and "cuda_ipc" in common:
+            return "ucx:cuda_ipc"
+        if common & _RDMA_TLS:
+            return "ucx:rdma"
+        if same_host and not error_handling and common & _SHARED_MEMORY_TLS:
+            return "ucx:shm+cuda_copy"
     if same_host and not error_handling and common & _SHARED_MEMORY_TLS:
         return "ucx:shm+cma" if "cma" in common else "ucx:shm"
     if common & _RDMA_TLS:
@@ -293,14 +311,83 @@ class UcxTransport:
             try:
                 await _pipeline(plan, lease, window, move, stage=not self.scatter_receive)
             except BaseException:
-                if iov is not None:
-                    # The pool's own receives are cancelled by now; swallowing what the sender
-                    # still has in flight happens in the background, off the failure path.
-                    missing = [tag_base | c.index for c in plan.chunks if c.index not in landed]
-                    drain = asyncio.create_task(iov.drain(missing, max(c.nbytes for c in plan.chunks)))
-                    self._drains.add(drain)
-                    drain.add_done_callback(self._drains.discard)
+                self._drain_after_failure(plan, tag_base, landed)
                 raise
+
+    async def send_gpu(
+        self,
+        ep: Any,
+        plan: SidePlan,
+        pieces: PieceTable,
+        copier: GpuCopier,
+        tag_base: int,
+        lease: StagingLease,
+        window: int,
+    ) -> None:
+        """Send a GPU pool's chunks: a gather kernel packs each chunk into GPU staging while
+        earlier chunks fly. Every chunk is staged: the pool is IPC-imported memory, which UCX's
+        cuda_ipc transport cannot export again, while staging is the daemon's own cudaMalloc."""
+        chunk_bytes = plan.chunk_bytes
+        first = pieces.chunk_first
+
+        async def pack(chunk: ChunkPlan, staged: Any) -> None:
+            c = chunk.index
+            bias = staged.data.ptr - c * chunk_bytes
+            await settle(copier.launch(pieces, 0, 1, int(first[c]), int(first[c + 1]), dst_bias=bias))
+
+        async def move(chunk: ChunkPlan, staged: Any) -> None:
+            sending = asyncio.ensure_future(ep.send(staged[: chunk.nbytes], tag=tag_base | chunk.index, force_tag=True))
+            self._sends.add(sending)
+            sending.add_done_callback(_retire_send(self._sends))
+            await asyncio.shield(sending)
+
+        with self._busy():
+            await _pipeline(plan, lease, window, move, pack, zero_copy=False)
+
+    async def receive_gpu(
+        self,
+        ep: Any,
+        plan: SidePlan,
+        pieces: PieceTable,
+        copier: GpuCopier,
+        tag_base: int,
+        lease: StagingLease,
+        window: int,
+    ) -> None:
+        """Receive chunks into GPU staging and scatter each into the pool as it lands. UCX only
+        ever writes staging; a scatter that started always finishes before this returns."""
+        chunk_bytes = plan.chunk_bytes
+        first = pieces.chunk_first
+        iov = self.iov
+        landed: set[int] = set()
+
+        async def move(chunk: ChunkPlan, staged: Any) -> None:
+            c = chunk.index
+            tag = tag_base | c
+            if iov is not None:
+                await iov.recv_contig(staged.data.ptr, chunk.nbytes, tag, keep=staged)
+            else:
+                await ep.recv(staged[: chunk.nbytes], tag=tag, force_tag=True)
+            landed.add(c)
+            bias = staged.data.ptr - c * chunk_bytes
+            await settle(copier.launch(pieces, 1, 0, int(first[c]), int(first[c + 1]), src_bias=bias))
+
+        with self._busy():
+            try:
+                await _pipeline(plan, lease, window, move, zero_copy=False)
+            except BaseException:
+                self._drain_after_failure(plan, tag_base, landed)
+                raise
+
+    def _drain_after_failure(self, plan: SidePlan, tag_base: int, landed: set[int]) -> None:
+        if self.iov is None:
+            return
+        # The pool's own receives are cancelled by now; swallowing what the sender still has
+        # in flight happens in the background, off the failure path.
+        missing = [tag_base | c.index for c in plan.chunks if c.index not in landed]
+        drain = asyncio.create_task(self.iov.drain(missing, max(c.nbytes for c in plan.chunks)))
+        self._drains.add(drain)
+        drain.add_done_callback(self._drains.discard)
 
     def _busy(self) -> AbstractContextManager[None]:
         return self.progress.busy() if self.progress is not None else nullcontext()
@@ -319,24 +406,26 @@ async def _pipeline(
     plan: SidePlan,
     lease: StagingLease,
     window: int,
-    move: Callable[[ChunkPlan, U8 | None], Awaitable[None]],
-    pack: Callable[[ChunkPlan, U8], Awaitable[None]] | None = None,
+    move: Callable[[ChunkPlan, Any], Awaitable[None]],
+    pack: Callable[[ChunkPlan, Any], Awaitable[None]] | None = None,
     stage: bool = True,
+    zero_copy: bool = True,
 ) -> None:
     """Move the chunks of ``plan`` in order, at most ``window`` at once.
 
     A fragmented chunk takes a staging buffer when ``stage`` (and is packed into it first when
-    ``pack`` is given); a contiguous one moves in place. On the first failure the other chunks are
-    cancelled and the lease is marked poisoned, since UCX may still touch its buffers.
+    ``pack`` is given); a contiguous one moves in place unless ``zero_copy`` is off. On the first
+    failure the other chunks are cancelled and the lease is marked poisoned, since UCX may still
+    touch its buffers.
     """
-    free: asyncio.Queue[U8] = asyncio.Queue()
+    free: asyncio.Queue[Any] = asyncio.Queue()
     for buf in lease.buffers:
         free.put_nowait(buf)
     slots = asyncio.Semaphore(window)
 
     failures: list[BaseException] = []
 
-    async def run(chunk: ChunkPlan, staged: U8 | None) -> None:
+    async def run(chunk: ChunkPlan, staged: Any) -> None:
         try:
             await move(chunk, staged)
         except Exception as exc:
@@ -351,7 +440,8 @@ async def _pipeline(
     try:
         for chunk in plan.chunks:
             await slots.acquire()
-            staged = None if chunk.contiguous is not None or not stage else await free.get()
+            in_place = zero_copy and chunk.contiguous is not None
+            staged = None if in_place or not stage else await free.get()
             if staged is not None and pack is not None:
                 await pack(chunk, staged)
             tasks.append(asyncio.create_task(run(chunk, staged)))

@@ -7,9 +7,11 @@ sizes at registration, so no offset a plan computes can leave its buffer.
 
 from __future__ import annotations
 
+import functools
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -34,25 +36,61 @@ class Pool:
     session_id: str
     layout: Layout
     kind: int
-    mappings: list[HostBuffer]
-    arrays: list[U8]
+    #: One writable uint8 view per buffer: numpy for host pools, CuPy for GPU pools.
+    arrays: list[Any]
     regions: RegionTable
     fingerprint: str
+    nbytes: int
+    #: Each buffer's address in this process (host: the mapping; GPU: the device pointer).
+    base: npt.NDArray[np.int64]
+    #: GPU pools: the device ordinal (in this process) and UUID.
+    device: int | None = None
+    gpu_uuid: str = ""
     offers: set[str] = field(default_factory=set)
     #: Transfers currently reading or writing this pool's memory.
     busy: int = 0
     #: Deregistered: unmapped when ``busy`` drops to 0.
     closing: bool = False
+    #: Host pools: pinned for GPU kernels (done on first GPU use, undone at close).
+    pinned: bool = False
+    _closers: list[Callable[[], None]] = field(default_factory=list)
 
     @property
-    def nbytes(self) -> int:
-        return sum(m.size for m in self.mappings)
+    def on_gpu(self) -> bool:
+        return self.device is not None
+
+    @property
+    def device_name(self) -> str:
+        return self.gpu_uuid or "cpu"
+
+    def pin_for_gpu(self) -> None:
+        """Make a host pool addressable by GPU kernels (cudaHostRegister), once."""
+        if self.on_gpu or self.pinned:
+            return
+        from .cuda_ipc import register_host, unregister_host
+
+        done: list[int] = []
+        try:
+            for ptr, arr in zip(self.base.tolist(), self.arrays, strict=True):
+                register_host(ptr, arr.nbytes)
+                done.append(ptr)
+        except BaseException:
+            for ptr in done:
+                unregister_host(ptr)
+            raise
+        self.pinned = True
+
+        def unpin() -> None:
+            for ptr in done:
+                unregister_host(ptr)
+
+        self._closers.insert(0, unpin)  # before the host mappings go
 
     def close(self) -> None:
         self.arrays.clear()
-        for m in self.mappings:
-            m.close()
-        self.mappings.clear()
+        closers, self._closers = self._closers, []
+        for close in closers:
+            close()
 
 
 def check_block_ids(ids: Sequence[int], num_blocks: int, what: str) -> npt.NDArray[np.int64]:
@@ -72,6 +110,17 @@ def check_block_ids(ids: Sequence[int], num_blocks: int, what: str) -> npt.NDArr
 class PoolRegistry:
     def __init__(self) -> None:
         self.pools: dict[str, Pool] = {}
+        #: Why GPU buffers cannot be registered here ("" when they can); probed on first use.
+        self._gpu_unsupported: str | None = None
+        self.ipc: Any = None  # IpcMappings, created with the first GPU pool
+
+    @property
+    def gpu_unsupported(self) -> str:
+        if self._gpu_unsupported is None:
+            from .cuda_ipc import gpu_support
+
+            self._gpu_unsupported = gpu_support()
+        return self._gpu_unsupported
 
     def register(
         self, session_id: str, buffers: Sequence[common_pb2.BufferSpec], layout_msg: common_pb2.Layout, name: str
@@ -83,10 +132,41 @@ class PoolRegistry:
         layout = Layout.from_proto(layout_msg)
         layout.validate([b.size for b in buffers])
         kinds = {b.kind for b in buffers}
-        if kinds != {common_pb2.MEMORY_KIND_HOST_SHM}:
-            raise InvalidRequestError(
-                "only HOST_SHM buffers are supported by this daemon build (CUDA_IPC needs the GPU build)"
-            )
+        if len(kinds) != 1:
+            raise InvalidRequestError("all buffers of a pool must be of one memory kind")
+        kind = kinds.pop()
+        regions = RegionTable.from_regions(
+            (r.buffer_index, r.offset, r.block_stride, r.block_bytes) for r in layout.regions
+        )
+        if kind == common_pb2.MEMORY_KIND_HOST_SHM:
+            arrays, closers, device, uuid = self._map_host(buffers)
+            base = np.array([a.ctypes.data for a in arrays], dtype=np.int64)
+        elif kind == common_pb2.MEMORY_KIND_CUDA_IPC:
+            arrays, closers, device, uuid, base = self._map_gpu(buffers)
+        else:
+            raise InvalidRequestError(f"unknown memory kind {kind}")
+        pool = Pool(
+            pool_id="pool-" + secrets.token_hex(6),
+            name=name,
+            session_id=session_id,
+            layout=layout,
+            kind=kind,
+            arrays=arrays,
+            regions=regions,
+            fingerprint=layout.fingerprint(),
+            nbytes=sum(int(b.size) for b in buffers),
+            base=base,
+            device=device,
+            gpu_uuid=uuid,
+            _closers=closers,
+        )
+        self.pools[pool.pool_id] = pool
+        return pool
+
+    @staticmethod
+    def _map_host(
+        buffers: Sequence[common_pb2.BufferSpec],
+    ) -> tuple[list[Any], list[Callable[[], None]], None, str]:
         mappings: list[HostBuffer] = []
         try:
             for spec in buffers:
@@ -95,22 +175,32 @@ class PoolRegistry:
             for m in mappings:
                 m.close()
             raise
-        regions = RegionTable.from_regions(
-            (r.buffer_index, r.offset, r.block_stride, r.block_bytes) for r in layout.regions
-        )
-        pool = Pool(
-            pool_id="pool-" + secrets.token_hex(6),
-            name=name,
-            session_id=session_id,
-            layout=layout,
-            kind=common_pb2.MEMORY_KIND_HOST_SHM,
-            mappings=mappings,
-            arrays=[m.array() for m in mappings],
-            regions=regions,
-            fingerprint=layout.fingerprint(),
-        )
-        self.pools[pool.pool_id] = pool
-        return pool
+        return [m.array() for m in mappings], [m.close for m in mappings], None, ""
+
+    def _map_gpu(
+        self, buffers: Sequence[common_pb2.BufferSpec]
+    ) -> tuple[list[Any], list[Callable[[], None]], int, str, npt.NDArray[np.int64]]:
+        if self.gpu_unsupported:
+            raise InvalidRequestError(f"this daemon cannot map GPU memory: {self.gpu_unsupported}")
+        uuids = {b.gpu_uuid for b in buffers}
+        if len(uuids) != 1:
+            raise InvalidRequestError("all GPU buffers of a pool must be on one GPU (register one pool per GPU)")
+        if self.ipc is None:
+            from .cuda_ipc import IpcMappings
+
+            self.ipc = IpcMappings()
+        ipc = self.ipc
+        mapped = []
+        try:
+            for spec in buffers:
+                mapped.append(ipc.map(spec))
+        except BaseException:
+            for m in mapped:
+                ipc.unmap(m)
+            raise
+        closers: list[Callable[[], None]] = [functools.partial(ipc.unmap, m) for m in mapped]
+        base = np.array([m.ptr for m in mapped], dtype=np.int64)
+        return [m.array for m in mapped], closers, mapped[0].device, uuids.pop(), base
 
     def get(self, pool_id: str) -> Pool:
         pool = self.pools.get(pool_id)

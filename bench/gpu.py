@@ -1,0 +1,200 @@
+"""kvxfer GPU benchmark: local and remote paths next to the device ceiling and plain UCXX.
+
+For each workload (``b16``, ``b128``, ``contig``, ``small``; see :mod:`bench.workloads`) two
+engine processes hold GPU pools on GPU 0 and hand off requests through real daemons:
+
+* ``local``: both engines on one daemon (one gather/scatter kernel launch per handoff);
+* ``remote``: the engines on two daemons, forced through UCX (GPU staging, pipelined chunks).
+
+Measured in the same run, for the same byte count:
+
+* ``ceiling``: one ``cudaMemcpy`` device-to-device (``cudaMemcpyAsync`` on a stream, timed
+  with CUDA events), the most a copy of those bytes can reach on this GPU;
+* ``ucxx``: a plain UCXX tag send of one contiguous CuPy buffer between two processes, with
+  kvxferd's UCX settings (``bench.ucx_baseline --memory cupy``).
+
+Metrics (also in the README):
+
+* ``gbps``: payload bytes / handoff latency, averaged over the timed handoffs;
+* ``p50_ms`` / ``p99_ms``: handoff latency, from the orchestrator asking the prefill engine to
+  offer until the decode engine's ``pull`` returned (two JSON-line hops between processes
+  included);
+* ``daemon_p50_ms``: the decode daemon's own pull duration (ticket received → bytes landed);
+* ``ratio_*``: kvxfer's ``gbps`` over the ceiling's or the UCXX baseline's, same run.
+
+Run: ``python -m bench.gpu --out bench-gpu.json`` (then ``python -m bench.plot bench-gpu.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from typing import Any
+
+import numpy as np
+
+from . import ucx_baseline
+from .cluster import Cluster
+from .workloads import WORKLOADS, both_paths, run_concurrent, run_sequential
+
+SEED = 7
+
+
+def memcpy_ceiling(nbytes: int, iters: int = 20) -> dict[str, Any]:
+    """``cudaMemcpy`` device-to-device of ``nbytes`` on GPU 0: median and best GB/s."""
+    import cupy
+
+    src = cupy.random.randint(0, 256, nbytes, dtype=cupy.uint8)
+    dst = cupy.empty_like(src)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    times = []
+    for i in range(iters + 2):
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record(stream)
+        cupy.cuda.runtime.memcpyAsync(
+            dst.data.ptr, src.data.ptr, nbytes, cupy.cuda.runtime.memcpyDeviceToDevice, stream.ptr
+        )
+        end.record(stream)
+        end.synchronize()
+        if i >= 2:
+            times.append(cupy.cuda.get_elapsed_time(start, end) / 1e3)
+    assert bool((dst == src).all())
+    med = statistics.median(times)
+    return {"bytes": nbytes, "gbps_median": nbytes / med / 1e9, "gbps_best": nbytes / min(times) / 1e9}
+
+
+def kernel_alone(name: str, iters: int = 20) -> dict[str, Any]:
+    """The copy kernel by itself (no daemon, no IPC): one launch over a random handoff of
+    workload ``name`` between two pools on GPU 0, timed with CUDA events."""
+    import cupy
+
+    from kvxferd.dataplane.gpucopy import GpuCopier, PieceTable, segment_addresses
+    from kvxferd.dataplane.plan import RegionTable
+
+    w = WORKLOADS[name]
+    per_buffer = 2 * w.pool_blocks * w.block_bytes
+    regions = RegionTable.from_regions(
+        (layer, kv * w.pool_blocks * w.block_bytes, w.block_bytes, w.block_bytes)
+        for layer in range(w.layers)
+        for kv in range(2)
+    )
+    src = [cupy.random.randint(0, 256, per_buffer, dtype=cupy.uint8) for _ in range(w.layers)]
+    dst = [cupy.zeros(per_buffer, dtype=cupy.uint8) for _ in range(w.layers)]
+    base_s = np.array([a.data.ptr for a in src], dtype=np.int64)
+    base_d = np.array([a.data.ptr for a in dst], dtype=np.int64)
+    rng = np.random.default_rng(0)
+    ids_s = rng.permutation(w.pool_blocks)[: w.blocks_per_request]
+    ids_d = rng.permutation(w.pool_blocks)[: w.blocks_per_request]
+    copier = GpuCopier(0)
+    table = copier.upload(
+        *PieceTable.local(segment_addresses(base_s, regions, ids_s), segment_addresses(base_d, regions, ids_d))
+    )
+    times = []
+    for i in range(iters + 2):
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record(copier.stream)
+        copier.launch(table, 0, 1)
+        end.record(copier.stream)
+        end.synchronize()
+        if i >= 2:
+            times.append(cupy.cuda.get_elapsed_time(start, end) / 1e3)
+    ok = all(
+        bool((s.reshape(2, w.pool_blocks, -1)[:, ids_s] == d.reshape(2, w.pool_blocks, -1)[:, ids_d]).all())
+        for s, d in zip(src, dst, strict=True)
+    )
+    med = statistics.median(times)
+    return {
+        "kernel": name,
+        "bytes": w.request_bytes,
+        "pieces": table.count,
+        "gbps_median": w.request_bytes / med / 1e9,
+        "us_median": med * 1e6,
+        "verified": ok,
+    }
+
+
+def device_name() -> str:
+    import cupy
+
+    props = cupy.cuda.runtime.getDeviceProperties(0)
+    name = props["name"]
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--workloads", default="b16,b128,contig,small")
+    parser.add_argument("--small-count", type=int, default=2000)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--daemon-args", default="", help="extra kvxferd flags, e.g. '--chunk-bytes 8388608'")
+    parser.add_argument("--out", help="also write every row into this JSON file")
+    args = parser.parse_args()
+    rows: list[dict[str, Any]] = []
+
+    def emit(row: dict[str, Any]) -> None:
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    emit({"device": device_name()})
+    ceilings: dict[int, dict[str, Any]] = {}
+    for name in args.workloads.split(","):
+        w = WORKLOADS[name]
+        if w.request_bytes not in ceilings:
+            ceilings[w.request_bytes] = memcpy_ceiling(w.request_bytes)
+            emit({"ceiling": "cudaMemcpy-d2d", **ceilings[w.request_bytes]})
+    for name in args.workloads.split(","):
+        if name != "small":
+            row = kernel_alone(name)
+            row["ratio_vs_ceiling"] = row["gbps_median"] / ceilings[row["bytes"]]["gbps_median"]
+            emit(row)
+    baseline = ucx_baseline.measure(WORKLOADS["b16"].request_bytes, max(args.iters, 10), "cupy")
+    emit({"baseline": "ucxx-one-buffer", **baseline})
+
+    rng = np.random.default_rng(SEED)
+    daemon_args = tuple(args.daemon_args.split())
+    for name in args.workloads.split(","):
+        w = WORKLOADS[name]
+        with Cluster() as c:
+            for path, prefill, decode in both_paths(c, w, SEED, "gpu", memory="gpu", daemon_args=daemon_args):
+                if name == "small":
+                    row = run_concurrent(prefill, decode, w, rng, args.small_count, args.concurrency, verify_seed=SEED)
+                else:
+                    row = run_sequential(prefill, decode, w, rng, args.iters, verify_seed=SEED, verify_count=3)
+                ceiling = ceilings[w.request_bytes]["gbps_median"]
+                row["ratio_vs_ceiling"] = row["gbps"] / ceiling
+                if w.request_bytes == baseline["bytes"]:
+                    row["ratio_vs_ucxx"] = row["gbps"] / baseline["gbps_median"]
+                emit({"path": path, "memory": "gpu", **row})
+    emit({"summary": summarize(rows)})
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(rows, fh, indent=2)
+    sys.exit(0)
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The issue's targets next to what was measured."""
+    by = {(r.get("workload"), r.get("path")): r for r in rows if "path" in r}
+    out: dict[str, Any] = {}
+    for name in ("b16", "b128", "contig"):
+        local = by.get((name, "local"))
+        if local:
+            out[f"local_{name}_vs_ceiling"] = round(local["ratio_vs_ceiling"], 3)
+    remote = by.get(("b16", "remote"))
+    if remote and "ratio_vs_ucxx" in remote:
+        out["remote_b16_vs_ucxx"] = round(remote["ratio_vs_ucxx"], 3)
+    local = by.get(("b16", "local"))
+    if local:
+        out["local_b16_p50_ms"] = round(local["p50_ms"], 3)
+        out["local_b16_p99_ms"] = round(local["p99_ms"], 3)
+    out["targets"] = (
+        "local >= 0.9 of ceiling (b16, b128, contig); remote b16 >= 0.8 of ucxx; local b16 p50 <= 2 ms, p99 <= 5 ms"
+    )
+    return out
+
+
+if __name__ == "__main__":
+    main()
