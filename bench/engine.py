@@ -121,6 +121,7 @@ class Engine:
                 "path": r.path,
                 "transport": r.transport,
                 "daemon_s": r.duration_s,
+                "data_plane_s": r.data_plane_s,
                 "latency_s": time.perf_counter() - t0,
             }
 

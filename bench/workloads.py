@@ -84,7 +84,7 @@ def run_sequential(
 ) -> dict[str, Any]:
     """One handoff at a time: offer, pull, (verify the first ``verify_count``, default all);
     returns throughput and latency."""
-    latencies, daemon_s, transports = [], [], set()
+    latencies, daemon_s, data_s, transports = [], [], [], set()
     verified = True
     for i in range(warmup + iters):
         ((src, dst),) = random_requests(rng, w, 1)
@@ -100,6 +100,7 @@ def run_sequential(
         if i >= warmup:
             latencies.append(elapsed)
             daemon_s.append(res["daemon_s"])
+            data_s.append(res.get("data_plane_s", 0.0))
             transports.add(res["transport"])
     total = w.request_bytes * iters
     return {
@@ -109,6 +110,7 @@ def run_sequential(
         "handoffs": iters,
         "gbps": total / sum(latencies) / 1e9,
         "gbps_daemon": total / sum(daemon_s) / 1e9,
+        "gbps_data_plane": total / sum(data_s) / 1e9 if all(data_s) else None,
         "handoffs_per_s": iters / sum(latencies),
         "p50_ms": statistics.median(latencies) * 1e3,
         "p99_ms": float(np.percentile(latencies, 99)) * 1e3,

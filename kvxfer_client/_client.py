@@ -64,7 +64,10 @@ class PullResult:
     bytes: int
     path: str
     transport: str
+    #: The whole pull in the decode daemon (checks, control plane, data).
     duration_s: float
+    #: Only the data movement (first byte moved to last byte landed).
+    data_plane_s: float = 0.0
 
     @property
     def gbps(self) -> float:
@@ -276,7 +279,9 @@ class AsyncKvxferClient:
         )
         # The daemon enforces timeout_s; the RPC deadline leaves it room to say why it failed.
         resp = await self._call(self._engine.Pull, req, timeout_s=timeout_s + 5.0)
-        return PullResult(resp.transfer_id, resp.bytes, _PATHS.get(resp.path, "?"), resp.transport, resp.duration_s)
+        return PullResult(
+            resp.transfer_id, resp.bytes, _PATHS.get(resp.path, "?"), resp.transport, resp.duration_s, resp.data_plane_s
+        )
 
     async def release(self, offer_id: str) -> None:
         """Withdraw an offer nobody pulled yet (the engine gets a ``cancelled`` release)."""

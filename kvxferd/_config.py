@@ -66,6 +66,10 @@ class Settings:
     staging_bytes: int = 64 * _MiB
     #: Chunk of the local (same-daemon) copy path.
     local_chunk_bytes: int = 16 * _MiB
+    #: Bytes of one chunk when a GPU pool sends or receives over UCX (= one GPU staging buffer).
+    gpu_chunk_bytes: int = 16 * _MiB
+    #: GPU staging memory per GPU for sending, and the same again for receiving.
+    gpu_staging_bytes: int = 128 * _MiB
     #: Threads running memory copies (numpy releases the GIL while copying).
     copy_threads: int = 2
     #: UCX endpoint error handling: "auto" (off towards a peer on this host so UCX may use
@@ -93,6 +97,8 @@ class Settings:
             raise ValueError("window and copy_threads must be >= 1")
         if self.staging_bytes < self.chunk_bytes:
             raise ValueError("staging_bytes must hold at least one chunk")
+        if not 64 << 10 <= self.gpu_chunk_bytes <= 256 * _MiB or self.gpu_staging_bytes < self.gpu_chunk_bytes:
+            raise ValueError("gpu_chunk_bytes must be in 64 KiB..256 MiB and gpu_staging_bytes hold one")
         if self.ucx_error_handling not in ("auto", "on", "off"):
             raise ValueError("ucx_error_handling must be auto, on or off")
         if not 0 < self.default_lease_s <= self.max_lease_s:

@@ -12,6 +12,7 @@ runs the three handoff paths:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import re
@@ -55,7 +56,7 @@ from .dataplane.aligned import aligned_empty
 from .dataplane.gpucopy import GpuDevices, PieceTable, segment_addresses
 from .dataplane.hostcopy import copy_chunk
 from .dataplane.plan import SidePlan, build_plan, num_chunks
-from .dataplane.staging import StagingPool
+from .dataplane.staging import StagingLease, StagingPool
 from .dataplane.ucx import UcxTransport, describe_transport
 from .memory.pools import Pool, PoolRegistry, check_block_ids
 
@@ -167,7 +168,7 @@ class Node:
     def gpu(self) -> GpuDevices:
         """Per-GPU copiers and staging, made when the first GPU pool moves bytes."""
         if self._gpu is None:
-            self._gpu = GpuDevices(self.settings.staging_bytes, self.settings.chunk_bytes)
+            self._gpu = GpuDevices(self.settings.gpu_staging_bytes, self.settings.gpu_chunk_bytes)
         return self._gpu
 
     # -- sessions, pools, offers -------------------------------------------------------------
@@ -475,10 +476,12 @@ class Node:
                 raise IncompatibleError(f"incompatible layouts: {mismatch}")
             if src.on_gpu or dst.on_gpu:
                 src.busy += 1
+                started = time.perf_counter()
                 try:
                     record.transport = await self._copy_local_gpu(src, offer.block_ids, dst, dst_ids)
                 finally:
                     self._done_with(src)
+                record.data_plane_s = time.perf_counter() - started
                 record.nbytes = int(ticket.total_bytes)
                 self.release_offer(offer, common_pb2.RELEASE_REASON_PULLED, "", record.transfer_id)
                 return
@@ -487,12 +490,14 @@ class Node:
             dst_plan = build_plan(dst.regions, dst_ids, chunk)
             record.nbytes = src_plan.total_bytes
             src.busy += 1
+            started = time.perf_counter()
             stop = threading.Event()
             copying = asyncio.get_running_loop().run_in_executor(
                 self.executor, _copy_plan, src.arrays, src_plan, dst.arrays, dst_plan, stop
             )
             try:
                 await asyncio.shield(copying)
+                record.data_plane_s = time.perf_counter() - started
             except asyncio.CancelledError:
                 # The copy thread stops at its next chunk; wait for it, so that nobody hears
                 # "cancelled" (and reuses the destination) while it can still write there.
@@ -521,7 +526,7 @@ class Node:
         dst_addr, dst_lens = segment_addresses(dst.base, dst.regions, dst_ids)
         src_dev = src.device if src.device is not None else device
         return await self.gpu.copy_local(
-            (src_dev, src_addr, lens), (device, dst_addr, dst_lens), self.settings.local_chunk_bytes
+            (src_dev, src_addr, lens), (device, dst_addr, dst_lens), self.settings.gpu_chunk_bytes
         )
 
     async def _pull_remote(
@@ -535,17 +540,10 @@ class Node:
                 f"the daemon at {ticket.peer_address} is {peer.daemon_id!r}, the ticket names {ticket.daemon_id!r}"
             )
         record.transport = self._transport(peer, dst)
-        chunk = self.settings.chunk_bytes
-        plan = build_plan(dst.regions, dst_ids, chunk)
-        if dst.on_gpu:
-            assert dst.device is not None
-            staging = self.gpu.staging(dst.device, "receive")
-            need = min(self.settings.window, len(plan.chunks))
-        else:
-            staging = self.recv_staging
-            need = 0 if self.ucx.scatter_receive else min(self.settings.window, _staged_chunks(plan))
+        # The most this side can take per chunk; the sender picks the size (TransferAccepted).
+        max_chunk = self.settings.gpu_chunk_bytes if dst.on_gpu else self.settings.chunk_bytes
         assert peer.stub is not None
-        async with staging.lease(need) as lease:
+        async with contextlib.AsyncExitStack() as stack:
             ep = await _within(
                 self.ucx.endpoint(peer.daemon_id, peer.identity.ucx_worker_address, self._error_handling(peer)),
                 self.settings.peer_timeout_s,
@@ -553,6 +551,7 @@ class Node:
             tag_base = secrets.randbits(40) << 24
             call = peer.stub.Transfer(timeout=timeout + self.settings.peer_timeout_s)
             receiving: asyncio.Task[None] | None = None
+            lease: StagingLease | None = None
             try:
                 await call.write(
                     peer_pb2.TransferClientMessage(
@@ -564,16 +563,29 @@ class Node:
                             receiver_signature=dst.layout.signature(),
                             num_blocks=len(dst_ids),
                             tag_base=tag_base,
-                            chunk_bytes=chunk,
+                            chunk_bytes=max_chunk,
                             timeout_s=timeout,
                         )
                     )
                 )
                 accepted = await _read(call, "accepted", self.settings.peer_timeout_s)
+                chunk = accepted.accepted.chunk_bytes or max_chunk
+                if not MIN_CHUNK <= chunk <= max_chunk:
+                    raise IncompatibleError(f"peer chose {chunk}-byte chunks; this side takes {MIN_CHUNK}..{max_chunk}")
+                plan = build_plan(dst.regions, dst_ids, chunk)
                 if accepted.accepted.total_bytes != plan.total_bytes:
                     raise IncompatibleError(
                         f"peer sends {accepted.accepted.total_bytes} bytes, destination expects {plan.total_bytes}"
                     )
+                if dst.on_gpu:
+                    assert dst.device is not None
+                    staging = self.gpu.staging(dst.device, "receive")
+                    need = min(self.settings.window, len(plan.chunks))
+                else:
+                    staging = self.recv_staging
+                    need = 0 if self.ucx.scatter_receive else min(self.settings.window, _staged_chunks(plan))
+                lease = await stack.enter_async_context(staging.lease(need))
+                started = time.perf_counter()
                 if dst.on_gpu:
                     assert dst.device is not None
                     copier = self.gpu.copier(dst.device)
@@ -597,6 +609,7 @@ class Node:
                 for task in done:
                     task.result()  # a failure on either side ends the transfer now
                 await receiving
+                record.data_plane_s = time.perf_counter() - started
                 await sent_task
                 await call.write(peer_pb2.TransferClientMessage(done=peer_pb2.TransferDone(ok=True)))
                 await _read(call, "closed", self.settings.peer_timeout_s)
@@ -614,7 +627,8 @@ class Node:
                         # UCX would not cancel a matched receive: closing the endpoint makes it
                         # give the receive up (the next pull says Hello again).
                         self._drop_peer(peer)
-                    lease.poisoned = True
+                    if lease is not None:
+                        lease.poisoned = True
                 call.cancel()
                 err = _peer_error(exc, ticket.peer_address) if isinstance(exc, grpc.RpcError) else exc
                 if isinstance(err, UnavailableError):
@@ -682,16 +696,14 @@ class Node:
         try:
             timeout = min(start.timeout_s or self.settings.pull_timeout_s, 3600.0)
             async with asyncio.timeout(timeout + self.settings.peer_timeout_s):
-                plan = build_plan(pool.regions, offer.block_ids, start.chunk_bytes)
+                # The receiver's maximum, capped by what this side stages per chunk.
+                own = self.settings.gpu_chunk_bytes if pool.on_gpu else self.settings.chunk_bytes
+                chunk = min(start.chunk_bytes, own)
+                plan = build_plan(pool.regions, offer.block_ids, chunk)
                 ep = await _within(
                     self.ucx.endpoint(peer.daemon_id, peer.identity.ucx_worker_address, self._error_handling(peer)),
                     self.settings.peer_timeout_s,
                 )
-                if start.chunk_bytes > self.settings.chunk_bytes and (pool.on_gpu or _staged_chunks(plan)):
-                    raise InvalidRequestError(
-                        f"the puller asks for {start.chunk_bytes}-byte chunks; this daemon stages at most "
-                        f"{self.settings.chunk_bytes} (set the same chunk_bytes on both daemons)"
-                    )
                 if pool.on_gpu:
                     assert pool.device is not None
                     staging = self.gpu.staging(pool.device, "send")
@@ -703,7 +715,9 @@ class Node:
                     await context.write(
                         peer_pb2.TransferServerMessage(
                             accepted=peer_pb2.TransferAccepted(
-                                total_bytes=plan.total_bytes, num_chunks=num_chunks(plan.total_bytes, plan.chunk_bytes)
+                                total_bytes=plan.total_bytes,
+                                num_chunks=num_chunks(plan.total_bytes, plan.chunk_bytes),
+                                chunk_bytes=chunk,
                             )
                         )
                     )
@@ -711,7 +725,7 @@ class Node:
                         assert pool.device is not None
                         copier = self.gpu.copier(pool.device)
                         seg = segment_addresses(pool.base, pool.regions, offer.block_ids)
-                        a, pos, n, first = PieceTable.stream(seg, start.chunk_bytes)
+                        a, pos, n, first = PieceTable.stream(seg, chunk)
                         pieces = copier.upload(a, pos, n, chunk_first=first)
                         await self.ucx.send_gpu(ep, plan, pieces, copier, start.tag_base, lease, self.settings.window)
                     else:
@@ -773,6 +787,7 @@ def _pull_response(record: TransferRecord) -> engine_pb2.PullResponse:
         path=record.path,
         transport=record.transport,
         duration_s=record.duration_s,
+        data_plane_s=record.data_plane_s,
     )
 
 

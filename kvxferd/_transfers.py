@@ -26,6 +26,8 @@ class TransferRecord:
     started: float = field(default_factory=time.time)
     started_mono: float = field(default_factory=time.monotonic)
     duration_s: float = 0.0
+    #: Time the bytes themselves moved (see PullResponse.data_plane_s).
+    data_plane_s: float = 0.0
     detail: str = ""
     #: Pools whose memory this transfer touches (cancelled if one is deregistered).
     pools: tuple[str, ...] = ()

@@ -166,8 +166,10 @@ class GpuCopier:
     def upload(self, *rows: I64, chunk_first: I64 | None = None) -> PieceTable:
         """Put the piece rows on this device (one host-to-device copy)."""
         host = np.ascontiguousarray(np.stack(rows).astype(np.int64, copy=False))
-        with self._cp.cuda.Device(self.device):
-            table = self._cp.asarray(host)  # synchronous, so ``host`` may go afterwards
+        with self._cp.cuda.Device(self.device), self.stream:
+            # On the copier's own stream: the kernel that reads the table is ordered after the
+            # copy (a non-blocking stream does not wait for work on the default stream).
+            table = self._cp.asarray(host)
         first = chunk_first if chunk_first is not None else np.array([0, host.shape[1]], dtype=np.int64)
         return PieceTable(table, host.shape[1], first, int(host[2].sum()) if host.shape[1] else 0)
 
@@ -255,7 +257,11 @@ class GpuDevices:
 
             def allocate(nbytes: int) -> Any:
                 with cp.cuda.Device(device):
-                    return cp.empty(nbytes, dtype=cp.uint8)
+                    buf = cp.zeros(nbytes, dtype=cp.uint8)
+                    # Zeroed on the default stream, then used from the copier's non-blocking
+                    # stream and by UCX: finish the zeroing first.
+                    cp.cuda.get_current_stream().synchronize()
+                    return buf
 
             pool = self._staging[(device, direction)] = StagingPool(self._staging_bytes, self._buffer_bytes, allocate)
         return pool

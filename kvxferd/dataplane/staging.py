@@ -31,6 +31,14 @@ __all__ = ["StagingLease", "StagingPool"]
 U8 = npt.NDArray[np.uint8]
 
 
+def _host_buffer(nbytes: int) -> U8:
+    # Touch every page now (np.zeros would map them lazily): a first-use page fault costs more
+    # than the copy itself.
+    buf = aligned_empty(nbytes)
+    buf.fill(0)
+    return buf
+
+
 @dataclass
 class StagingLease:
     buffers: list[Any]  # numpy uint8 arrays, or CuPy ones for GPU staging
@@ -41,8 +49,9 @@ class StagingLease:
 
 class StagingPool:
     def __init__(self, total_bytes: int, buffer_bytes: int, allocate: Callable[[int], Any] | None = None) -> None:
-        #: Makes one buffer (host memory by default; the GPU data plane passes a CuPy allocator).
-        self._allocate = allocate or aligned_empty
+        #: Makes one zero-filled buffer (host memory by default; the GPU data plane passes a
+        #: CuPy allocator).
+        self._allocate = allocate or _host_buffer
         self.capacity = max(1, total_bytes // buffer_bytes)
         self.buffer_bytes = buffer_bytes
         # Buffers are made on first need (a daemon that receives by scatter never needs its
@@ -53,11 +62,7 @@ class StagingPool:
         self.replaced = 0
 
     def _new(self) -> Any:
-        # Touch every page now (np.zeros would map them lazily): a first-use page fault costs
-        # more than the copy itself.
-        buf = self._allocate(self.buffer_bytes)
-        buf.fill(0)
-        return buf
+        return self._allocate(self.buffer_bytes)
 
     @property
     def in_use(self) -> int:

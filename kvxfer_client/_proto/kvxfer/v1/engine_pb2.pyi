@@ -332,12 +332,16 @@ class PullResponse(_message.Message):
     PATH_FIELD_NUMBER: _builtins.int
     TRANSPORT_FIELD_NUMBER: _builtins.int
     DURATION_S_FIELD_NUMBER: _builtins.int
+    DATA_PLANE_S_FIELD_NUMBER: _builtins.int
     transfer_id: _builtins.str
     bytes: _builtins.int
     path: _common_pb2.TransferPath.ValueType
     transport: _builtins.str
     """Transport that carried the bytes ("local-copy", "ucx:sysv/cma", "ucx:tcp", ...)."""
     duration_s: _builtins.float
+    """The whole pull in the decode daemon: ticket checks, control plane and data."""
+    data_plane_s: _builtins.float
+    """Only the data movement: first byte moved to last byte landed in the destination."""
     def __init__(
         self,
         *,
@@ -346,10 +350,11 @@ class PullResponse(_message.Message):
         path: _common_pb2.TransferPath.ValueType = ...,
         transport: _builtins.str = ...,
         duration_s: _builtins.float = ...,
+        data_plane_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "duration_s", b"duration_s", "path", b"path", "transfer_id", b"transfer_id", "transport", b"transport"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "data_plane_s", b"data_plane_s", "duration_s", b"duration_s", "path", b"path", "transfer_id", b"transfer_id", "transport", b"transport"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -171,6 +171,7 @@ class TransferStart(_message.Message):
     tag_base: _builtins.int
     """Chunk c of the byte stream arrives with UCX tag (tag_base | c)."""
     chunk_bytes: _builtins.int
+    """The largest chunk the receiver can take; the sender picks the size (TransferAccepted)."""
     timeout_s: _builtins.float
     @_builtins.property
     def receiver_signature(self) -> _common_pb2.LayoutSignature: ...
@@ -249,17 +250,21 @@ class TransferAccepted(_message.Message):
 
     TOTAL_BYTES_FIELD_NUMBER: _builtins.int
     NUM_CHUNKS_FIELD_NUMBER: _builtins.int
+    CHUNK_BYTES_FIELD_NUMBER: _builtins.int
     total_bytes: _builtins.int
     num_chunks: _builtins.int
+    chunk_bytes: _builtins.int
+    """The chunk size the sender uses (at most TransferStart.chunk_bytes; 0 = as asked)."""
     def __init__(
         self,
         *,
         total_bytes: _builtins.int = ...,
         num_chunks: _builtins.int = ...,
+        chunk_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_chunks", b"num_chunks", "total_bytes", b"total_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_bytes", b"chunk_bytes", "num_chunks", b"num_chunks", "total_bytes", b"total_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
