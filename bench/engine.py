@@ -101,8 +101,9 @@ class Engine:
     async def op_offer(self, requests: list[list[int]], lease_s: float = 0.0) -> Any:
         assert self.pool is not None
         pool = self.pool
+        t0 = time.perf_counter()
         tickets = await asyncio.gather(*(self.client.offer(pool, ids, lease_s=lease_s) for ids in requests))
-        return {"tickets": [t.to_dict() for t in tickets]}
+        return {"tickets": [t.to_dict() for t in tickets], "offer_s": time.perf_counter() - t0}
 
     async def op_pull(self, pulls: list[tuple[dict[str, Any], list[int]]], timeout_s: float = 60.0) -> Any:
         assert self.pool is not None

@@ -70,14 +70,19 @@ def memcpy_ceiling(nbytes: int, iters: int = 20) -> dict[str, Any]:
     return {"bytes": nbytes, "gbps_median": nbytes / med / 1e9, "gbps_best": nbytes / min(times) / 1e9}
 
 
-def kernel_alone(name: str, iters: int = 20) -> dict[str, Any]:
+def kernel_alone(name: str, config: Any = None, max_piece: int = 0, iters: int = 20) -> dict[str, Any]:
     """The copy kernel by itself (no daemon, no IPC): one launch over a random handoff of
-    workload ``name`` between two pools on GPU 0, timed with CUDA events."""
+    workload ``name`` between two pools on GPU 0, timed with CUDA events; ``prep_us`` is the
+    host work before the launch (addresses, pieces, upload)."""
+    import time
+
     import cupy
 
-    from kvxferd.dataplane.gpucopy import GpuCopier, PieceTable, segment_addresses
+    from kvxferd.dataplane.gpucopy import MAX_PIECE, GpuCopier, KernelConfig, PieceTable, segment_addresses
     from kvxferd.dataplane.plan import RegionTable
 
+    config = config or KernelConfig()
+    max_piece = max_piece or MAX_PIECE
     w = WORKLOADS[name]
     per_buffer = 2 * w.pool_blocks * w.block_bytes
     regions = RegionTable.from_regions(
@@ -93,12 +98,16 @@ def kernel_alone(name: str, iters: int = 20) -> dict[str, Any]:
     rng = np.random.default_rng(0)
     ids_s = rng.permutation(w.pool_blocks)[: w.blocks_per_request]
     ids_d = rng.permutation(w.pool_blocks)[: w.blocks_per_request]
-    copier = GpuCopier(0)
-    table = copier.upload(
-        *PieceTable.local(segment_addresses(base_s, regions, ids_s), segment_addresses(base_d, regions, ids_d))
-    )
-    times = []
+    copier = GpuCopier(0, config)
+    times, preps = [], []
     for i in range(iters + 2):
+        t0 = time.perf_counter()
+        table = copier.upload(
+            *PieceTable.local(
+                segment_addresses(base_s, regions, ids_s), segment_addresses(base_d, regions, ids_d), max_piece
+            )
+        )
+        preps.append(time.perf_counter() - t0)
         start, end = cupy.cuda.Event(), cupy.cuda.Event()
         start.record(copier.stream)
         copier.launch(table, 0, 1)
@@ -113,12 +122,29 @@ def kernel_alone(name: str, iters: int = 20) -> dict[str, Any]:
     med = statistics.median(times)
     return {
         "kernel": name,
+        "config": {**config.__dict__, "max_piece": max_piece},
         "bytes": w.request_bytes,
         "pieces": table.count,
         "gbps_median": w.request_bytes / med / 1e9,
         "us_median": med * 1e6,
+        "prep_us_median": statistics.median(preps[2:]) * 1e6,
         "verified": ok,
     }
+
+
+def kernel_sweep(name: str) -> list[dict[str, Any]]:
+    """Kernel launch shapes and piece sizes, fastest first."""
+    from kvxferd.dataplane.gpucopy import KernelConfig
+
+    rows = []
+    for threads in (256, 512, 1024):
+        for unroll in (4, 8):
+            for streaming in (False, True):
+                for bps in (0, 4):
+                    for piece in (32 << 10, 64 << 10, 128 << 10):
+                        cfg = KernelConfig(threads, unroll, streaming, bps)
+                        rows.append(kernel_alone(name, cfg, piece, iters=10))
+    return sorted(rows, key=lambda r: -r["gbps_median"])
 
 
 def device_name() -> str:
@@ -137,6 +163,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--daemon-args", default="", help="extra kvxferd flags, e.g. '--chunk-bytes 8388608'")
     parser.add_argument("--out", help="also write every row into this JSON file")
+    parser.add_argument("--sweep-kernel", action="store_true", help="also time every kernel launch shape on b16")
     args = parser.parse_args()
     rows: list[dict[str, Any]] = []
 
@@ -156,6 +183,9 @@ def main() -> None:
             row = kernel_alone(name)
             row["ratio_vs_ceiling"] = row["gbps_median"] / ceilings[row["bytes"]]["gbps_median"]
             emit(row)
+    if args.sweep_kernel:
+        for row in kernel_sweep("b16")[:8]:
+            emit({"sweep": True, **row, "ratio_vs_ceiling": row["gbps_median"] / ceilings[row["bytes"]]["gbps_median"]})
     baseline = ucx_baseline.measure(WORKLOADS["b16"].request_bytes, max(args.iters, 10), "cupy")
     emit({"baseline": "ucxx-one-buffer", **baseline})
 

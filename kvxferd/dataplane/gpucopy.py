@@ -25,6 +25,7 @@ does not grow with the number of segments.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +40,7 @@ __all__ = [
     "MAX_PIECE",
     "GpuCopier",
     "GpuDevices",
+    "KernelConfig",
     "PieceTable",
     "cut",
     "segment_addresses",
@@ -54,6 +56,26 @@ THREADS = 256
 MAX_GRID = 1 << 20
 
 KERNEL_SOURCE = r"""
+#ifndef UNROLL
+#define UNROLL 4
+#endif
+#ifndef STREAMING
+#define STREAMING 0
+#endif
+__device__ __forceinline__ uint4 load16(const uint4* p) {
+#if STREAMING
+    return __ldcs(p);
+#else
+    return *p;
+#endif
+}
+__device__ __forceinline__ void store16(uint4* p, uint4 v) {
+#if STREAMING
+    __stcs(p, v);
+#else
+    *p = v;
+#endif
+}
 extern "C" __global__ void kvxfer_copy_pieces(
     const long long* __restrict__ src, const long long* __restrict__ dst,
     const long long* __restrict__ len, long long n, long long src_bias, long long dst_bias)
@@ -73,12 +95,15 @@ extern "C" __global__ void kvxfer_copy_pieces(
             long long m = (L - head) >> 4;
             long long i = threadIdx.x;
             const long long step = blockDim.x;
-            // Four loads in flight per thread before the stores: HBM needs the parallelism.
-            for (; i + 3 * step < m; i += 4 * step) {
-                uint4 a = s4[i], b = s4[i + step], c = s4[i + 2 * step], e = s4[i + 3 * step];
-                d4[i] = a; d4[i + step] = b; d4[i + 2 * step] = c; d4[i + 3 * step] = e;
+            // UNROLL loads in flight per thread before the stores: HBM needs the parallelism.
+            for (; i + (UNROLL - 1) * step < m; i += UNROLL * step) {
+                uint4 r[UNROLL];
+#pragma unroll
+                for (int u = 0; u < UNROLL; ++u) r[u] = load16(s4 + i + u * step);
+#pragma unroll
+                for (int u = 0; u < UNROLL; ++u) store16(d4 + i + u * step, r[u]);
             }
-            for (; i < m; i += step) d4[i] = s4[i];
+            for (; i < m; i += step) store16(d4 + i, load16(s4 + i));
             head += m << 4;
         }
         for (long long i = head + threadIdx.x; i < L; i += blockDim.x) d[i] = s[i];
@@ -126,23 +151,23 @@ class PieceTable:
     nbytes: int
 
     @classmethod
-    def local(cls, src: tuple[I64, I64], dst: tuple[I64, I64]) -> tuple[I64, I64, I64]:
+    def local(cls, src: tuple[I64, I64], dst: tuple[I64, I64], max_piece: int = MAX_PIECE) -> tuple[I64, I64, I64]:
         """Host-side pieces of a pool → pool copy (both sides list the same segment sizes)."""
         (src_addr, lens), (dst_addr, dst_lens) = src, dst
         if not np.array_equal(lens, dst_lens):
             raise ValueError("source and destination segments differ in size")
-        owner, rel, plen = cut(np.zeros_like(lens), lens, MAX_PIECE)
+        owner, rel, plen = cut(np.zeros_like(lens), lens, max_piece)
         return src_addr[owner] + rel, dst_addr[owner] + rel, plen
 
     @classmethod
-    def stream(cls, seg: tuple[I64, I64], chunk_bytes: int) -> tuple[I64, I64, I64, I64]:
+    def stream(cls, seg: tuple[I64, I64], chunk_bytes: int, max_piece: int = MAX_PIECE) -> tuple[I64, I64, I64, I64]:
         """Host-side pieces of one side of a chunked stream: (pool address, stream position,
         length, first piece of each chunk). No piece crosses a chunk boundary."""
         addr, lens = seg
         seg_start = np.cumsum(lens) - lens
         owner, s1, l1 = cut(seg_start, lens, chunk_bytes)
         a1 = addr[owner] + (s1 - seg_start[owner])
-        owner2, rel, plen = cut(np.zeros_like(l1), l1, MAX_PIECE)
+        owner2, rel, plen = cut(np.zeros_like(l1), l1, max_piece)
         pos = s1[owner2] + rel
         total = int(lens.sum())
         nchunks = -(-total // chunk_bytes)
@@ -150,17 +175,31 @@ class PieceTable:
         return a1[owner2] + rel, pos, plen, first
 
 
+@dataclass(frozen=True)
+class KernelConfig:
+    """Launch shape of the copy kernel (the defaults were the fastest on an H100, see the
+    README's GPU benchmark section; ``python -m bench.gpu`` sweeps the alternatives)."""
+
+    threads: int = THREADS
+    unroll: int = 4
+    streaming: bool = False
+    #: 0: one CUDA block per piece; k: k blocks per SM, each looping over pieces.
+    blocks_per_sm: int = 0
+
+
 class GpuCopier:
     """Launches :data:`KERNEL_SOURCE` on one device, on the daemon's own stream."""
 
-    def __init__(self, device: int) -> None:
+    def __init__(self, device: int, config: KernelConfig = KernelConfig()) -> None:
         import cupy
 
         self._cp = cupy
         self.device = device
+        self.config = config
         with cupy.cuda.Device(device):
             self.stream = cupy.cuda.Stream(non_blocking=True)
-            self._kernel = cupy.RawKernel(KERNEL_SOURCE, "kvxfer_copy_pieces")
+            options = (f"-DUNROLL={config.unroll}", f"-DSTREAMING={int(config.streaming)}")
+            self._kernel = cupy.RawKernel(KERNEL_SOURCE, "kvxfer_copy_pieces", options=options)
             self._sms = int(cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"])
 
     def upload(self, *rows: I64, chunk_first: I64 | None = None) -> PieceTable:
@@ -192,10 +231,11 @@ class GpuCopier:
             event = cp.cuda.Event(block=False, disable_timing=True)
             if n > 0:
                 t = table.device_table
-                grid = min(n, MAX_GRID)
+                cfg = self.config
+                grid = min(n, MAX_GRID if cfg.blocks_per_sm == 0 else cfg.blocks_per_sm * self._sms)
                 self._kernel(
                     (grid,),
-                    (THREADS,),
+                    (cfg.threads,),
                     (
                         t[src_row, first:],
                         t[dst_row, first:],
@@ -210,13 +250,15 @@ class GpuCopier:
         return event
 
 
-async def wait_event(event: Any) -> None:
-    """Wait for a CUDA event without blocking the event loop: a few tight polls (a 256 MiB
-    copy takes about 0.2 ms on an H100), then short sleeps."""
-    polls = 0
-    while not event.done:
-        polls += 1
-        await asyncio.sleep(0 if polls < 64 else 0.0001 if polls < 2000 else 0.001)
+async def wait_event(event: Any, spin_s: float = 0.005) -> None:
+    """Wait for a CUDA event without blocking the event loop: yield-and-poll for up to
+    ``spin_s`` (a 256 MiB copy takes about 0.2 ms on an H100, and the loop's timers tick in
+    whole milliseconds, so any sleep would cost more than the copy), then 1 ms sleeps."""
+    if event.done:
+        return
+    spin_until = time.perf_counter() + spin_s
+    while not event.done:  # noqa: ASYNC110 - a CUDA event cannot wake the loop
+        await asyncio.sleep(0 if time.perf_counter() < spin_until else 0.001)
 
 
 async def settle(event: Any) -> None:
