@@ -71,14 +71,15 @@ def memcpy_ceiling(nbytes: int, iters: int = 20) -> dict[str, Any]:
 
 
 def kernel_alone(name: str, config: Any = None, max_piece: int = 0, iters: int = 20) -> dict[str, Any]:
-    """The copy kernel by itself (no daemon, no IPC): one launch over a random handoff of
-    workload ``name`` between two pools on GPU 0, timed with CUDA events; ``prep_us`` is the
-    host work before the launch (addresses, pieces, upload)."""
+    """The local path's copy by itself (no daemon, no IPC): one block-kernel launch over a
+    random handoff of workload ``name`` between two pools on GPU 0. ``us_median`` is GPU time
+    (CUDA events around the table upload and the launch), ``wall_us_median`` the host's view
+    from building the table to completion."""
     import time
 
     import cupy
 
-    from kvxferd.dataplane.gpucopy import MAX_PIECE, GpuCopier, KernelConfig, PieceTable, segment_addresses
+    from kvxferd.dataplane.gpucopy import MAX_PIECE, BlockSide, GpuCopier, KernelConfig, launch_blocks
     from kvxferd.dataplane.plan import RegionTable
 
     config = config or KernelConfig()
@@ -99,20 +100,18 @@ def kernel_alone(name: str, config: Any = None, max_piece: int = 0, iters: int =
     ids_s = rng.permutation(w.pool_blocks)[: w.blocks_per_request]
     ids_d = rng.permutation(w.pool_blocks)[: w.blocks_per_request]
     copier = GpuCopier(0, config)
-    times, preps = [], []
+    times, walls = [], []
     for i in range(iters + 2):
-        t0 = time.perf_counter()
-        table = copier.upload(
-            *PieceTable.local(
-                segment_addresses(base_s, regions, ids_s), segment_addresses(base_d, regions, ids_d), max_piece
-            )
-        )
-        preps.append(time.perf_counter() - t0)
         start, end = cupy.cuda.Event(), cupy.cuda.Event()
         start.record(copier.stream)
-        copier.launch(table, 0, 1)
+        t0 = time.perf_counter()
+        # What the daemon's local path does per handoff: build the table, upload, launch.
+        launch_blocks(
+            copier, BlockSide.of(0, base_s, regions, ids_s), BlockSide.of(0, base_d, regions, ids_d), max_piece
+        )
         end.record(copier.stream)
         end.synchronize()
+        walls.append(time.perf_counter() - t0)
         if i >= 2:
             times.append(cupy.cuda.get_elapsed_time(start, end) / 1e3)
     ok = all(
@@ -124,10 +123,10 @@ def kernel_alone(name: str, config: Any = None, max_piece: int = 0, iters: int =
         "kernel": name,
         "config": {**config.__dict__, "max_piece": max_piece},
         "bytes": w.request_bytes,
-        "pieces": table.count,
+        "segments": w.segments,
         "gbps_median": w.request_bytes / med / 1e9,
         "us_median": med * 1e6,
-        "prep_us_median": statistics.median(preps[2:]) * 1e6,
+        "wall_us_median": statistics.median(walls[2:]) * 1e6,
         "verified": ok,
     }
 
@@ -137,13 +136,11 @@ def kernel_sweep(name: str) -> list[dict[str, Any]]:
     from kvxferd.dataplane.gpucopy import KernelConfig
 
     rows = []
-    for threads in (256, 512, 1024):
-        for unroll in (4, 8):
+    for threads in (128, 256, 512, 1024):
+        for unroll in (2, 4, 8):
             for streaming in (False, True):
-                for bps in (0, 4):
-                    for piece in (32 << 10, 64 << 10, 128 << 10):
-                        cfg = KernelConfig(threads, unroll, streaming, bps)
-                        rows.append(kernel_alone(name, cfg, piece, iters=10))
+                for piece in (16 << 10, 32 << 10, 64 << 10):
+                    rows.append(kernel_alone(name, KernelConfig(threads, unroll, streaming), piece, iters=10))
     return sorted(rows, key=lambda r: -r["gbps_median"])
 
 
@@ -163,6 +160,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--daemon-args", default="", help="extra kvxferd flags, e.g. '--chunk-bytes 8388608'")
     parser.add_argument("--out", help="also write every row into this JSON file")
+    parser.add_argument("--keep-logs", help="run the daemons in this directory and keep their logs")
     parser.add_argument("--sweep-kernel", action="store_true", help="also time every kernel launch shape on b16")
     args = parser.parse_args()
     rows: list[dict[str, Any]] = []
@@ -193,7 +191,7 @@ def main() -> None:
     daemon_args = tuple(args.daemon_args.split())
     for name in args.workloads.split(","):
         w = WORKLOADS[name]
-        with Cluster() as c:
+        with Cluster(args.keep_logs) as c:
             for path, prefill, decode in both_paths(c, w, SEED, "gpu", memory="gpu", daemon_args=daemon_args):
                 if name == "small":
                     row = run_concurrent(prefill, decode, w, rng, args.small_count, args.concurrency, verify_seed=SEED)

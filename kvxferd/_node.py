@@ -53,7 +53,7 @@ from ._sessions import Session
 from ._transfers import TransferRecord, TransferTable
 from .control.peers import Peer, PeerDirectory
 from .dataplane.aligned import aligned_empty
-from .dataplane.gpucopy import GpuDevices, PieceTable, segment_addresses
+from .dataplane.gpucopy import BlockSide, GpuDevices, PieceTable, segment_addresses
 from .dataplane.hostcopy import copy_chunk
 from .dataplane.plan import SidePlan, build_plan, num_chunks
 from .dataplane.staging import StagingLease, StagingPool
@@ -522,11 +522,11 @@ class Node:
         assert device is not None
         for pool in (src, dst):
             pool.pin_for_gpu()
-        src_addr, lens = segment_addresses(src.base, src.regions, src_ids)
-        dst_addr, dst_lens = segment_addresses(dst.base, dst.regions, dst_ids)
         src_dev = src.device if src.device is not None else device
         return await self.gpu.copy_local(
-            (src_dev, src_addr, lens), (device, dst_addr, dst_lens), self.settings.gpu_chunk_bytes
+            BlockSide.of(src_dev, src.base, src.regions, src_ids),
+            BlockSide.of(device, dst.base, dst.regions, dst_ids),
+            self.settings.gpu_chunk_bytes,
         )
 
     async def _pull_remote(

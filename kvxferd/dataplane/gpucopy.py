@@ -38,11 +38,13 @@ from .staging import StagingPool
 __all__ = [
     "KERNEL_SOURCE",
     "MAX_PIECE",
+    "BlockSide",
     "GpuCopier",
     "GpuDevices",
     "KernelConfig",
     "PieceTable",
     "cut",
+    "launch_blocks",
     "segment_addresses",
     "settle",
     "wait_event",
@@ -76,38 +78,58 @@ __device__ __forceinline__ void store16(uint4* p, uint4 v) {
     *p = v;
 #endif
 }
+// Copies L bytes: 16-byte words when both ends share an alignment, bytes otherwise.
+__device__ __forceinline__ void copy_bytes(const unsigned char* s, unsigned char* d, long long L)
+{
+    long long head = 0;
+    if ((((unsigned long long)s ^ (unsigned long long)d) & 15) == 0) {
+        head = (16 - ((unsigned long long)s & 15)) & 15;
+        if (head > L) head = L;
+        for (long long i = threadIdx.x; i < head; i += blockDim.x) d[i] = s[i];
+        const uint4* s4 = (const uint4*)(s + head);
+        uint4* d4 = (uint4*)(d + head);
+        long long m = (L - head) >> 4;
+        long long i = threadIdx.x;
+        const long long step = blockDim.x;
+        // UNROLL loads in flight per thread before the stores: HBM needs the parallelism.
+        for (; i + (UNROLL - 1) * step < m; i += UNROLL * step) {
+            uint4 r[UNROLL];
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) r[u] = load16(s4 + i + u * step);
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) store16(d4 + i + u * step, r[u]);
+        }
+        for (; i < m; i += step) store16(d4 + i, load16(s4 + i));
+        head += m << 4;
+    }
+    for (long long i = head + threadIdx.x; i < L; i += blockDim.x) d[i] = s[i];
+}
+
+// Pieces listed explicitly: piece p is len[p] bytes from src[p] + src_bias to dst[p] + dst_bias.
 extern "C" __global__ void kvxfer_copy_pieces(
     const long long* __restrict__ src, const long long* __restrict__ dst,
     const long long* __restrict__ len, long long n, long long src_bias, long long dst_bias)
 {
-    for (long long p = blockIdx.x; p < n; p += gridDim.x) {
-        const unsigned char* s = (const unsigned char*)(src[p] + src_bias);
-        unsigned char* d = (unsigned char*)(dst[p] + dst_bias);
-        long long L = len[p];
-        long long head = 0;
-        if ((((unsigned long long)s ^ (unsigned long long)d) & 15) == 0) {
-            // Same alignment on both ends: bytes up to a 16-byte boundary, then 16-byte words.
-            head = (16 - ((unsigned long long)s & 15)) & 15;
-            if (head > L) head = L;
-            for (long long i = threadIdx.x; i < head; i += blockDim.x) d[i] = s[i];
-            const uint4* s4 = (const uint4*)(s + head);
-            uint4* d4 = (uint4*)(d + head);
-            long long m = (L - head) >> 4;
-            long long i = threadIdx.x;
-            const long long step = blockDim.x;
-            // UNROLL loads in flight per thread before the stores: HBM needs the parallelism.
-            for (; i + (UNROLL - 1) * step < m; i += UNROLL * step) {
-                uint4 r[UNROLL];
-#pragma unroll
-                for (int u = 0; u < UNROLL; ++u) r[u] = load16(s4 + i + u * step);
-#pragma unroll
-                for (int u = 0; u < UNROLL; ++u) store16(d4 + i + u * step, r[u]);
-            }
-            for (; i < m; i += step) store16(d4 + i, load16(s4 + i));
-            head += m << 4;
-        }
-        for (long long i = head + threadIdx.x; i < L; i += blockDim.x) d[i] = s[i];
-    }
+    for (long long p = blockIdx.x; p < n; p += gridDim.x)
+        copy_bytes((const unsigned char*)(src[p] + src_bias), (unsigned char*)(dst[p] + dst_bias), len[p]);
+}
+
+// Whole blocks, addresses computed here from a small table (nothing per segment on the host):
+// t = [src region base | dst region base | src stride | dst stride | segment bytes] (nreg each),
+//     then the source and destination block ids (nblk each).
+// blockIdx.x: segment (region-major), blockIdx.y: piece of ``piece`` bytes inside it.
+extern "C" __global__ void kvxfer_copy_blocks(
+    const long long* __restrict__ t, long long nreg, long long nblk, long long piece)
+{
+    long long g = blockIdx.x;
+    long long r = g / nblk, j = g - r * nblk;
+    long long off = (long long)blockIdx.y * piece;
+    long long L = t[4 * nreg + r] - off;
+    if (L <= 0) return;
+    if (L > piece) L = piece;
+    const unsigned char* s = (const unsigned char*)(t[r] + t[5 * nreg + j] * t[2 * nreg + r] + off);
+    unsigned char* d = (unsigned char*)(t[nreg + r] + t[5 * nreg + nblk + j] * t[3 * nreg + r] + off);
+    copy_bytes(s, d, L);
 }
 """
 
@@ -199,7 +221,9 @@ class GpuCopier:
         with cupy.cuda.Device(device):
             self.stream = cupy.cuda.Stream(non_blocking=True)
             options = (f"-DUNROLL={config.unroll}", f"-DSTREAMING={int(config.streaming)}")
-            self._kernel = cupy.RawKernel(KERNEL_SOURCE, "kvxfer_copy_pieces", options=options)
+            module = cupy.RawModule(code=KERNEL_SOURCE, options=options)
+            self._kernel = module.get_function("kvxfer_copy_pieces")
+            self._blocks_kernel = module.get_function("kvxfer_copy_blocks")
             self._sms = int(cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"])
 
     def upload(self, *rows: I64, chunk_first: I64 | None = None) -> PieceTable:
@@ -248,6 +272,61 @@ class GpuCopier:
                 )
             event.record(self.stream)
         return event
+
+    def launch_blocks(self, table: I64, nreg: int, nblk: int, max_segment: int, piece: int) -> Any:
+        """Upload ``table`` (see ``kvxfer_copy_blocks``) and launch over every segment."""
+        cp = self._cp
+        with cp.cuda.Device(self.device), self.stream:
+            # Allocated and copied on this stream, so ordered before the launch; CuPy's pool
+            # reuses the memory only for later work on the same stream once ``t`` is dropped.
+            t = cp.asarray(np.ascontiguousarray(table, dtype=np.int64))
+            event = cp.cuda.Event(block=False, disable_timing=True)
+            piece = max(piece, -(-max_segment // 65535))  # gridDim.y is at most 65535
+            pieces_per_segment = -(-max_segment // piece)
+            self._blocks_kernel(
+                (nreg * nblk, pieces_per_segment),
+                (self.config.threads,),
+                (t, np.int64(nreg), np.int64(nblk), np.int64(piece)),
+                stream=self.stream,
+            )
+            event.record(self.stream)
+        return event
+
+
+@dataclass(frozen=True)
+class BlockSide:
+    """One side of a block copy: each region's first-byte address (buffer address + region
+    offset), its block stride and segment size, and the block ids in handoff order."""
+
+    device: int
+    region_base: I64
+    stride: I64
+    nbytes: I64
+    ids: I64
+
+    @classmethod
+    def of(cls, device: int, buffer_base: I64, regions: RegionTable, ids: npt.NDArray[np.integer]) -> BlockSide:
+        return cls(
+            device,
+            buffer_base[regions.buffer] + regions.offset,
+            regions.stride,
+            regions.nbytes,
+            np.asarray(ids, dtype=np.int64),
+        )
+
+    def segments(self) -> tuple[I64, I64]:
+        """Segment addresses and lengths in stream order (for the chunked paths)."""
+        addr = (self.region_base[:, None] + self.ids[None, :] * self.stride[:, None]).ravel()
+        return addr, np.repeat(self.nbytes, len(self.ids))
+
+
+def launch_blocks(copier: GpuCopier, src: BlockSide, dst: BlockSide, piece: int = MAX_PIECE) -> Any:
+    """One launch of ``kvxfer_copy_blocks`` copying every block of ``src`` to ``dst``; the host
+    work is O(regions + blocks), never per segment. Returns the completion event."""
+    if not np.array_equal(src.nbytes, dst.nbytes) or len(src.ids) != len(dst.ids):
+        raise ValueError("source and destination differ in segment sizes or block count")
+    table = np.concatenate([src.region_base, dst.region_base, src.stride, dst.stride, src.nbytes, src.ids, dst.ids])
+    return copier.launch_blocks(table, len(src.nbytes), len(src.ids), int(src.nbytes.max()), piece)
 
 
 async def wait_event(event: Any, spin_s: float = 0.005) -> None:
@@ -329,20 +408,17 @@ class GpuDevices:
             self._peer[key] = ok
         return ok
 
-    async def copy_local(self, src: tuple[int, I64, I64], dst: tuple[int, I64, I64], staged_bytes: int) -> str:
+    async def copy_local(self, src: BlockSide, dst: BlockSide, staged_bytes: int) -> str:
         """Copy one handoff between two mapped pools; returns the transport used.
 
-        ``src`` and ``dst`` are ``(device, segment addresses, segment lengths)``; a host pool
-        has been pinned and its device is the other side's. Same GPU or peer access: one launch.
-        Otherwise chunks of ``staged_bytes`` go gather → device-to-device copy → scatter.
+        A host pool has been pinned and its side names the GPU of the other. Same GPU or peer
+        access: one launch of the block kernel on the destination's GPU. Otherwise chunks of
+        ``staged_bytes`` go gather → device-to-device copy → scatter.
         """
-        (src_dev, src_addr, lens), (dst_dev, dst_addr, dst_lens) = src, dst
-        if self.peer_ok(dst_dev, src_dev):
-            a, b, n = PieceTable.local((src_addr, lens), (dst_addr, dst_lens))
-            copier = self.copier(dst_dev)
-            await settle(copier.launch(copier.upload(a, b, n), 0, 1))
-            return "local-kernel" if src_dev == dst_dev else "local-kernel:p2p"
-        await self._copy_staged(src_dev, (src_addr, lens), dst_dev, (dst_addr, dst_lens), staged_bytes)
+        if self.peer_ok(dst.device, src.device):
+            await settle(launch_blocks(self.copier(dst.device), src, dst))
+            return "local-kernel" if src.device == dst.device else "local-kernel:p2p"
+        await self._copy_staged(src.device, src.segments(), dst.device, dst.segments(), staged_bytes)
         return "local-kernel:staged"
 
     async def _copy_staged(
