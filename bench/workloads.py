@@ -84,7 +84,7 @@ def run_sequential(
 ) -> dict[str, Any]:
     """One handoff at a time: offer, pull, (verify the first ``verify_count``, default all);
     returns throughput and latency."""
-    latencies, harness, daemon_s, data_s, transports = [], [], [], [], set()
+    latencies, harness, daemon_s, data_s, offer_s, pull_s, transports = [], [], [], [], [], [], set()
     verified = True
     for i in range(warmup + iters):
         ((src, dst),) = random_requests(rng, w, 1)
@@ -103,6 +103,8 @@ def run_sequential(
             # decode engine (handing the ticket over is the serving framework's job).
             latencies.append(offered["offer_s"] + res["latency_s"])
             harness.append(elapsed)
+            offer_s.append(offered["offer_s"])
+            pull_s.append(res["latency_s"])
             daemon_s.append(res["daemon_s"])
             data_s.append(res.get("data_plane_s", 0.0))
             transports.add(res["transport"])
@@ -119,6 +121,8 @@ def run_sequential(
         "p50_ms": statistics.median(latencies) * 1e3,
         "p99_ms": float(np.percentile(latencies, 99)) * 1e3,
         "harness_p50_ms": statistics.median(harness) * 1e3,
+        "offer_p50_ms": statistics.median(offer_s) * 1e3,
+        "pull_p50_ms": statistics.median(pull_s) * 1e3,
         "daemon_p50_ms": statistics.median(daemon_s) * 1e3,
         "daemon_p99_ms": float(np.percentile(daemon_s, 99)) * 1e3,
         "transport": ",".join(sorted(transports)),

@@ -210,4 +210,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     configure(settings.log_level, settings.log_json)
     log_event("daemon.config", **settings.as_dict())
-    raise SystemExit(uvloop.run(serve(settings)))
+    profile_to = os.environ.get("KVXFERD_PROFILE")
+    if not profile_to:
+        raise SystemExit(uvloop.run(serve(settings)))
+    # Developers: cProfile the whole run, stats written to $KVXFERD_PROFILE.<pid> at exit.
+    import cProfile
+
+    profiler = cProfile.Profile()
+    try:
+        code = profiler.runcall(uvloop.run, serve(settings))
+    finally:
+        profiler.dump_stats(f"{profile_to}.{os.getpid()}")
+    raise SystemExit(code)
