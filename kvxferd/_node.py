@@ -334,6 +334,8 @@ class Node:
             "bytes": record.nbytes,
             "duration_s": round(record.duration_s, 6),
         }
+        if record.phases:
+            fields["phases_ms"] = ",".join(f"{name}={t * 1e3:.2f}" for name, t in record.phases)
         if state == common_pb2.TRANSFER_STATE_SUCCEEDED:
             log_event("transfer.done", **fields)
         else:
@@ -568,7 +570,9 @@ class Node:
                         )
                     )
                 )
+                record.mark("start_sent")
                 accepted = await _read(call, "accepted", self.settings.peer_timeout_s)
+                record.mark("accepted")
                 chunk = accepted.accepted.chunk_bytes or max_chunk
                 if not MIN_CHUNK <= chunk <= max_chunk:
                     raise IncompatibleError(f"peer chose {chunk}-byte chunks; this side takes {MIN_CHUNK}..{max_chunk}")
@@ -585,13 +589,17 @@ class Node:
                     staging = self.recv_staging
                     need = 0 if self.ucx.scatter_receive else min(self.settings.window, _staged_chunks(plan))
                 lease = await stack.enter_async_context(staging.lease(need))
+                record.mark("staging")
                 started = time.perf_counter()
                 if dst.on_gpu:
                     assert dst.device is not None
                     copier = self.gpu.copier(dst.device)
                     a, pos, n, first = PieceTable.stream(segment_addresses(dst.base, dst.regions, dst_ids), chunk)
                     pieces = copier.upload(a, pos, n, chunk_first=first)
-                    receive = self.ucx.receive_gpu(ep, plan, pieces, copier, tag_base, lease, self.settings.window)
+                    record.mark("pieces")
+                    receive = self.ucx.receive_gpu(
+                        ep, plan, pieces, copier, tag_base, lease, self.settings.window, mark=record.mark
+                    )
                 else:
                     receive = self.ucx.receive(
                         ep,
@@ -610,9 +618,11 @@ class Node:
                     task.result()  # a failure on either side ends the transfer now
                 await receiving
                 record.data_plane_s = time.perf_counter() - started
+                record.mark("received")
                 await sent_task
                 await call.write(peer_pb2.TransferClientMessage(done=peer_pb2.TransferDone(ok=True)))
                 await _read(call, "closed", self.settings.peer_timeout_s)
+                record.mark("closed")
                 await call.done_writing()
             except BaseException as exc:
                 if receiving is not None and not receiving.done():
@@ -711,7 +721,9 @@ class Node:
                 else:
                     staging = self.send_staging
                     need = min(self.settings.window, _staged_chunks(plan))
+                record.mark("planned")
                 async with staging.lease(need) as lease:
+                    record.mark("staging")
                     await context.write(
                         peer_pb2.TransferServerMessage(
                             accepted=peer_pb2.TransferAccepted(
@@ -730,12 +742,14 @@ class Node:
                         await self.ucx.send_gpu(ep, plan, pieces, copier, start.tag_base, lease, self.settings.window)
                     else:
                         await self.ucx.send(ep, plan, pool.arrays, start.tag_base, lease, self.settings.window)
+                record.mark("sent")
                 await context.write(
                     peer_pb2.TransferServerMessage(
                         sent=peer_pb2.TransferSent(bytes=plan.total_bytes, transport=record.transport)
                     )
                 )
                 done = await context.read()
+                record.mark("confirmed")
                 if done is grpc.aio.EOF or done.WhichOneof("msg") != "done":
                     raise UnavailableError("receiver closed the transfer without confirming")
                 if not done.done.ok:

@@ -38,6 +38,11 @@ class TransferRecord:
     #: A receive of this (failed) pull was not confirmed cancelled by UCX.
     may_still_write: bool = False
     task: asyncio.Task[object] | None = None
+    #: (phase, seconds since start) marks, logged with the transfer's end (where time goes).
+    phases: list[tuple[str, float]] = field(default_factory=list)
+
+    def mark(self, phase: str) -> None:
+        self.phases.append((phase, time.monotonic() - self.started_mono))
 
     def to_proto(self) -> admin_pb2.TransferInfo:
         duration = self.duration_s or (time.monotonic() - self.started_mono)

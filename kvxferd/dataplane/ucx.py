@@ -323,6 +323,7 @@ class UcxTransport:
         tag_base: int,
         lease: StagingLease,
         window: int,
+        mark: Callable[[str], None] | None = None,
     ) -> None:
         """Send a GPU pool's chunks: a gather kernel packs each chunk into GPU staging while
         earlier chunks fly. Every chunk is staged: the pool is IPC-imported memory, which UCX's
@@ -334,12 +335,16 @@ class UcxTransport:
             c = chunk.index
             bias = staged.data.ptr - c * chunk_bytes
             await settle(copier.launch(pieces, 0, 1, int(first[c]), int(first[c + 1]), dst_bias=bias))
+            if mark is not None and c == 0:
+                mark("packed0")
 
         async def move(chunk: ChunkPlan, staged: Any) -> None:
             sending = asyncio.ensure_future(ep.send(staged[: chunk.nbytes], tag=tag_base | chunk.index, force_tag=True))
             self._sends.add(sending)
             sending.add_done_callback(_retire_send(self._sends))
             await asyncio.shield(sending)
+            if mark is not None and chunk.index == 0:
+                mark("sent0")
 
         with self._busy():
             await _pipeline(plan, lease, window, move, pack, zero_copy=False)
@@ -353,6 +358,7 @@ class UcxTransport:
         tag_base: int,
         lease: StagingLease,
         window: int,
+        mark: Callable[[str], None] | None = None,
     ) -> None:
         """Receive chunks into GPU staging and scatter each into the pool as it lands. UCX only
         ever writes staging; a scatter that started always finishes before this returns."""
@@ -369,8 +375,12 @@ class UcxTransport:
             else:
                 await ep.recv(staged[: chunk.nbytes], tag=tag, force_tag=True)
             landed.add(c)
+            if mark is not None and c == 0:
+                mark("landed0")
             bias = staged.data.ptr - c * chunk_bytes
             await settle(copier.launch(pieces, 1, 0, int(first[c]), int(first[c + 1]), src_bias=bias))
+            if mark is not None and c == 0:
+                mark("scattered0")
 
         with self._busy():
             try:
