@@ -67,9 +67,9 @@ class Settings:
     #: Chunk of the local (same-daemon) copy path.
     local_chunk_bytes: int = 16 * _MiB
     #: Bytes of one chunk when a GPU pool sends or receives over UCX (= one GPU staging buffer).
-    gpu_chunk_bytes: int = 16 * _MiB
+    gpu_chunk_bytes: int = 64 * _MiB
     #: GPU staging memory per GPU for sending, and the same again for receiving.
-    gpu_staging_bytes: int = 128 * _MiB
+    gpu_staging_bytes: int = 256 * _MiB
     #: Threads running memory copies (numpy releases the GIL while copying).
     copy_threads: int = 2
     #: UCX endpoint error handling: "auto" (off towards a peer on this host so UCX may use

@@ -53,9 +53,9 @@ from ._sessions import Session
 from ._transfers import TransferRecord, TransferTable
 from .control.peers import Peer, PeerDirectory
 from .dataplane.aligned import aligned_empty
-from .dataplane.gpucopy import BlockSide, GpuDevices, PieceTable, segment_addresses
+from .dataplane.gpucopy import BlockSide, GpuDevices
 from .dataplane.hostcopy import copy_chunk
-from .dataplane.plan import SidePlan, build_plan, num_chunks
+from .dataplane.plan import SidePlan, build_plan, num_chunks, stream_plan
 from .dataplane.staging import StagingLease, StagingPool
 from .dataplane.ucx import UcxTransport, describe_transport
 from .memory.pools import Pool, PoolRegistry, check_block_ids
@@ -528,7 +528,6 @@ class Node:
         return await self.gpu.copy_local(
             BlockSide.of(src_dev, src.base, src.regions, src_ids),
             BlockSide.of(device, dst.base, dst.regions, dst_ids),
-            self.settings.gpu_chunk_bytes,
         )
 
     async def _pull_remote(
@@ -576,7 +575,12 @@ class Node:
                 chunk = accepted.accepted.chunk_bytes or max_chunk
                 if not MIN_CHUNK <= chunk <= max_chunk:
                     raise IncompatibleError(f"peer chose {chunk}-byte chunks; this side takes {MIN_CHUNK}..{max_chunk}")
-                plan = build_plan(dst.regions, dst_ids, chunk)
+                if dst.on_gpu:
+                    assert dst.device is not None
+                    side = BlockSide.of(dst.device, dst.base, dst.regions, dst_ids)
+                    plan = stream_plan(side.total_bytes, chunk)
+                else:
+                    plan = build_plan(dst.regions, dst_ids, chunk)
                 if accepted.accepted.total_bytes != plan.total_bytes:
                     raise IncompatibleError(
                         f"peer sends {accepted.accepted.total_bytes} bytes, destination expects {plan.total_bytes}"
@@ -594,11 +598,9 @@ class Node:
                 if dst.on_gpu:
                     assert dst.device is not None
                     copier = self.gpu.copier(dst.device)
-                    a, pos, n, first = PieceTable.stream(segment_addresses(dst.base, dst.regions, dst_ids), chunk)
-                    pieces = copier.upload(a, pos, n, chunk_first=first)
-                    record.mark("pieces")
+                    uploaded = copier.upload_side(side)
                     receive = self.ucx.receive_gpu(
-                        ep, plan, pieces, copier, tag_base, lease, self.settings.window, mark=record.mark
+                        ep, plan, uploaded, copier, tag_base, lease, self.settings.window, mark=record.mark
                     )
                 else:
                     receive = self.ucx.receive(
@@ -709,7 +711,12 @@ class Node:
                 # The receiver's maximum, capped by what this side stages per chunk.
                 own = self.settings.gpu_chunk_bytes if pool.on_gpu else self.settings.chunk_bytes
                 chunk = min(start.chunk_bytes, own)
-                plan = build_plan(pool.regions, offer.block_ids, chunk)
+                if pool.on_gpu:
+                    assert pool.device is not None
+                    side = BlockSide.of(pool.device, pool.base, pool.regions, offer.block_ids)
+                    plan = stream_plan(side.total_bytes, chunk)
+                else:
+                    plan = build_plan(pool.regions, offer.block_ids, chunk)
                 ep = await _within(
                     self.ucx.endpoint(peer.daemon_id, peer.identity.ucx_worker_address, self._error_handling(peer)),
                     self.settings.peer_timeout_s,
@@ -736,10 +743,16 @@ class Node:
                     if pool.on_gpu:
                         assert pool.device is not None
                         copier = self.gpu.copier(pool.device)
-                        seg = segment_addresses(pool.base, pool.regions, offer.block_ids)
-                        a, pos, n, first = PieceTable.stream(seg, chunk)
-                        pieces = copier.upload(a, pos, n, chunk_first=first)
-                        await self.ucx.send_gpu(ep, plan, pieces, copier, start.tag_base, lease, self.settings.window)
+                        await self.ucx.send_gpu(
+                            ep,
+                            plan,
+                            copier.upload_side(side),
+                            copier,
+                            start.tag_base,
+                            lease,
+                            self.settings.window,
+                            mark=record.mark,
+                        )
                     else:
                         await self.ucx.send(ep, plan, pool.arrays, start.tag_base, lease, self.settings.window)
                 record.mark("sent")

@@ -1,32 +1,34 @@
-"""GPU copies: one CuPy RawKernel launch moves any number of segments.
+"""GPU copies: one CuPy kernel launch moves any number of segments.
 
-A handoff's segments become *pieces* (address, length) computed with numpy, uploaded to the
-GPU in one copy, and copied by one launch of :data:`KERNEL_SOURCE`: CUDA block *i* copies
-piece *i* (grid-stride), with 16-byte loads and stores when both ends and the length allow it,
-and a byte loop for whatever is not aligned. Pieces are at most :data:`MAX_PIECE` bytes so
-that large contiguous segments still spread over every SM.
+The host never lists segments. Per handoff it uploads one small table — each region's first
+address, block stride, segment size and position in the stream, then the block ids — and the
+kernels compute every address on the GPU. CUDA block ``(x, y)`` copies piece ``y`` (at most
+``piece`` bytes) of segment ``x``, with 16-byte loads and stores when both ends share an
+alignment and a byte loop otherwise. The Python work per handoff is O(regions + blocks) numpy
+plus one launch per chunk; it never grows with the number of segments.
 
-The same kernel serves three jobs, through a bias added to one side's addresses:
-
-* local path: pool → pool (both mapped in the daemon, same GPU or peer-accessible GPUs);
-* remote send: pool → staging (the piece's stream position + the staging address);
-* remote receive: staging → pool.
+* :func:`launch_blocks` (``kvxfer_copy_blocks``): the local path, pool → pool, one launch.
+* :meth:`GpuCopier.launch_stream` (``kvxfer_copy_stream``): one chunk of a side's byte
+  stream between the pool and a staging buffer (gather before a UCX send, scatter after a
+  receive). Segments are listed region-major, then in the handoff's block order; the chunk is
+  the stream range ``[c * chunk_bytes, (c + 1) * chunk_bytes)``.
 
 Completion is a CUDA event polled from the event loop (never a blocking synchronise on the
-loop thread). The Python work per handoff is numpy arithmetic plus one launch per chunk; it
-does not grow with the number of segments.
+loop thread).
 
 >>> import numpy as np
->>> owner, start, length = cut(np.array([0, 100]), np.array([100, 60]), 64)
->>> owner.tolist(), start.tolist(), length.tolist()
-([0, 0, 1, 1], [0, 64, 100, 128], [64, 36, 28, 32])
+>>> side = BlockSide(0, np.array([1000, 5000]), np.array([64, 64]), np.array([16, 40]), np.array([3, 1, 2]))
+>>> side.total_bytes, side.stream_start.tolist()
+(168, [0, 48])
+>>> side.segments_overlapping(40, 100)     # segment 2 (region 0) to segment 4 (region 1)
+(2, 5)
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -42,20 +44,17 @@ __all__ = [
     "GpuCopier",
     "GpuDevices",
     "KernelConfig",
-    "PieceTable",
-    "cut",
     "launch_blocks",
-    "segment_addresses",
     "settle",
     "wait_event",
 ]
 
 I64 = npt.NDArray[np.int64]
 
-#: Largest piece one CUDA block copies: 64 KiB is 16 loads of 16 bytes per thread of 256.
+#: Largest piece one CUDA block copies.
 MAX_PIECE = 64 << 10
-THREADS = 256
-MAX_GRID = 1 << 20
+#: gridDim.y is at most 65535: pieces grow for segments beyond 65535 pieces.
+_MAX_GRID_Y = 65535
 
 KERNEL_SOURCE = r"""
 #ifndef UNROLL
@@ -78,6 +77,7 @@ __device__ __forceinline__ void store16(uint4* p, uint4 v) {
     *p = v;
 #endif
 }
+
 // Copies L bytes: 16-byte words when both ends share an alignment, bytes otherwise.
 __device__ __forceinline__ void copy_bytes(const unsigned char* s, unsigned char* d, long long L)
 {
@@ -105,112 +105,128 @@ __device__ __forceinline__ void copy_bytes(const unsigned char* s, unsigned char
     for (long long i = head + threadIdx.x; i < L; i += blockDim.x) d[i] = s[i];
 }
 
-// Pieces listed explicitly: piece p is len[p] bytes from src[p] + src_bias to dst[p] + dst_bias.
-extern "C" __global__ void kvxfer_copy_pieces(
-    const long long* __restrict__ src, const long long* __restrict__ dst,
-    const long long* __restrict__ len, long long n, long long src_bias, long long dst_bias)
-{
-    for (long long p = blockIdx.x; p < n; p += gridDim.x)
-        copy_bytes((const unsigned char*)(src[p] + src_bias), (unsigned char*)(dst[p] + dst_bias), len[p]);
-}
+// Table of one side (nreg entries each, then nblk block ids):
+//   [region base | block stride | segment bytes | region's stream start] [ids]
+#define BASE(t, r) t[r]
+#define STRIDE(t, r) t[nreg + (r)]
+#define SEGBYTES(t, r) t[2 * nreg + (r)]
+#define STREAM0(t, r) t[3 * nreg + (r)]
+#define ID(t, j) t[4 * nreg + (j)]
 
-// Whole blocks, addresses computed here from a small table (nothing per segment on the host):
-// t = [src region base | dst region base | src stride | dst stride | segment bytes] (nreg each),
-//     then the source and destination block ids (nblk each).
-// blockIdx.x: segment (region-major), blockIdx.y: piece of ``piece`` bytes inside it.
+// Local path: block j of ``s`` to block j of ``d``, every region; x = segment, y = piece.
 extern "C" __global__ void kvxfer_copy_blocks(
-    const long long* __restrict__ t, long long nreg, long long nblk, long long piece)
+    const long long* __restrict__ s, const long long* __restrict__ d, long long nreg, long long nblk, long long piece)
 {
     long long g = blockIdx.x;
     long long r = g / nblk, j = g - r * nblk;
     long long off = (long long)blockIdx.y * piece;
-    long long L = t[4 * nreg + r] - off;
+    long long L = SEGBYTES(s, r) - off;
     if (L <= 0) return;
     if (L > piece) L = piece;
-    const unsigned char* s = (const unsigned char*)(t[r] + t[5 * nreg + j] * t[2 * nreg + r] + off);
-    unsigned char* d = (unsigned char*)(t[nreg + r] + t[5 * nreg + nblk + j] * t[3 * nreg + r] + off);
-    copy_bytes(s, d, L);
+    copy_bytes((const unsigned char*)(BASE(s, r) + ID(s, j) * STRIDE(s, r) + off),
+               (unsigned char*)(BASE(d, r) + ID(d, j) * STRIDE(d, r) + off), L);
+}
+
+// One chunk [lo, hi) of a side's stream between the pool and ``staging`` (which holds the
+// chunk from its first byte); x = segment - g0, y = piece of the segment.
+extern "C" __global__ void kvxfer_copy_stream(
+    const long long* __restrict__ t, long long nreg, long long nblk, long long piece, long long g0,
+    long long lo, long long hi, long long staging, int to_staging)
+{
+    long long g = g0 + blockIdx.x;
+    long long r = g / nblk, j = g - r * nblk;
+    if (r >= nreg) return;
+    long long seg = SEGBYTES(t, r);
+    long long start = STREAM0(t, r) + j * seg;
+    long long a = start + (long long)blockIdx.y * piece;
+    long long b = a + piece;
+    if (b > start + seg) b = start + seg;
+    if (a < lo) a = lo;
+    if (b > hi) b = hi;
+    if (a >= b) return;
+    unsigned char* pool = (unsigned char*)(BASE(t, r) + ID(t, j) * STRIDE(t, r) + (a - start));
+    unsigned char* stage = (unsigned char*)(staging + (a - lo));
+    if (to_staging) copy_bytes(pool, stage, b - a);
+    else copy_bytes(stage, pool, b - a);
 }
 """
 
 
-def cut(start: I64, length: I64, step: int) -> tuple[I64, I64, I64]:
-    """Cut ranges ``[start, start + length)`` at multiples of ``step``.
+@dataclass(frozen=True)
+class BlockSide:
+    """One side of a handoff on a GPU (or a pinned host pool): each region's first address
+    (buffer address + region offset), block stride and segment size, and the block ids."""
 
-    Returns, per piece, the index of the range it came from, its start and its length.
-    """
-    start = np.asarray(start, dtype=np.int64)
-    length = np.asarray(length, dtype=np.int64)
-    first = start // step
-    last = (start + length - 1) // step
-    count = last - first + 1
-    owner = np.repeat(np.arange(len(start), dtype=np.int64), count)
-    nth = np.arange(owner.size, dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
-    k = first[owner] + nth
-    p_start = np.maximum(start[owner], k * step)
-    p_end = np.minimum(start[owner] + length[owner], (k + 1) * step)
-    return owner, p_start, p_end - p_start
+    device: int
+    region_base: I64
+    stride: I64
+    nbytes: I64
+    ids: I64
+    stream_start: I64 = field(init=False)
+    total_bytes: int = field(init=False)
 
-
-def segment_addresses(base: I64, regions: RegionTable, ids: npt.NDArray[np.integer]) -> tuple[I64, I64]:
-    """Address and length of each segment of ``ids``, in stream order (region-major).
-
-    ``base`` holds each buffer's device address; ``ids`` are validated block ids.
-    """
-    ids = np.asarray(ids, dtype=np.int64)
-    addr = (base[regions.buffer][:, None] + regions.offset[:, None] + ids[None, :] * regions.stride[:, None]).ravel()
-    return addr, np.repeat(regions.nbytes, len(ids))
-
-
-@dataclass
-class PieceTable:
-    """Pieces of one handoff side on the GPU: rows ``a`` and ``b`` are addresses (or stream
-    positions), ``length`` their sizes; ``chunk_first[c]`` is chunk *c*'s first piece."""
-
-    device_table: Any  # cupy int64 array (3, n)
-    count: int
-    chunk_first: I64
-    nbytes: int
+    def __post_init__(self) -> None:
+        sizes = self.nbytes * len(self.ids)
+        object.__setattr__(self, "stream_start", np.cumsum(sizes) - sizes)
+        object.__setattr__(self, "total_bytes", int(sizes.sum()))
 
     @classmethod
-    def local(cls, src: tuple[I64, I64], dst: tuple[I64, I64], max_piece: int = MAX_PIECE) -> tuple[I64, I64, I64]:
-        """Host-side pieces of a pool → pool copy (both sides list the same segment sizes)."""
-        (src_addr, lens), (dst_addr, dst_lens) = src, dst
-        if not np.array_equal(lens, dst_lens):
-            raise ValueError("source and destination segments differ in size")
-        owner, rel, plen = cut(np.zeros_like(lens), lens, max_piece)
-        return src_addr[owner] + rel, dst_addr[owner] + rel, plen
+    def of(cls, device: int, buffer_base: I64, regions: RegionTable, ids: npt.NDArray[np.integer]) -> BlockSide:
+        return cls(
+            device,
+            buffer_base[regions.buffer] + regions.offset,
+            regions.stride.copy(),
+            regions.nbytes.copy(),
+            np.asarray(ids, dtype=np.int64),
+        )
 
-    @classmethod
-    def stream(cls, seg: tuple[I64, I64], chunk_bytes: int, max_piece: int = MAX_PIECE) -> tuple[I64, I64, I64, I64]:
-        """Host-side pieces of one side of a chunked stream: (pool address, stream position,
-        length, first piece of each chunk). No piece crosses a chunk boundary."""
-        addr, lens = seg
-        seg_start = np.cumsum(lens) - lens
-        owner, s1, l1 = cut(seg_start, lens, chunk_bytes)
-        a1 = addr[owner] + (s1 - seg_start[owner])
-        owner2, rel, plen = cut(np.zeros_like(l1), l1, max_piece)
-        pos = s1[owner2] + rel
-        total = int(lens.sum())
-        nchunks = -(-total // chunk_bytes)
-        first = np.searchsorted(pos, np.arange(nchunks + 1, dtype=np.int64) * chunk_bytes).astype(np.int64)
-        return a1[owner2] + rel, pos, plen, first
+    def table(self) -> I64:
+        """The kernels' table of this side (see ``KERNEL_SOURCE``)."""
+        return np.concatenate([self.region_base, self.stride, self.nbytes, self.stream_start, self.ids])
+
+    def segments_overlapping(self, lo: int, hi: int) -> tuple[int, int]:
+        """Segments ``g0 .. g1 - 1`` (region-major numbering) that hold stream bytes ``lo .. hi - 1``."""
+        n = len(self.ids)
+        ends = self.stream_start + self.nbytes * n
+
+        def segment_at(pos: int) -> int:
+            r = int(np.searchsorted(ends, pos, side="right"))
+            return r * n + (pos - int(self.stream_start[r])) // int(self.nbytes[r])
+
+        return segment_at(lo), segment_at(hi - 1) + 1
+
+    def segments(self) -> tuple[I64, I64]:
+        """Segment addresses and lengths in stream order (tests and diagnostics)."""
+        addr = (self.region_base[:, None] + self.ids[None, :] * self.stride[:, None]).ravel()
+        return addr, np.repeat(self.nbytes, len(self.ids))
+
+
+def piece_for(max_segment: int, piece: int = MAX_PIECE) -> tuple[int, int]:
+    """``(piece, pieces per segment)`` for segments of up to ``max_segment`` bytes."""
+    piece = max(piece, -(-max_segment // _MAX_GRID_Y))
+    return piece, max(1, -(-max_segment // piece))
 
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Launch shape of the copy kernel (the defaults were the fastest on an H100, see the
-    README's GPU benchmark section; ``python -m bench.gpu`` sweeps the alternatives)."""
+    """Launch shape of the copy kernels (``python -m bench.gpu --sweep-kernel`` times the
+    alternatives; the defaults were among the fastest on an H100)."""
 
-    threads: int = THREADS
+    threads: int = 256
     unroll: int = 4
     streaming: bool = False
-    #: 0: one CUDA block per piece; k: k blocks per SM, each looping over pieces.
-    blocks_per_sm: int = 0
+
+
+@dataclass
+class UploadedSide:
+    """A side's table on the GPU, ready for one :meth:`GpuCopier.launch_stream` per chunk."""
+
+    side: BlockSide
+    table: Any  # cupy int64 array
 
 
 class GpuCopier:
-    """Launches :data:`KERNEL_SOURCE` on one device, on the daemon's own stream."""
+    """Launches the copy kernels on one device, on the daemon's own stream."""
 
     def __init__(self, device: int, config: KernelConfig = KernelConfig()) -> None:
         import cupy
@@ -222,111 +238,73 @@ class GpuCopier:
             self.stream = cupy.cuda.Stream(non_blocking=True)
             options = (f"-DUNROLL={config.unroll}", f"-DSTREAMING={int(config.streaming)}")
             module = cupy.RawModule(code=KERNEL_SOURCE, options=options)
-            self._kernel = module.get_function("kvxfer_copy_pieces")
-            self._blocks_kernel = module.get_function("kvxfer_copy_blocks")
-            self._sms = int(cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"])
+            self._blocks = module.get_function("kvxfer_copy_blocks")
+            self._stream_kernel = module.get_function("kvxfer_copy_stream")
 
-    def upload(self, *rows: I64, chunk_first: I64 | None = None) -> PieceTable:
-        """Put the piece rows on this device (one host-to-device copy)."""
-        host = np.ascontiguousarray(np.stack(rows).astype(np.int64, copy=False))
+    def _upload(self, table: I64) -> Any:
+        # Allocated and copied on this stream, so ordered before the kernels that read it (a
+        # non-blocking stream does not wait for the default stream); CuPy's pool reuses the
+        # memory only for later work on the same stream once the array is dropped.
         with self._cp.cuda.Device(self.device), self.stream:
-            # On the copier's own stream: the kernel that reads the table is ordered after the
-            # copy (a non-blocking stream does not wait for work on the default stream).
-            table = self._cp.asarray(host)
-        first = chunk_first if chunk_first is not None else np.array([0, host.shape[1]], dtype=np.int64)
-        return PieceTable(table, host.shape[1], first, int(host[2].sum()) if host.shape[1] else 0)
+            return self._cp.asarray(np.ascontiguousarray(table, dtype=np.int64))
 
-    def launch(
-        self,
-        table: PieceTable,
-        src_row: int,
-        dst_row: int,
-        first: int = 0,
-        last: int | None = None,
-        src_bias: int = 0,
-        dst_bias: int = 0,
-    ) -> Any:
-        """Copy pieces ``first..last`` from row ``src_row`` to row ``dst_row`` (plus biases);
-        returns the CUDA event that completes with the copy."""
-        cp = self._cp
-        last = table.count if last is None else last
-        n = last - first
-        with cp.cuda.Device(self.device):
-            event = cp.cuda.Event(block=False, disable_timing=True)
-            if n > 0:
-                t = table.device_table
-                cfg = self.config
-                grid = min(n, MAX_GRID if cfg.blocks_per_sm == 0 else cfg.blocks_per_sm * self._sms)
-                self._kernel(
-                    (grid,),
-                    (cfg.threads,),
-                    (
-                        t[src_row, first:],
-                        t[dst_row, first:],
-                        t[2, first:],
-                        np.int64(n),
-                        np.int64(src_bias),
-                        np.int64(dst_bias),
-                    ),
-                    stream=self.stream,
-                )
-            event.record(self.stream)
+    def _event(self) -> Any:
+        event = self._cp.cuda.Event(block=False, disable_timing=True)
+        event.record(self.stream)
         return event
 
-    def launch_blocks(self, table: I64, nreg: int, nblk: int, max_segment: int, piece: int) -> Any:
-        """Upload ``table`` (see ``kvxfer_copy_blocks``) and launch over every segment."""
-        cp = self._cp
-        with cp.cuda.Device(self.device), self.stream:
-            # Allocated and copied on this stream, so ordered before the launch; CuPy's pool
-            # reuses the memory only for later work on the same stream once ``t`` is dropped.
-            t = cp.asarray(np.ascontiguousarray(table, dtype=np.int64))
-            event = cp.cuda.Event(block=False, disable_timing=True)
-            piece = max(piece, -(-max_segment // 65535))  # gridDim.y is at most 65535
-            pieces_per_segment = -(-max_segment // piece)
-            self._blocks_kernel(
-                (nreg * nblk, pieces_per_segment),
+    def launch_blocks(self, src: BlockSide, dst: BlockSide, piece: int = MAX_PIECE) -> Any:
+        """Copy every block of ``src`` to ``dst`` in one launch; returns the completion event."""
+        if not np.array_equal(src.nbytes, dst.nbytes) or len(src.ids) != len(dst.ids):
+            raise ValueError("source and destination differ in segment sizes or block count")
+        s, d = self._upload(src.table()), self._upload(dst.table())
+        piece, per_segment = piece_for(int(src.nbytes.max()), piece)
+        nreg, nblk = len(src.nbytes), len(src.ids)
+        with self._cp.cuda.Device(self.device):
+            self._blocks(
+                (nreg * nblk, per_segment),
                 (self.config.threads,),
-                (t, np.int64(nreg), np.int64(nblk), np.int64(piece)),
+                (s, d, np.int64(nreg), np.int64(nblk), np.int64(piece)),
                 stream=self.stream,
             )
-            event.record(self.stream)
-        return event
+            return self._event()
 
+    def upload_side(self, side: BlockSide) -> UploadedSide:
+        return UploadedSide(side, self._upload(side.table()))
 
-@dataclass(frozen=True)
-class BlockSide:
-    """One side of a block copy: each region's first-byte address (buffer address + region
-    offset), its block stride and segment size, and the block ids in handoff order."""
-
-    device: int
-    region_base: I64
-    stride: I64
-    nbytes: I64
-    ids: I64
-
-    @classmethod
-    def of(cls, device: int, buffer_base: I64, regions: RegionTable, ids: npt.NDArray[np.integer]) -> BlockSide:
-        return cls(
-            device,
-            buffer_base[regions.buffer] + regions.offset,
-            regions.stride,
-            regions.nbytes,
-            np.asarray(ids, dtype=np.int64),
-        )
-
-    def segments(self) -> tuple[I64, I64]:
-        """Segment addresses and lengths in stream order (for the chunked paths)."""
-        addr = (self.region_base[:, None] + self.ids[None, :] * self.stride[:, None]).ravel()
-        return addr, np.repeat(self.nbytes, len(self.ids))
+    def launch_stream(self, up: UploadedSide, chunk: int, chunk_bytes: int, staging_ptr: int, to_staging: bool) -> Any:
+        """Gather chunk ``chunk`` of the side's stream into staging (``to_staging``) or
+        scatter it from staging into the pool; returns the completion event."""
+        side = up.side
+        lo = chunk * chunk_bytes
+        hi = min(lo + chunk_bytes, side.total_bytes)
+        if lo >= hi:
+            raise ValueError(f"chunk {chunk} is past the end of the stream")
+        g0, g1 = side.segments_overlapping(lo, hi)
+        piece, per_segment = piece_for(int(side.nbytes.max()))
+        with self._cp.cuda.Device(self.device):
+            self._stream_kernel(
+                (g1 - g0, per_segment),
+                (self.config.threads,),
+                (
+                    up.table,
+                    np.int64(len(side.nbytes)),
+                    np.int64(len(side.ids)),
+                    np.int64(piece),
+                    np.int64(g0),
+                    np.int64(lo),
+                    np.int64(hi),
+                    np.int64(staging_ptr),
+                    np.int32(1 if to_staging else 0),
+                ),
+                stream=self.stream,
+            )
+            return self._event()
 
 
 def launch_blocks(copier: GpuCopier, src: BlockSide, dst: BlockSide, piece: int = MAX_PIECE) -> Any:
-    """One launch of ``kvxfer_copy_blocks`` copying every block of ``src`` to ``dst``; the host
-    work is O(regions + blocks), never per segment. Returns the completion event."""
-    if not np.array_equal(src.nbytes, dst.nbytes) or len(src.ids) != len(dst.ids):
-        raise ValueError("source and destination differ in segment sizes or block count")
-    table = np.concatenate([src.region_base, dst.region_base, src.stride, dst.stride, src.nbytes, src.ids, dst.ids])
-    return copier.launch_blocks(table, len(src.nbytes), len(src.ids), int(src.nbytes.max()), piece)
+    """One launch copying every block of ``src`` to ``dst`` (see :meth:`GpuCopier.launch_blocks`)."""
+    return copier.launch_blocks(src, dst, piece)
 
 
 async def wait_event(event: Any, spin_s: float = 0.005) -> None:
@@ -359,7 +337,7 @@ class GpuDevices:
 
         self._cp = cupy
         self._staging_bytes = staging_bytes
-        self._buffer_bytes = buffer_bytes
+        self.buffer_bytes = buffer_bytes
         self._copiers: dict[int, GpuCopier] = {}
         self._staging: dict[tuple[int, str], StagingPool] = {}
         self._peer: dict[tuple[int, int], bool] = {}
@@ -371,7 +349,7 @@ class GpuDevices:
         return copier
 
     def staging(self, device: int, direction: str) -> StagingPool:
-        """Registered-by-UCX-on-first-use GPU staging for ``direction`` ("send"/"receive")."""
+        """GPU staging of ``device`` for ``direction`` ("send" or "receive"), made on first use."""
         pool = self._staging.get((device, direction))
         if pool is None:
             cp = self._cp
@@ -384,7 +362,7 @@ class GpuDevices:
                     cp.cuda.get_current_stream().synchronize()
                     return buf
 
-            pool = self._staging[(device, direction)] = StagingPool(self._staging_bytes, self._buffer_bytes, allocate)
+            pool = self._staging[(device, direction)] = StagingPool(self._staging_bytes, self.buffer_bytes, allocate)
         return pool
 
     def in_use(self) -> int:
@@ -408,38 +386,34 @@ class GpuDevices:
             self._peer[key] = ok
         return ok
 
-    async def copy_local(self, src: BlockSide, dst: BlockSide, staged_bytes: int) -> str:
+    async def copy_local(self, src: BlockSide, dst: BlockSide) -> str:
         """Copy one handoff between two mapped pools; returns the transport used.
 
         A host pool has been pinned and its side names the GPU of the other. Same GPU or peer
-        access: one launch of the block kernel on the destination's GPU. Otherwise chunks of
-        ``staged_bytes`` go gather → device-to-device copy → scatter.
+        access: one launch on the destination's GPU. Otherwise each chunk goes gather (source
+        GPU) → device-to-device copy → scatter (destination GPU) through staging.
         """
         if self.peer_ok(dst.device, src.device):
-            await settle(launch_blocks(self.copier(dst.device), src, dst))
+            await settle(self.copier(dst.device).launch_blocks(src, dst))
             return "local-kernel" if src.device == dst.device else "local-kernel:p2p"
-        await self._copy_staged(src.device, src.segments(), dst.device, dst.segments(), staged_bytes)
+        await self._copy_staged(src, dst)
         return "local-kernel:staged"
 
-    async def _copy_staged(
-        self, src_dev: int, src: tuple[I64, I64], dst_dev: int, dst: tuple[I64, I64], chunk: int
-    ) -> None:
+    async def _copy_staged(self, src: BlockSide, dst: BlockSide) -> None:
         cp = self._cp
-        sa, spos, slen, first = PieceTable.stream(src, chunk)
-        da, dpos, dlen, dfirst = PieceTable.stream(dst, chunk)
-        gather, scatter = self.copier(src_dev), self.copier(dst_dev)
-        st, dt = gather.upload(sa, spos, slen, chunk_first=first), scatter.upload(da, dpos, dlen, chunk_first=dfirst)
-        total = int(slen.sum())
-        async with self.staging(src_dev, "send").lease(1) as out, self.staging(dst_dev, "receive").lease(1) as into:
+        chunk = self.buffer_bytes
+        gather, scatter = self.copier(src.device), self.copier(dst.device)
+        up_src, up_dst = gather.upload_side(src), scatter.upload_side(dst)
+        async with (
+            self.staging(src.device, "send").lease(1) as out,
+            self.staging(dst.device, "receive").lease(1) as into,
+        ):
             sbuf, dbuf = out.buffers[0], into.buffers[0]
-            for c in range(len(first) - 1):
-                nbytes = min(chunk, total - c * chunk)
-                await settle(
-                    gather.launch(st, 0, 1, int(first[c]), int(first[c + 1]), dst_bias=sbuf.data.ptr - c * chunk)
-                )
-                with cp.cuda.Device(dst_dev):
+            for c in range(-(-src.total_bytes // chunk)):
+                nbytes = min(chunk, src.total_bytes - c * chunk)
+                await settle(gather.launch_stream(up_src, c, chunk, sbuf.data.ptr, to_staging=True))
+                with cp.cuda.Device(dst.device):
                     cp.cuda.runtime.memcpyPeerAsync(
-                        dbuf.data.ptr, dst_dev, sbuf.data.ptr, src_dev, nbytes, scatter.stream.ptr
+                        dbuf.data.ptr, dst.device, sbuf.data.ptr, src.device, nbytes, scatter.stream.ptr
                     )
-                ev = scatter.launch(dt, 1, 0, int(dfirst[c]), int(dfirst[c + 1]), src_bias=dbuf.data.ptr - c * chunk)
-                await settle(ev)
+                await settle(scatter.launch_stream(up_dst, c, chunk, dbuf.data.ptr, to_staging=False))

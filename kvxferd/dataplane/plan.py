@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["ChunkPlan", "RegionTable", "Run", "SidePlan", "build_plan"]
+__all__ = ["ChunkPlan", "RegionTable", "Run", "SidePlan", "build_plan", "stream_plan"]
 
 I64 = npt.NDArray[np.int64]
 
@@ -145,3 +145,19 @@ def build_plan(regions: RegionTable, block_ids: npt.NDArray[np.integer], chunk_b
         chunks.append(ChunkPlan(c, nbytes, contiguous, tuple(runs)))
     del nreg
     return SidePlan(total, chunk_bytes, len(seg_len), tuple(chunks))
+
+
+def stream_plan(total_bytes: int, chunk_bytes: int) -> SidePlan:
+    """Chunks of a stream whose copies the GPU computes itself (no runs, nothing zero-copy):
+    O(chunks), whatever the number of segments.
+
+    >>> [(c.index, c.nbytes) for c in stream_plan(10, 4).chunks]
+    [(0, 4), (1, 4), (2, 2)]
+    """
+    if chunk_bytes <= 0:
+        raise ValueError("chunk_bytes must be positive")
+    chunks = tuple(
+        ChunkPlan(c, min(chunk_bytes, total_bytes - c * chunk_bytes), None, ())
+        for c in range(num_chunks(total_bytes, chunk_bytes))
+    )
+    return SidePlan(total_bytes, chunk_bytes, 0, chunks)

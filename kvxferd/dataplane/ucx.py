@@ -39,7 +39,7 @@ import numpy.typing as npt
 
 from kvxfer_client._errors import UnavailableError
 
-from .gpucopy import GpuCopier, PieceTable, settle
+from .gpucopy import GpuCopier, UploadedSide, settle
 from .hostcopy import chunk_view, gather_chunk, scatter_chunk
 from .plan import ChunkPlan, SidePlan
 from .staging import StagingLease
@@ -318,7 +318,7 @@ class UcxTransport:
         self,
         ep: Any,
         plan: SidePlan,
-        pieces: PieceTable,
+        side: UploadedSide,
         copier: GpuCopier,
         tag_base: int,
         lease: StagingLease,
@@ -329,12 +329,10 @@ class UcxTransport:
         earlier chunks fly. Every chunk is staged: the pool is IPC-imported memory, which UCX's
         cuda_ipc transport cannot export again, while staging is the daemon's own cudaMalloc."""
         chunk_bytes = plan.chunk_bytes
-        first = pieces.chunk_first
 
         async def pack(chunk: ChunkPlan, staged: Any) -> None:
             c = chunk.index
-            bias = staged.data.ptr - c * chunk_bytes
-            await settle(copier.launch(pieces, 0, 1, int(first[c]), int(first[c + 1]), dst_bias=bias))
+            await settle(copier.launch_stream(side, c, chunk_bytes, staged.data.ptr, to_staging=True))
             if mark is not None and c == 0:
                 mark("packed0")
 
@@ -353,7 +351,7 @@ class UcxTransport:
         self,
         ep: Any,
         plan: SidePlan,
-        pieces: PieceTable,
+        side: UploadedSide,
         copier: GpuCopier,
         tag_base: int,
         lease: StagingLease,
@@ -363,7 +361,6 @@ class UcxTransport:
         """Receive chunks into GPU staging and scatter each into the pool as it lands. UCX only
         ever writes staging; a scatter that started always finishes before this returns."""
         chunk_bytes = plan.chunk_bytes
-        first = pieces.chunk_first
         iov = self.iov
         landed: set[int] = set()
 
@@ -377,8 +374,7 @@ class UcxTransport:
             landed.add(c)
             if mark is not None and c == 0:
                 mark("landed0")
-            bias = staged.data.ptr - c * chunk_bytes
-            await settle(copier.launch(pieces, 1, 0, int(first[c]), int(first[c + 1]), src_bias=bias))
+            await settle(copier.launch_stream(side, c, chunk_bytes, staged.data.ptr, to_staging=False))
             if mark is not None and c == 0:
                 mark("scattered0")
 
