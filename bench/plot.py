@@ -25,11 +25,24 @@ def plot(rows: list[dict[str, Any]], out: str, title: str) -> None:
     baseline = next((r for r in rows if r.get("baseline")), None)
     fig, (ax, lat) = plt.subplots(1, 2, figsize=(12, 4.5))
     width = 0.8 / max(1, len(paths))
+
+    def value(w: str, path: str, key: str) -> float:
+        return float(next((r.get(key) or 0.0 for r in handoffs if r["workload"] == w and r["path"] == path), 0.0))
+
     for i, path in enumerate(paths):
-        vals = [next((r["gbps"] for r in handoffs if r["workload"] == w and r["path"] == path), 0.0) for w in workloads]
         xs = [k + i * width for k in range(len(workloads))]
-        bars = ax.bar(xs, vals, width, label=f"kvxfer {path}")
+        data = [value(w, path, "gbps_data_plane") for w in workloads]
+        e2e = [value(w, path, "gbps") for w in workloads]
+        ax.bar(xs, data, width, alpha=0.35, color=f"C{i}", label=f"{path}: data plane")
+        bars = ax.bar(xs, e2e, width, color=f"C{i}", label=f"{path}: offer → done")
         ax.bar_label(bars, fmt="%.0f", fontsize=7)
+        for x, v in zip(xs, data, strict=True):
+            if v:
+                ax.annotate(f"{v:.0f}", (x, v), ha="center", va="bottom", fontsize=7)
+    kernels = {r["kernel"]: r["gbps_median"] for r in rows if "kernel" in r and not r.get("sweep")}
+    kx = [k for k, w in enumerate(workloads) if w in kernels]
+    if kx:
+        ax.scatter(kx, [kernels[workloads[k]] for k in kx], marker="D", color="k", s=18, label="copy kernel alone")
     for k, w in enumerate(workloads):
         nbytes = next(r["request_bytes"] for r in handoffs if r["workload"] == w)
         if nbytes in ceilings:
