@@ -543,6 +543,9 @@ class Node:
         record.transport = self._transport(peer, dst)
         # The most this side can take per chunk; the sender picks the size (TransferAccepted).
         max_chunk = self.settings.gpu_chunk_bytes if dst.on_gpu else self.settings.chunk_bytes
+        side = BlockSide.of(dst.device, dst.base, dst.regions, dst_ids) if dst.device is not None else None
+        # Planned before the handshake (the sender nearly always takes the offered chunk size).
+        expected = self._receive_plan(dst, side, dst_ids, max_chunk)
         assert peer.stub is not None
         async with contextlib.AsyncExitStack() as stack:
             ep = await _within(
@@ -575,12 +578,7 @@ class Node:
                 chunk = accepted.accepted.chunk_bytes or max_chunk
                 if not MIN_CHUNK <= chunk <= max_chunk:
                     raise IncompatibleError(f"peer chose {chunk}-byte chunks; this side takes {MIN_CHUNK}..{max_chunk}")
-                if dst.on_gpu:
-                    assert dst.device is not None
-                    side = BlockSide.of(dst.device, dst.base, dst.regions, dst_ids)
-                    plan = stream_plan(side.total_bytes, chunk)
-                else:
-                    plan = build_plan(dst.regions, dst_ids, chunk)
+                plan = expected if chunk == max_chunk else self._receive_plan(dst, side, dst_ids, chunk)
                 if accepted.accepted.total_bytes != plan.total_bytes:
                     raise IncompatibleError(
                         f"peer sends {accepted.accepted.total_bytes} bytes, destination expects {plan.total_bytes}"
@@ -595,9 +593,8 @@ class Node:
                 lease = await stack.enter_async_context(staging.lease(need))
                 record.mark("staging")
                 started = time.perf_counter()
-                if dst.on_gpu:
-                    assert dst.device is not None
-                    copier = self.gpu.copier(dst.device)
+                if side is not None:
+                    copier = self.gpu.copier(side.device)
                     uploaded = copier.upload_side(side)
                     receive = self.ucx.receive_gpu(
                         ep, plan, uploaded, copier, tag_base, lease, self.settings.window, mark=record.mark
@@ -648,6 +645,13 @@ class Node:
                 if err is exc:
                     raise
                 raise err from None
+
+    @staticmethod
+    def _receive_plan(dst: Pool, side: BlockSide | None, dst_ids: np.ndarray[Any, Any], chunk: int) -> SidePlan:
+        """The destination's chunks: computed on the GPU for GPU pools, planned runs for host."""
+        if side is not None:
+            return stream_plan(side.total_bytes, chunk)
+        return build_plan(dst.regions, dst_ids, chunk)
 
     async def _dial_offerer(self, ticket: Ticket) -> Peer:
         """The peer at the ticket's address. When it is not the daemon the ticket names, another
