@@ -76,6 +76,7 @@ class Ctl:
             {
                 "pool": p.pool_id,
                 "engine": p.engine_name or p.session_id,
+                "device": p.device or "cpu",
                 "blocks": p.num_blocks,
                 "regions": p.regions,
                 "size": _bytes(p.bytes),
@@ -224,7 +225,7 @@ def _watch(args: argparse.Namespace, ctl: Ctl) -> int:
     return EXIT_OK
 
 
-POOL_COLUMNS = ("pool", "engine", "blocks", "regions", "size", "offers", "fingerprint")
+POOL_COLUMNS = ("pool", "engine", "device", "blocks", "regions", "size", "offers", "fingerprint")
 OFFER_COLUMNS = ("offer", "pool", "blocks", "size", "state", "lease_left_s")
 PEER_COLUMNS = ("peer", "address", "host", "state", "version", "transports", "hello_age_s")
 TRANSFER_COLUMNS = ("transfer", "role", "path", "transport", "state", "size", "seconds", "gb_per_s", "peer", "detail")

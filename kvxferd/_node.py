@@ -103,10 +103,7 @@ class Node:
                 transfers=lambda: Counter(role for role, _ in list(self.transfers.active)),
                 pool_bytes=self._pool_bytes,
                 peers=lambda: Counter(p.state for p in list(self.peers.by_id.values())) if self.peers else Counter(),
-                staging=lambda: {
-                    "send": (self.send_staging.in_use, self.send_staging.capacity, self.send_staging.buffer_bytes),
-                    "receive": (self.recv_staging.in_use, self.recv_staging.capacity, self.recv_staging.buffer_bytes),
-                },
+                staging=self._staging_state,
                 serving=lambda: not self.draining,
             )
         )
@@ -119,6 +116,23 @@ class Node:
     def data_plane_ok(self) -> bool:
         """Whether remote transfers can run: UCX loaded and its worker progressing."""
         return self.ucx is not None and self.ucx.healthy
+
+    def _staging_state(self) -> dict[str, tuple[int, int, int]]:
+        """(buffers in use, buffer limit, buffer bytes) per direction; GPU staging summed over GPUs."""
+        state = {
+            "send": (self.send_staging.in_use, self.send_staging.capacity, self.send_staging.buffer_bytes),
+            "receive": (self.recv_staging.in_use, self.recv_staging.capacity, self.recv_staging.buffer_bytes),
+        }
+        if self._gpu is not None:
+            for direction in ("send", "receive"):
+                pools = self._gpu.staging_pools(direction)
+                if pools:
+                    state["gpu_" + direction] = (
+                        sum(p.in_use for p in pools),
+                        sum(p.capacity for p in pools),
+                        self._gpu.buffer_bytes,
+                    )
+        return state
 
     def _pool_bytes(self) -> dict[tuple[str, str], int]:
         totals: dict[tuple[str, str], int] = {}

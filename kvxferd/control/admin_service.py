@@ -77,6 +77,7 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
                     num_blocks=p.layout.num_blocks,
                     regions=len(p.layout.regions),
                     fingerprint=p.fingerprint,
+                    device=p.device_name,
                     active_offers=len(p.offers),
                 )
             )

@@ -365,8 +365,8 @@ class GpuDevices:
             pool = self._staging[(device, direction)] = StagingPool(self._staging_bytes, self.buffer_bytes, allocate)
         return pool
 
-    def in_use(self) -> int:
-        return sum(p.in_use for p in self._staging.values())
+    def staging_pools(self, direction: str) -> list[StagingPool]:
+        return [pool for (_, d), pool in self._staging.items() if d == direction]
 
     def peer_ok(self, dst: int, src: int) -> bool:
         """Whether kernels on ``dst`` can read ``src``'s memory (peer access, enabled here)."""

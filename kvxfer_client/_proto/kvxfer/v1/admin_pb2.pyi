@@ -144,6 +144,7 @@ class PoolInfo(_message.Message):
     REGIONS_FIELD_NUMBER: _builtins.int
     FINGERPRINT_FIELD_NUMBER: _builtins.int
     ACTIVE_OFFERS_FIELD_NUMBER: _builtins.int
+    DEVICE_FIELD_NUMBER: _builtins.int
     pool_id: _builtins.str
     name: _builtins.str
     session_id: _builtins.str
@@ -155,6 +156,8 @@ class PoolInfo(_message.Message):
     regions: _builtins.int
     fingerprint: _builtins.str
     active_offers: _builtins.int
+    device: _builtins.str
+    """"cpu" for host pools, the GPU's UUID for GPU pools."""
     def __init__(
         self,
         *,
@@ -169,10 +172,11 @@ class PoolInfo(_message.Message):
         regions: _builtins.int = ...,
         fingerprint: _builtins.str = ...,
         active_offers: _builtins.int = ...,
+        device: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_offers", b"active_offers", "buffers", b"buffers", "bytes", b"bytes", "engine_name", b"engine_name", "fingerprint", b"fingerprint", "kind", b"kind", "name", b"name", "num_blocks", b"num_blocks", "pool_id", b"pool_id", "regions", b"regions", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_offers", b"active_offers", "buffers", b"buffers", "bytes", b"bytes", "device", b"device", "engine_name", b"engine_name", "fingerprint", b"fingerprint", "kind", b"kind", "name", b"name", "num_blocks", b"num_blocks", "pool_id", b"pool_id", "regions", b"regions", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
