@@ -97,6 +97,8 @@ class Node:
         self.send_staging = StagingPool(settings.staging_bytes, settings.chunk_bytes)
         self.recv_staging = StagingPool(settings.staging_bytes, settings.chunk_bytes)
         self.peers: PeerDirectory | None = None
+        self._gpu: GpuDevices | None = None  # made on first GPU use (see ``gpu``)
+        self._tcp_warned: set[str] = set()
         self.metrics = Metrics(
             NodeState(
                 offers=lambda: len(self.offers.offers),
@@ -109,8 +111,6 @@ class Node:
         )
         self._idle = asyncio.Event()
         self._idle.set()
-        self._gpu: GpuDevices | None = None
-        self._tcp_warned: set[str] = set()
 
     @property
     def data_plane_ok(self) -> bool:
