@@ -698,6 +698,11 @@ class Node:
         if not start.transfer_id or len(start.transfer_id) > 128:
             raise InvalidRequestError("transfer_id must be 1..128 characters")
         offer = self.offers.claim(start.offer_id, bytes(start.token))
+        if context.done():
+            # The puller gave up (its deadline) before this side claimed: nothing moved, so
+            # the offer stays pullable instead of being released as failed.
+            self.offers.unclaim(offer)
+            raise DeadlineExceededError("the puller left before the offer was claimed")
         record = TransferRecord(
             start.transfer_id,
             "prefill",
@@ -723,6 +728,16 @@ class Node:
         pool = offer.pool
         pool.busy += 1
         released = False
+        # gRPC cancels this handler when the puller hangs up; this makes sure of it whatever
+        # step the handler is in, so the offer is released at once rather than at our deadline.
+        handler = asyncio.current_task()
+        serving = True
+
+        def _puller_gone(_: object) -> None:
+            if serving and handler is not None:
+                handler.cancel()
+
+        context.add_done_callback(_puller_gone)
         try:
             timeout = min(start.timeout_s or self.settings.pull_timeout_s, 3600.0)
             async with asyncio.timeout(timeout + self.settings.peer_timeout_s):
@@ -801,6 +816,7 @@ class Node:
                 raise CancelledError(record.abort_detail) from None
             raise
         finally:
+            serving = False
             self._done_with(pool)
         self._end(record, common_pb2.TRANSFER_STATE_SUCCEEDED)
 

@@ -5,19 +5,27 @@ from __future__ import annotations
 import asyncio
 import time
 
+import grpc
 import numpy as np
 import pytest
 
-from bench.cluster import Cluster
+from bench.cluster import Cluster, Daemon
 from kvxfer_client import AsyncKvxferClient, DeadlineExceededError, HostBuffer, Layout, ReleaseReason
+from kvxfer_client._proto import admin_pb2, admin_pb2_grpc
 
 LAYOUT = Layout.paged_kv(num_layers=8, num_blocks=1024, block_bytes=16 << 10)  # 256 MiB per pool
 
 
+def offer_state(daemon: Daemon, offer_id: str) -> str:
+    """``offered``, ``pulling`` or ``gone``, as the daemon's AdminService lists it."""
+    with grpc.insecure_channel("unix:" + daemon.socket) as channel:
+        offers = admin_pb2_grpc.AdminServiceStub(channel).ListOffers(admin_pb2.ListOffersRequest(), timeout=5)
+    return next((o.state for o in offers.offers if o.offer_id == offer_id), "gone")
+
+
 @pytest.mark.parametrize("iov", [True, False], ids=["iov-receive", "staged-receive"])
 async def test_a_timed_out_remote_pull_stops_writing_before_it_returns(cluster: Cluster, iov: bool) -> None:
-    # 64 KiB chunks (4 fragmented segments each) one at a time: the 128 MiB pull takes far
-    # longer than its 0.05 s deadline.
+    # 64 KiB chunks (4 fragmented segments each) one at a time: a 128 MiB pull takes a while.
     slow = ["--chunk-bytes", "65536", "--window", "1"]
     a = cluster.daemon("a", *slow)
     b = cluster.daemon("b", *slow, *([] if iov else ["--no-ucx-iov-receive"]))
@@ -28,17 +36,20 @@ async def test_a_timed_out_remote_pull_stops_writing_before_it_returns(cluster: 
         buf.array()[:] = np.random.default_rng(1).integers(1, 256, buf.size, dtype=np.uint8)
     dst = [HostBuffer.create(s) for s in LAYOUT.buffer_sizes()]
     ppool, dpool = await p.register_pool(src, LAYOUT), await d.register_pool(dst, LAYOUT)
-    # Warm up (Hello, UCX endpoint) so that the deadline below falls inside the data transfer.
-    # A deadline before the prefill daemon claims the offer leaves the offer available instead.
-    warm = await p.offer(ppool, [1, 3])
-    await d.pull(warm, dpool, [0, 2], timeout_s=30)
+    # Warm up (Hello, UCX endpoint) and time a full pull of the same size: the deadlines
+    # below are fractions of it, so they fall inside the data transfer however loaded the
+    # machine is. A deadline that passes before the prefill daemon claims the offer leaves
+    # the offer pullable instead (nothing moved, nothing to release): try a later one.
+    warm = await p.offer(ppool, list(range(0, 1024, 2)))
+    t0 = time.monotonic()
+    await d.pull(warm, dpool, list(range(1, 1024, 2)), timeout_s=60)
+    full_s = time.monotonic() - t0
+    for buf in dst:
+        buf.array()[:] = 0  # so that a late chunk write would show
     ticket = await p.offer(ppool, list(range(0, 1024, 2)))
 
-    # A deadline that passes before the prefill daemon claims the offer leaves the offer
-    # available (nothing moved, nothing to release); on a loaded machine the claim can take
-    # longer than 0.05 s, so the deadline grows until it falls inside the data transfer.
     released = None
-    for deadline_s in (0.05, 0.1, 0.2, 0.4):
+    for deadline_s in (max(0.02, full_s * f) for f in (0.1, 0.25, 0.5)):
         t0 = time.monotonic()
         with pytest.raises(DeadlineExceededError):
             await d.pull(ticket, dpool, list(range(1, 1024, 2)), timeout_s=deadline_s)
@@ -48,12 +59,11 @@ async def test_a_timed_out_remote_pull_stops_writing_before_it_returns(cluster: 
         snapshot = [buf.array().copy() for buf in dst]
         await asyncio.sleep(1.0)
         assert all(np.array_equal(s, buf.array()) for s, buf in zip(snapshot, dst, strict=True))
-        try:
-            released = await p.wait_released(ticket.offer_id, timeout_s=5)
-            break
-        except DeadlineExceededError:
-            continue  # never claimed: the offer is still there, try a later deadline
-    assert released is not None, "no deadline up to 0.4 s fell inside the 128 MiB transfer"
+        if offer_state(a, ticket.offer_id) == "offered":
+            continue  # never claimed: the offer is still pullable, try a later deadline
+        released = await p.wait_released(ticket.offer_id, timeout_s=5)
+        break
+    assert released is not None, f"no deadline up to {full_s / 2:.3f} s fell inside the {full_s:.3f} s transfer"
     assert released.reason is ReleaseReason.FAILED
     # Both daemons stay usable: a fresh offer of the same blocks goes through in full.
     again = await p.offer(ppool, [0, 2])
