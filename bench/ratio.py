@@ -4,7 +4,7 @@ Each round measures the plain UCXX one-buffer send (shared-memory buffers, as th
 and then remote ``b16`` handoffs through two daemons, back to back, so both see the same
 machine state; the line printed gives every round's ratio and their median.
 
-Run: ``python -m bench.ratio [--rounds 5] [--iters 4]``.
+Run: ``python -m bench.ratio [--rounds 5] [--iters 4] [--daemon-args '--window 4']``.
 """
 
 from __future__ import annotations
@@ -27,12 +27,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--iters", type=int, default=4)
     parser.add_argument("--memory", choices=["shm", "numpy"], default="shm")
+    parser.add_argument("--daemon-args", default="", help="extra kvxferd flags, e.g. '--chunk-bytes 8388608'")
     args = parser.parse_args()
     w = WORKLOADS["b16"]
     rng = np.random.default_rng(SEED)
     rounds = []
     with Cluster() as cluster:
-        remote = next((p, d) for path, p, d in both_paths(cluster, w, SEED, "ratio") if path == "remote")
+        daemon_args = tuple(args.daemon_args.split())
+        paths = both_paths(cluster, w, SEED, "ratio", daemon_args=daemon_args)
+        remote = next((p, d) for path, p, d in paths if path == "remote")
         for _ in range(args.rounds):
             base = ucx_baseline.measure(w.request_bytes, args.iters, args.memory)["gbps_median"]
             ours = run_sequential(*remote, w, rng, args.iters, warmup=1)["gbps"]
@@ -44,6 +47,7 @@ def main() -> None:
             {
                 "workload": "b16 remote vs plain UCXX one-buffer send",
                 "baseline_memory": args.memory,
+                "daemon_args": args.daemon_args,
                 "rounds": rounds,
                 "median_ratio": statistics.median(r["ratio"] for r in rounds),
             }
