@@ -597,13 +597,7 @@ class Node:
                     raise IncompatibleError(
                         f"peer sends {accepted.accepted.total_bytes} bytes, destination expects {plan.total_bytes}"
                     )
-                if dst.on_gpu:
-                    assert dst.device is not None
-                    staging = self.gpu.staging(dst.device, "receive")
-                    need = min(self.settings.window, len(plan.chunks))
-                else:
-                    staging = self.recv_staging
-                    need = 0 if self.ucx.scatter_receive else min(self.settings.window, _staged_chunks(plan))
+                staging, need = self._staging_for(dst, plan, "receive")
                 lease = await stack.enter_async_context(staging.lease(need))
                 record.mark("staging")
                 started = time.perf_counter()
@@ -659,6 +653,18 @@ class Node:
                 if err is exc:
                     raise
                 raise err from None
+
+    def _staging_for(self, pool: Pool, plan: SidePlan, direction: str) -> tuple[StagingPool, int]:
+        """The staging a remote transfer of ``plan`` takes on ``pool``'s side ("send" or
+        "receive"), and how many buffers: GPU pools stage every chunk; host pools stage only
+        fragmented chunks, and none at all when UCX scatters receives into the pool."""
+        window = self.settings.window
+        if pool.device is not None:
+            return self.gpu.staging(pool.device, direction), min(window, len(plan.chunks))
+        if direction == "send":
+            return self.send_staging, min(window, _staged_chunks(plan))
+        assert self.ucx is not None
+        return self.recv_staging, 0 if self.ucx.scatter_receive else min(window, _staged_chunks(plan))
 
     @staticmethod
     def _receive_plan(dst: Pool, side: BlockSide | None, dst_ids: np.ndarray[Any, Any], chunk: int) -> SidePlan:
@@ -754,13 +760,7 @@ class Node:
                     self.ucx.endpoint(peer.daemon_id, peer.identity.ucx_worker_address, self._error_handling(peer)),
                     self.settings.peer_timeout_s,
                 )
-                if pool.on_gpu:
-                    assert pool.device is not None
-                    staging = self.gpu.staging(pool.device, "send")
-                    need = min(self.settings.window, len(plan.chunks))
-                else:
-                    staging = self.send_staging
-                    need = min(self.settings.window, _staged_chunks(plan))
+                staging, need = self._staging_for(pool, plan, "send")
                 record.mark("planned")
                 async with staging.lease(need) as lease:
                     record.mark("staging")
