@@ -123,6 +123,7 @@ class Engine:
                 "transport": r.transport,
                 "daemon_s": r.duration_s,
                 "data_plane_s": r.data_plane_s,
+                "device_s": r.device_s,
                 "latency_s": time.perf_counter() - t0,
             }
 

@@ -84,7 +84,8 @@ def run_sequential(
 ) -> dict[str, Any]:
     """One handoff at a time: offer, pull, (verify the first ``verify_count``, default all);
     returns throughput and latency."""
-    latencies, harness, daemon_s, data_s, offer_s, pull_s, transports = [], [], [], [], [], [], set()
+    latencies, harness, daemon_s, data_s, device_s, offer_s, pull_s = [], [], [], [], [], [], []
+    transports: set[str] = set()
     verified = True
     for i in range(warmup + iters):
         ((src, dst),) = random_requests(rng, w, 1)
@@ -107,6 +108,7 @@ def run_sequential(
             pull_s.append(res["latency_s"])
             daemon_s.append(res["daemon_s"])
             data_s.append(res.get("data_plane_s", 0.0))
+            device_s.append(res.get("device_s", 0.0))
             transports.add(res["transport"])
     total = w.request_bytes * iters
     return {
@@ -117,6 +119,7 @@ def run_sequential(
         "gbps": total / sum(latencies) / 1e9,
         "gbps_daemon": total / sum(daemon_s) / 1e9,
         "gbps_data_plane": total / sum(data_s) / 1e9 if all(data_s) else None,
+        "gbps_device": total / sum(device_s) / 1e9 if all(device_s) else None,
         "handoffs_per_s": iters / sum(latencies),
         "p50_ms": statistics.median(latencies) * 1e3,
         "p99_ms": float(np.percentile(latencies, 99)) * 1e3,

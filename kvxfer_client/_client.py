@@ -68,6 +68,8 @@ class PullResult:
     duration_s: float
     #: Only the data movement (first byte moved to last byte landed).
     data_plane_s: float = 0.0
+    #: GPU local path: the copy's GPU time (CUDA events); 0.0 where not measured.
+    device_s: float = 0.0
 
     @property
     def gbps(self) -> float:
@@ -280,7 +282,13 @@ class AsyncKvxferClient:
         # The daemon enforces timeout_s; the RPC deadline leaves it room to say why it failed.
         resp = await self._call(self._engine.Pull, req, timeout_s=timeout_s + 5.0)
         return PullResult(
-            resp.transfer_id, resp.bytes, _PATHS.get(resp.path, "?"), resp.transport, resp.duration_s, resp.data_plane_s
+            resp.transfer_id,
+            resp.bytes,
+            _PATHS.get(resp.path, "?"),
+            resp.transport,
+            resp.duration_s,
+            resp.data_plane_s,
+            resp.device_s,
         )
 
     async def release(self, offer_id: str) -> None:

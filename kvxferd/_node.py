@@ -494,7 +494,7 @@ class Node:
                 src.busy += 1
                 started = time.perf_counter()
                 try:
-                    record.transport = await self._copy_local_gpu(src, offer.block_ids, dst, dst_ids)
+                    record.transport, record.device_s = await self._copy_local_gpu(src, offer.block_ids, dst, dst_ids)
                 finally:
                     self._done_with(src)
                 record.data_plane_s = time.perf_counter() - started
@@ -532,8 +532,9 @@ class Node:
 
     async def _copy_local_gpu(
         self, src: Pool, src_ids: np.ndarray[Any, Any], dst: Pool, dst_ids: np.ndarray[Any, Any]
-    ) -> str:
-        """One kernel launch over every segment (a host side is pinned and read over PCIe)."""
+    ) -> tuple[str, float]:
+        """One kernel launch over every segment (a host side is pinned and read over PCIe);
+        returns the transport and the copy's GPU time."""
         device = dst.device if dst.device is not None else src.device
         assert device is not None
         for pool in (src, dst):
@@ -849,6 +850,7 @@ def _pull_response(record: TransferRecord) -> engine_pb2.PullResponse:
         transport=record.transport,
         duration_s=record.duration_s,
         data_plane_s=record.data_plane_s,
+        device_s=record.device_s,
     )
 
 

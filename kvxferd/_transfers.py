@@ -28,6 +28,8 @@ class TransferRecord:
     duration_s: float = 0.0
     #: Time the bytes themselves moved (see PullResponse.data_plane_s).
     data_plane_s: float = 0.0
+    #: GPU time of a GPU local copy (see PullResponse.device_s).
+    device_s: float = 0.0
     detail: str = ""
     #: Pools whose memory this transfer touches (cancelled if one is deregistered).
     pools: tuple[str, ...] = ()

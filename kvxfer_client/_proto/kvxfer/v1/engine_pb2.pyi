@@ -333,6 +333,7 @@ class PullResponse(_message.Message):
     TRANSPORT_FIELD_NUMBER: _builtins.int
     DURATION_S_FIELD_NUMBER: _builtins.int
     DATA_PLANE_S_FIELD_NUMBER: _builtins.int
+    DEVICE_S_FIELD_NUMBER: _builtins.int
     transfer_id: _builtins.str
     bytes: _builtins.int
     path: _common_pb2.TransferPath.ValueType
@@ -342,6 +343,10 @@ class PullResponse(_message.Message):
     """The whole pull in the decode daemon: ticket checks, control plane and data."""
     data_plane_s: _builtins.float
     """Only the data movement: first byte moved to last byte landed in the destination."""
+    device_s: _builtins.float
+    """GPU local path: GPU time of the copy (table upload and kernel, timed with CUDA events on
+    the copy's stream, like a cudaMemcpy); 0 where it is not measured.
+    """
     def __init__(
         self,
         *,
@@ -351,10 +356,11 @@ class PullResponse(_message.Message):
         transport: _builtins.str = ...,
         duration_s: _builtins.float = ...,
         data_plane_s: _builtins.float = ...,
+        device_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "data_plane_s", b"data_plane_s", "duration_s", b"duration_s", "path", b"path", "transfer_id", b"transfer_id", "transport", b"transport"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "data_plane_s", b"data_plane_s", "device_s", b"device_s", "duration_s", b"duration_s", "path", b"path", "transfer_id", b"transfer_id", "transport", b"transport"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
