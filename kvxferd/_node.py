@@ -704,6 +704,11 @@ class Node:
             raise InvalidRequestError(f"chunk_bytes must be in {MIN_CHUNK}..{MAX_CHUNK}")
         if not start.transfer_id or len(start.transfer_id) > 128:
             raise InvalidRequestError("transfer_id must be 1..128 characters")
+        # Headers go out now, before this transfer can be aborted (``abort`` cancels this
+        # task): a cancel landing inside the first write would leave gRPC believing they were
+        # never sent, and the abort status that follows (which would resend them) is then
+        # rejected, leaving the puller waiting for its deadline.
+        await context.send_initial_metadata(())
         offer = self.offers.claim(start.offer_id, bytes(start.token))
         if context.done():
             # The puller gave up (its deadline) before this side claimed: nothing moved, so
