@@ -119,19 +119,31 @@ async def test_the_decode_side_cancels_its_pull_and_learns_that_nothing_writes_a
 
 
 async def test_the_prefill_side_aborts_a_pull_of_its_offer_and_the_decode_side_is_told(pair: Pair) -> None:
-    ticket = await pair.prefill.offer(pair.src, list(range(1, 256, 2)))
-    t0 = time.monotonic()
-    pulling = asyncio.create_task(pair.decode.pull(ticket, pair.dst, list(range(128, 256)), transfer_id="abort-p"))
-    outcome = None
-    for _ in range(200):
-        await asyncio.sleep(0.005)
-        outcome = await pair.prefill.cancel("abort-p")  # the prefill daemon serves this transfer id
-        if outcome.cancelled or pulling.done():
-            break
-    assert outcome is not None
-    if not outcome.cancelled:
-        pytest.skip("the pull finished before the abort reached it")
-    with pytest.raises(KvxferError):
-        await pulling
-    assert time.monotonic() - t0 < 5.0
-    assert (await pair.prefill.wait_released(ticket.offer_id, 10)).reason is ReleaseReason.FAILED
+    # The abort lands at a different step each round (before, during and after the first
+    # messages of the transfer stream); in every case the puller hears of it at once.
+    aborted = 0
+    for round_ in range(16):
+        ticket = await pair.prefill.offer(pair.src, list(range(1, 256, 2)))
+        t0 = time.monotonic()
+        tid = f"abort-p-{round_}"
+        pulling = asyncio.create_task(
+            pair.decode.pull(ticket, pair.dst, list(range(128, 256)), transfer_id=tid, timeout_s=20)
+        )
+        await asyncio.sleep(0.002 * round_)
+        outcome = None
+        for _ in range(200):
+            outcome = await pair.prefill.cancel(tid)  # the prefill daemon serves this transfer id
+            if outcome.cancelled or pulling.done():
+                break
+            await asyncio.sleep(0.002)
+        assert outcome is not None
+        if not outcome.cancelled:
+            await pulling  # the pull finished before the abort reached it
+            continue
+        aborted += 1
+        with pytest.raises(KvxferError):
+            await pulling
+        assert time.monotonic() - t0 < 5.0, f"round {round_}: the puller was not told of the abort"
+        assert (await pair.prefill.wait_released(ticket.offer_id, 10)).reason is ReleaseReason.FAILED
+    if not aborted:
+        pytest.skip("every pull finished before its abort reached it")
