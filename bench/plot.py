@@ -39,6 +39,10 @@ def plot(rows: list[dict[str, Any]], out: str, title: str) -> None:
         for x, v in zip(xs, data, strict=True):
             if v:
                 ax.annotate(f"{v:.0f}", (x, v), ha="center", va="bottom", fontsize=7)
+        device = [value(w, path, "gbps_device") for w in workloads]
+        if any(device):
+            dx = [x for x, v in zip(xs, device, strict=True) if v]
+            ax.scatter(dx, [v for v in device if v], marker="^", color=f"C{i}", s=30, label=f"{path}: GPU time")
     kernels = {r["kernel"]: r["gbps_median"] for r in rows if "kernel" in r and not r.get("sweep")}
     kx = [k for k, w in enumerate(workloads) if w in kernels]
     if kx:
