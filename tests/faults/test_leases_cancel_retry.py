@@ -138,7 +138,14 @@ async def test_the_prefill_side_aborts_a_pull_of_its_offer_and_the_decode_side_i
             await asyncio.sleep(0.002)
         assert outcome is not None
         if not outcome.cancelled:
-            await pulling  # the pull finished before the abort reached it
+            # The pull ended before the abort reached it. Normally it succeeded; a pull right
+            # after an aborted one has also been seen failing (UCX status -16, under `make
+            # faults`): not what this test is about, but it must still end, with a typed error.
+            try:
+                await pulling
+            except KvxferError:
+                pass
+            assert time.monotonic() - t0 < 5.0, f"round {round_}: the pull ran on after it ended"
             continue
         aborted += 1
         with pytest.raises(KvxferError):
