@@ -236,6 +236,15 @@ class UcxTransport:
             except Exception:  # noqa: BLE001 - an endpoint already torn down is fine
                 pass
 
+    async def _send_tracked(self, ep: Any, data: Any, tag: int) -> None:
+        """Send ``data`` in its own task, shielded: when the transfer is cancelled, UCX may
+        still read ``data`` (a view of the pool or of staging), so the task keeps it referenced
+        (and the pool mapped) until UCX completes or cancels the request."""
+        sending = asyncio.ensure_future(ep.send(data, tag=tag, force_tag=True))
+        self._sends.add(sending)
+        sending.add_done_callback(_retire_send(self._sends))
+        await asyncio.shield(sending)
+
     async def send(
         self,
         ep: Any,
@@ -255,13 +264,7 @@ class UcxTransport:
 
         async def move(chunk: ChunkPlan, staged: U8 | None) -> None:
             data = chunk_view(arrays, chunk) if staged is None else staged[: chunk.nbytes]
-            # The send runs in its own task, shielded: when the transfer is cancelled, UCX may
-            # still read ``data`` (a view of the pool or of staging), so the task keeps it
-            # referenced (and the pool mapped) until UCX completes or cancels the request.
-            sending = asyncio.ensure_future(ep.send(data, tag=tag_base | chunk.index, force_tag=True))
-            self._sends.add(sending)
-            sending.add_done_callback(_retire_send(self._sends))
-            await asyncio.shield(sending)
+            await self._send_tracked(ep, data, tag_base | chunk.index)
 
         with self._busy():
             await _pipeline(plan, lease, window, move, pack)
@@ -337,10 +340,7 @@ class UcxTransport:
                 mark("packed0")
 
         async def move(chunk: ChunkPlan, staged: Any) -> None:
-            sending = asyncio.ensure_future(ep.send(staged[: chunk.nbytes], tag=tag_base | chunk.index, force_tag=True))
-            self._sends.add(sending)
-            sending.add_done_callback(_retire_send(self._sends))
-            await asyncio.shield(sending)
+            await self._send_tracked(ep, staged[: chunk.nbytes], tag_base | chunk.index)
             if mark is not None and chunk.index == 0:
                 mark("sent0")
 
