@@ -57,7 +57,7 @@ async def serve(settings: Settings) -> int:
     if not settings.ucx_enabled:
         log_event("ucx.disabled", logging.WARNING, detail="ucx_enabled is off: local pulls only")
     elif ucx_available():
-        ucx = UcxTransport(iov_receive=settings.ucx_iov_receive)
+        ucx = UcxTransport(iov_receive=settings.ucx_iov_receive, iov_send=settings.ucx_iov_send)
     else:
         log_event("ucx.missing", logging.WARNING, detail="remote pulls disabled: install kvxfer[ucx]")
     node = Node(settings, ucx)

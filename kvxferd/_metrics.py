@@ -42,7 +42,7 @@ class NodeState:
     #: peer state -> number of peers in it.
     peers: Callable[[], Tally[str]] = Tally
     #: direction -> (buffers in use, buffers allowed, bytes per buffer).
-    staging: Callable[[], dict[str, tuple[int, int, int]]] = dict
+    staging: Callable[[], dict[str, tuple[int, int, int, int]]] = dict
     serving: Callable[[], bool] = lambda: True
 
 
@@ -71,11 +71,18 @@ class _StateCollector(Collector):
         used = GaugeMetricFamily(
             "kvxfer_staging_bytes_in_use", "Staging buffer bytes leased to transfers", labels=["direction"]
         )
+        made = GaugeMetricFamily(
+            "kvxfer_staging_bytes_allocated",
+            "Staging buffer bytes allocated so far (made on first need, then kept)",
+            labels=["direction"],
+        )
         cap = GaugeMetricFamily("kvxfer_staging_bytes_limit", "Staging buffer bytes allowed", labels=["direction"])
-        for direction, (in_use, limit, size) in sorted(s.staging().items()):
+        for direction, (in_use, allocated, limit, size) in sorted(s.staging().items()):
             used.add_metric([direction], in_use * size)
+            made.add_metric([direction], allocated * size)
             cap.add_metric([direction], limit * size)
         yield used
+        yield made
         yield cap
         yield GaugeMetricFamily("kvxfer_serving", "1 while accepting work, 0 while draining", value=s.serving())
         info = InfoMetricFamily("kvxfer_build", "Version of this daemon")

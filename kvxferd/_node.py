@@ -117,21 +117,27 @@ class Node:
         """Whether remote transfers can run: UCX loaded and its worker progressing."""
         return self.ucx is not None and self.ucx.healthy
 
-    def _staging_state(self) -> dict[str, tuple[int, int, int]]:
-        """(buffers in use, buffer limit, buffer bytes) per direction; GPU staging summed over GPUs."""
+    def _staging_state(self) -> dict[str, tuple[int, int, int, int]]:
+        """(buffers in use, buffers allocated, buffer limit, buffer bytes) per direction; GPU
+        staging summed over GPUs."""
+
+        def state_of(pools: list[StagingPool], size: int) -> tuple[int, int, int, int]:
+            return (
+                sum(p.in_use for p in pools),
+                sum(p.allocated for p in pools),
+                sum(p.capacity for p in pools),
+                size,
+            )
+
         state = {
-            "send": (self.send_staging.in_use, self.send_staging.capacity, self.send_staging.buffer_bytes),
-            "receive": (self.recv_staging.in_use, self.recv_staging.capacity, self.recv_staging.buffer_bytes),
+            "send": state_of([self.send_staging], self.send_staging.buffer_bytes),
+            "receive": state_of([self.recv_staging], self.recv_staging.buffer_bytes),
         }
         if self._gpu is not None:
             for direction in ("send", "receive"):
                 pools = self._gpu.staging_pools(direction)
                 if pools:
-                    state["gpu_" + direction] = (
-                        sum(p.in_use for p in pools),
-                        sum(p.capacity for p in pools),
-                        self._gpu.buffer_bytes,
-                    )
+                    state["gpu_" + direction] = state_of(pools, self._gpu.buffer_bytes)
         return state
 
     def _pool_bytes(self) -> dict[tuple[str, str], int]:
@@ -368,7 +374,9 @@ class Node:
         once the transfers have unwound, or after ``peer_timeout_s`` if they have not."""
         if not 1 <= len(transfer_id) <= 128:
             raise InvalidRequestError("transfer_id must be 1..128 characters")
-        records = self.transfers.find(transfer_id)
+        # A transfer whose bytes the receiver already confirmed is finishing, not cancellable:
+        # the pull succeeds and the offer is released as pulled.
+        records = [r for r in self.transfers.find(transfer_id) if not r.committed]
         tasks = [r.task for r in records if r.task is not None and not r.task.done()]
         unconfirmed = self._unconfirmed_receives()
         for r in records:
@@ -380,7 +388,10 @@ class Node:
 
     def abort(self, record: TransferRecord, detail: str) -> None:
         """Cancel a running transfer from this side; the peer is told ``detail`` (a cancelled
-        stream handler alone would leave it waiting for its deadline)."""
+        stream handler alone would leave it waiting for its deadline). A committed transfer
+        (every byte confirmed) is left to finish."""
+        if record.committed:
+            return
         record.abort_detail = record.abort_detail or detail
         if record.task is not None and not record.task.done():
             record.task.cancel()
@@ -628,6 +639,7 @@ class Node:
                 record.data_plane_s = time.perf_counter() - started
                 record.mark("received")
                 await sent_task
+                record.committed = True  # the sender releases the offer as pulled on this message
                 await call.write(peer_pb2.TransferClientMessage(done=peer_pb2.TransferDone(ok=True)))
                 await _read(call, "closed", self.settings.peer_timeout_s)
                 record.mark("closed")
@@ -658,13 +670,14 @@ class Node:
     def _staging_for(self, pool: Pool, plan: SidePlan, direction: str) -> tuple[StagingPool, int]:
         """The staging a remote transfer of ``plan`` takes on ``pool``'s side ("send" or
         "receive"), and how many buffers: GPU pools stage every chunk; host pools stage only
-        fragmented chunks, and none at all when UCX scatters receives into the pool."""
+        fragmented chunks, and none at all when UCX gathers sends from (scatters receives
+        into) the pool."""
         window = self.settings.window
         if pool.device is not None:
             return self.gpu.staging(pool.device, direction), min(window, len(plan.chunks))
-        if direction == "send":
-            return self.send_staging, min(window, _staged_chunks(plan))
         assert self.ucx is not None
+        if direction == "send":
+            return self.send_staging, 0 if self.ucx.gather_send else min(window, _staged_chunks(plan))
         return self.recv_staging, 0 if self.ucx.scatter_receive else min(window, _staged_chunks(plan))
 
     @staticmethod
@@ -806,11 +819,15 @@ class Node:
                     raise UnavailableError("receiver closed the transfer without confirming")
                 if not done.done.ok:
                     raise UnavailableError(f"receiver reported failure: {done.done.detail}")
+                record.committed = True
                 self.release_offer(offer, common_pb2.RELEASE_REASON_PULLED, "", record.transfer_id)
                 released = True
                 await context.write(peer_pb2.TransferServerMessage(closed=peer_pb2.TransferClosed(released=True)))
         except BaseException as exc:
-            if not released:
+            if released:
+                # The receiver confirmed every byte; only the closing message was interrupted.
+                self._end(record, common_pb2.TRANSFER_STATE_SUCCEEDED)
+            else:
                 detail = "deadline exceeded" if isinstance(exc, TimeoutError) else str(exc) or repr(exc)
                 self.release_offer(offer, common_pb2.RELEASE_REASON_FAILED, detail, record.transfer_id)
                 self._end(record, common_pb2.TRANSFER_STATE_FAILED, detail)

@@ -37,6 +37,9 @@ class TransferRecord:
     dst_key: str = ""
     #: Set when this daemon cancels the transfer itself (not its peer): told to the peer.
     abort_detail: str = ""
+    #: The receiver confirmed every byte (decode side: about to say so): past this point a
+    #: cancel no longer applies, and the offer is released as pulled.
+    committed: bool = False
     #: A receive of this (failed) pull was not confirmed cancelled by UCX.
     may_still_write: bool = False
     task: asyncio.Task[object] | None = None

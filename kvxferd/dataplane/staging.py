@@ -65,6 +65,11 @@ class StagingPool:
         return self._allocate(self.buffer_bytes)
 
     @property
+    def allocated(self) -> int:
+        """Buffers made so far (they are kept for reuse)."""
+        return self._made
+
+    @property
     def in_use(self) -> int:
         return self._made - len(self._free)
 

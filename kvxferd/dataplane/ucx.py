@@ -1,11 +1,12 @@
 """The UCX data plane (UCXX): endpoints from worker addresses, pipelined chunk streams.
 
 Bytes of a remote transfer move as the chunks of a :class:`~kvxferd.dataplane.plan.SidePlan`,
-each a tagged UCX message (tag = the transfer's tag base | chunk index). The sender packs a
-fragmented chunk into a staging buffer while earlier chunks are on the wire; a contiguous chunk
-is sent straight from the pool (zero-copy). The receiver posts up to ``window`` receives ahead,
-into the pool directly when the chunk is contiguous there, else into staging, and scatters each
-chunk as it lands.
+each a tagged UCX message (tag = the transfer's tag base | chunk index), up to ``window`` in
+flight. Host pools: a chunk is sent from and received into the pool itself, as one buffer
+when contiguous there, else as an IOV list of its segments (:mod:`.ucp_iov`), so UCX gathers
+and scatters with no staging. With IOV off (or UCXX progressing on its own thread), the
+sender packs fragmented chunks into staging while earlier ones fly and the receiver unpacks
+each as it lands. GPU pools always stage: gather and scatter kernels around each chunk.
 
 UCX settings (applied unless already set in the environment, see :data:`UCX_DEFAULTS`):
 
@@ -43,7 +44,7 @@ from .gpucopy import GpuCopier, UploadedSide, settle
 from .hostcopy import chunk_view, gather_chunk, scatter_chunk
 from .plan import ChunkPlan, SidePlan
 from .staging import StagingLease
-from .ucp_iov import IovReceiver, chunk_iov, contiguous_iov, iov_supported
+from .ucp_iov import UcpTagIov, chunk_iov, contiguous_iov, iov_supported
 
 __all__ = ["UCX_DEFAULTS", "UcxTransport", "ucx_available"]
 
@@ -179,7 +180,7 @@ def _take_over_progress(ucxx: Any) -> Any:
 class UcxTransport:
     """One UCX worker for the daemon, and an endpoint per peer daemon."""
 
-    def __init__(self, iov_receive: bool = True) -> None:
+    def __init__(self, iov_receive: bool = True, iov_send: bool = True) -> None:
         apply_ucx_defaults()
         import ucxx
 
@@ -195,9 +196,11 @@ class UcxTransport:
         self._endpoints: dict[str, Any] = {}
         #: Posts every receive itself, so each one can be cancelled on its own; None when
         #: UCXX progresses on another thread (then receives go through UCXX's endpoint).
-        self.iov: IovReceiver | None = IovReceiver(int(ucxx.get_ucp_worker())) if iov_supported() else None
+        self.iov: UcpTagIov | None = UcpTagIov(int(ucxx.get_ucp_worker())) if iov_supported() else None
         #: Receive fragmented chunks straight into their segments (else: staging + unpack).
         self.scatter_receive = iov_receive and self.iov is not None
+        #: Send fragmented chunks straight from their segments (else: pack into staging).
+        self.gather_send = iov_send and self.iov is not None
         self._connecting: dict[str, asyncio.Lock] = {}
         self._drains: set[asyncio.Task[None]] = set()
         #: Sends UCX has not finished, including those of cancelled transfers (see send()).
@@ -236,11 +239,19 @@ class UcxTransport:
             except Exception:  # noqa: BLE001 - an endpoint already torn down is fine
                 pass
 
-    async def _send_tracked(self, ep: Any, data: Any, tag: int) -> None:
-        """Send ``data`` in its own task, shielded: when the transfer is cancelled, UCX may
-        still read ``data`` (a view of the pool or of staging), so the task keeps it referenced
-        (and the pool mapped) until UCX completes or cancels the request."""
-        sending = asyncio.ensure_future(ep.send(data, tag=tag, force_tag=True))
+    async def _send_tracked(self, send: Awaitable[None]) -> None:
+        """Run a send in its own task, shielded: when the transfer is cancelled, UCX may still
+        read the send's memory (a view of the pool or of staging), so the task keeps it
+        referenced (and the pool mapped) until UCX completes or cancels the request. The
+        worker is progressed tightly until then, even after the transfer gave up: a send of
+        a fragmented chunk pushes its data itself (UCX's copy-in copy-out rendezvous on one
+        host), and the receiver's cancelled receives wait for it to finish."""
+
+        async def progressed() -> None:
+            with self._busy():
+                await send
+
+        sending = asyncio.ensure_future(progressed())
         self._sends.add(sending)
         sending.add_done_callback(_retire_send(self._sends))
         await asyncio.shield(sending)
@@ -254,7 +265,11 @@ class UcxTransport:
         lease: StagingLease,
         window: int,
     ) -> None:
-        """Send every chunk of ``plan``: pack fragmented chunks while earlier ones fly."""
+        """Send every chunk of ``plan``: straight from the pool (contiguous chunks, and
+        fragmented ones as IOV sends when ``gather_send``), else packed into staging while
+        earlier chunks fly."""
+        iov = self.iov if self.gather_send else None
+        keep = list(arrays)
 
         async def pack(chunk: ChunkPlan, staged: U8) -> None:
             # Packed on the event-loop thread: a 2 MiB chunk packs in about 0.3 ms, while a hop
@@ -263,11 +278,18 @@ class UcxTransport:
             gather_chunk(arrays, chunk, staged)
 
         async def move(chunk: ChunkPlan, staged: U8 | None) -> None:
+            tag = tag_base | chunk.index
+            if staged is None and chunk.contiguous is None:
+                assert iov is not None
+                if ep.closed:
+                    raise UnavailableError("the UCX endpoint to the receiver is closed")
+                await self._send_tracked(iov.send(ep.ucp_endpoint, chunk_iov(arrays, chunk), tag, keep))
+                return
             data = chunk_view(arrays, chunk) if staged is None else staged[: chunk.nbytes]
-            await self._send_tracked(ep, data, tag_base | chunk.index)
+            await self._send_tracked(ep.send(data, tag=tag, force_tag=True))
 
         with self._busy():
-            await _pipeline(plan, lease, window, move, pack)
+            await _pipeline(plan, lease, window, move, pack, stage=iov is None)
 
     async def receive(
         self,
@@ -340,7 +362,7 @@ class UcxTransport:
                 mark("packed0")
 
         async def move(chunk: ChunkPlan, staged: Any) -> None:
-            await self._send_tracked(ep, staged[: chunk.nbytes], tag_base | chunk.index)
+            await self._send_tracked(ep.send(staged[: chunk.nbytes], tag=tag_base | chunk.index, force_tag=True))
             if mark is not None and chunk.index == 0:
                 mark("sent0")
 

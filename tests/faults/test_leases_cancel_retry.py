@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import urllib.request
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -14,6 +15,7 @@ from bench.cluster import Cluster
 from kvxfer_client import (
     AlreadyExistsError,
     AsyncKvxferClient,
+    DeadlineExceededError,
     HostBuffer,
     KvxferError,
     Layout,
@@ -97,28 +99,40 @@ async def test_a_retried_pull_with_the_same_transfer_id_moves_nothing_twice(pair
 async def test_the_decode_side_cancels_its_pull_and_learns_that_nothing_writes_any_more(
     two_daemons: Cluster, pair: Pair
 ) -> None:
-    ticket = await pair.prefill.offer(pair.src, list(range(0, 256, 2)))  # 64 MiB
-    pulling = asyncio.create_task(pair.decode.pull(ticket, pair.dst, list(range(128)), transfer_id="cancel-d"))
-    outcome = None
-    for _ in range(200):
-        await asyncio.sleep(0.005)
-        outcome = await pair.decode.cancel("cancel-d")
-        if outcome.cancelled or pulling.done():
-            break
-    assert outcome is not None
-    if not outcome.cancelled:
-        pytest.skip("the pull finished before the cancel reached it")
-    assert outcome.may_still_write is False
-    with pytest.raises(KvxferError):
-        await pulling
-    snapshot = [b.array().copy() for b in pair.dst_buffers]
-    await asyncio.sleep(0.5)
-    assert all(np.array_equal(b.array(), s) for b, s in zip(pair.dst_buffers, snapshot, strict=True))
-    released = await pair.prefill.wait_released(ticket.offer_id, 10)
-    assert released.reason is ReleaseReason.FAILED
+    # A cancel that reaches the prefill side before it claimed the offer leaves the offer
+    # pullable (nothing moved); the rounds start the cancel later and later until one lands
+    # while bytes are moving, which must stop every write before the engine is told.
+    for round_ in range(20):
+        ticket = await pair.prefill.offer(pair.src, list(range(0, 256, 2)))  # 64 MiB
+        transfer_id = f"cancel-d-{round_}"
+        pulling = asyncio.create_task(pair.decode.pull(ticket, pair.dst, list(range(128)), transfer_id=transfer_id))
+        await asyncio.sleep(0.002 * round_)
+        outcome = await pair.decode.cancel(transfer_id)
+        try:
+            await pulling
+        except KvxferError:
+            pass
+        if not outcome.cancelled:
+            continue  # the pull finished first
+        try:
+            released = await pair.prefill.wait_released(ticket.offer_id, 3)
+        except DeadlineExceededError:
+            # Cancelled before the prefill side claimed it: still there, and pullable.
+            done = await pair.decode.pull(ticket, pair.dst, list(range(128)), transfer_id=f"again-{round_}")
+            assert done.bytes == 128 * LAYOUT.bytes_per_block
+            continue
+        assert released.reason is ReleaseReason.FAILED
+        assert outcome.may_still_write is False
+        snapshot = [b.array().copy() for b in pair.dst_buffers]
+        await asyncio.sleep(0.5)
+        assert all(np.array_equal(b.array(), s) for b, s in zip(pair.dst_buffers, snapshot, strict=True))
+        return
+    pytest.skip("no cancel landed while the bytes were moving")
 
 
-async def test_the_prefill_side_aborts_a_pull_of_its_offer_and_the_decode_side_is_told(pair: Pair) -> None:
+async def test_the_prefill_side_aborts_a_pull_of_its_offer_and_the_decode_side_is_told(
+    two_daemons: Cluster, pair: Pair
+) -> None:
     # The abort lands at a different step each round (before, during and after the first
     # messages of the transfer stream); in every case the puller hears of it at once.
     aborted = 0
@@ -152,5 +166,26 @@ async def test_the_prefill_side_aborts_a_pull_of_its_offer_and_the_decode_side_i
             await pulling
         assert time.monotonic() - t0 < 5.0, f"round {round_}: the puller was not told of the abort"
         assert (await pair.prefill.wait_released(ticket.offer_id, 10)).reason is ReleaseReason.FAILED
+    # However late each abort landed, no transfer is left behind on either daemon.
+    for daemon in two_daemons.daemons:
+        assert await _active_transfers(daemon.info["metrics_address"]) == 0
     if not aborted:
         pytest.skip("every pull finished before its abort reached it")
+
+
+async def _active_transfers(metrics_address: str, settle_s: float = 2.0) -> float:
+    """``kvxfer_transfers_active`` summed over roles, once it reaches 0 or ``settle_s`` passes."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        text = await asyncio.to_thread(_scrape, metrics_address)
+        active = sum(
+            float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("kvxfer_transfers_active{")
+        )
+        if active == 0 or time.monotonic() > deadline:
+            return active
+        await asyncio.sleep(0.1)
+
+
+def _scrape(metrics_address: str) -> str:
+    with urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=5) as resp:
+        return str(resp.read().decode())

@@ -65,9 +65,10 @@ def test_200_concurrent_handoffs_all_arrive_exact(two_daemons: Cluster, path: st
     assert prefill("released", offer_ids=[t["offer_id"] for t in tickets])["reasons"] == ["pulled"] * 200
 
 
-def test_receiving_through_staging_instead_of_iov_is_byte_exact(cluster: Cluster) -> None:
-    """With IOV receives off, fragmented chunks land in staging and are unpacked."""
-    cluster.daemon("a")
+def test_packing_and_unpacking_through_staging_instead_of_iov_is_byte_exact(cluster: Cluster) -> None:
+    """With IOV sends and receives off, fragmented chunks are packed into staging on the
+    prefill side and land in staging to be unpacked on the decode side."""
+    cluster.daemon("a", "--no-ucx-iov-send", "--chunk-bytes", "65536", "--window", "3")
     cluster.daemon("b", "--no-ucx-iov-receive", "--chunk-bytes", "65536", "--window", "3")
     shape = {"layers": 3, "blocks": 48, "block_bytes": 5000}
     prefill, decode = engines(cluster, "remote", shape, seed=8, tag="staged")
@@ -76,6 +77,7 @@ def test_receiving_through_staging_instead_of_iov_is_byte_exact(cluster: Cluster
     ticket = prefill("offer", requests=[pairs[0][0]])["tickets"][0]
     assert decode("pull", pulls=[[ticket, pairs[0][1]]])["results"][0]["ok"]
     assert decode("verify", seed=8, pairs=pairs)["verified"]
+    assert "ucx_iov_send=False" in cluster.daemons[0].log()
     assert "ucx_iov_receive=False" in cluster.daemons[1].log()
 
 

@@ -82,6 +82,29 @@ def test_remote_transfers_are_labelled_with_their_ucx_transport(two_daemons: Clu
     assert sample(scrape(b.info["metrics_address"]), "kvxfer_peers", state="connected") == 1
 
 
+def test_fragmented_host_transfers_move_without_staging_and_staged_ones_show_it(cluster: Cluster) -> None:
+    """By default UCX gathers and scatters a host pool's segments itself: neither daemon
+    allocates staging. With IOV off, the staging each side made is reported."""
+    shape = {"layers": 2, "blocks": 16, "block_bytes": 48 * 1024}
+
+    def staging_after_one_pull(tag: str, *send_args: str) -> tuple[float, float]:
+        a = cluster.daemon(f"a-{tag}", *send_args)
+        b = cluster.daemon(f"b-{tag}", *(("--no-ucx-iov-receive",) if send_args else ()))
+        prefill, decode = cluster.engine(a, f"p-{tag}"), cluster.engine(b, f"d-{tag}")
+        prefill("pool", shape=shape, seed=4)
+        decode("pool", shape=shape)
+        ticket = prefill("offer", requests=[[9, 2, 5, 0]])["tickets"][0]
+        assert decode("pull", pulls=[[ticket, [1, 7, 3, 12]]])["results"][0]["ok"]
+        assert decode("verify", seed=4, pairs=[[[9, 2, 5, 0], [1, 7, 3, 12]]])["verified"]
+        sent = sample(scrape(a.info["metrics_address"]), "kvxfer_staging_bytes_allocated", direction="send")
+        received = sample(scrape(b.info["metrics_address"]), "kvxfer_staging_bytes_allocated", direction="receive")
+        return sent, received
+
+    assert staging_after_one_pull("iov") == (0, 0)
+    sent, received = staging_after_one_pull("staged", "--no-ucx-iov-send")
+    assert sent > 0 and received > 0
+
+
 def test_the_daemon_tells_systemd_ready_pings_the_watchdog_and_says_stopping(cluster: Cluster) -> None:
     path = os.path.join(tempfile.mkdtemp(prefix="kvxfer-notify-"), "notify.sock")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
