@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -179,7 +180,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--socket", required=True)
     parser.add_argument("--name", default="engine")
-    asyncio.run(main_async(parser.parse_args()))
+    parser.add_argument(
+        "--loop",
+        choices=["asyncio", "uvloop"],
+        default=os.environ.get("KVXFER_BENCH_LOOP", "asyncio"),
+        help="the engine's event loop (default: $KVXFER_BENCH_LOOP, else asyncio)",
+    )
+    args = parser.parse_args()
+    if args.loop == "uvloop":
+        import uvloop
+
+        uvloop.run(main_async(args))
+    else:
+        asyncio.run(main_async(args))
 
 
 if __name__ == "__main__":
