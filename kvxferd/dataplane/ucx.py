@@ -57,6 +57,9 @@ UCX_DEFAULTS = {
     "UCX_MAX_RNDV_RAILS": "1",
 }
 
+#: Seconds a send keeps the worker progressed tightly on its own (see ``_send_tracked``).
+SEND_LINGER_S = 5.0
+
 _SHARED_MEMORY_TLS = {"sysv", "posix", "cma", "xpmem", "knem"}
 _RDMA_TLS = {"rc", "rc_verbs", "rc_mlx5", "dc", "dc_mlx5", "ud", "ud_verbs", "ud_mlx5"}
 
@@ -242,14 +245,19 @@ class UcxTransport:
     async def _send_tracked(self, send: Awaitable[None]) -> None:
         """Run a send in its own task, shielded: when the transfer is cancelled, UCX may still
         read the send's memory (a view of the pool or of staging), so the task keeps it
-        referenced (and the pool mapped) until UCX completes or cancels the request. The
-        worker is progressed tightly until then, even after the transfer gave up: a send of
-        a fragmented chunk pushes its data itself (UCX's copy-in copy-out rendezvous on one
-        host), and the receiver's cancelled receives wait for it to finish."""
+        referenced (and the pool mapped) until UCX completes or cancels the request.
+
+        The worker is progressed tightly for up to :data:`SEND_LINGER_S` of the send, even
+        after the transfer gave up: a send of a fragmented chunk pushes its data itself (UCX's
+        copy-in copy-out rendezvous on one host), and the receiver's cancelled receives wait
+        for it. A send to a peer that died never completes; past the linger it is progressed
+        at the idle pace, so it cannot keep a core busy."""
+        inner = asyncio.ensure_future(send)
 
         async def progressed() -> None:
             with self._busy():
-                await send
+                await asyncio.wait({inner}, timeout=SEND_LINGER_S)
+            await inner
 
         sending = asyncio.ensure_future(progressed())
         self._sends.add(sending)

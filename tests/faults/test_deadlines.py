@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 import grpc
@@ -10,8 +11,9 @@ import numpy as np
 import pytest
 
 from bench.cluster import Cluster, Daemon
-from kvxfer_client import AsyncKvxferClient, DeadlineExceededError, HostBuffer, Layout, ReleaseReason
+from kvxfer_client import AsyncKvxferClient, DeadlineExceededError, HostBuffer, KvxferError, Layout, ReleaseReason
 from kvxfer_client._proto import admin_pb2, admin_pb2_grpc
+from kvxferd.dataplane.ucx import SEND_LINGER_S
 
 LAYOUT = Layout.paged_kv(num_layers=8, num_blocks=1024, block_bytes=16 << 10)  # 256 MiB per pool
 
@@ -71,3 +73,43 @@ async def test_a_timed_out_remote_pull_stops_writing_before_it_returns(cluster: 
     assert result.bytes == 2 * LAYOUT.bytes_per_block
     await p.close()
     await d.close()
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def test_a_prefill_daemon_whose_puller_died_mid_transfer_releases_the_offer_and_goes_quiet(
+    cluster: Cluster,
+) -> None:
+    # Sends to a dead peer never complete on shared memory (no peer-failure detection there):
+    # they must not keep the prefill daemon's UCX progress spinning once their linger is over.
+    slow = ["--chunk-bytes", "65536", "--window", "2"]
+    a = cluster.daemon("a", *slow, "--peer-timeout-s", "2")
+    b = cluster.daemon("b", *slow)
+    p = await AsyncKvxferClient(a.socket, engine_name="p").connect()
+    d = await AsyncKvxferClient(b.socket, engine_name="d").connect()
+    src = [HostBuffer.create(s) for s in LAYOUT.buffer_sizes()]
+    dst = [HostBuffer.create(s) for s in LAYOUT.buffer_sizes()]
+    ppool, dpool = await p.register_pool(src, LAYOUT), await d.register_pool(dst, LAYOUT)
+    ticket = await p.offer(ppool, list(range(0, 1024, 2)))
+    pulling = asyncio.create_task(d.pull(ticket, dpool, list(range(1, 1024, 2)), timeout_s=60))
+    for _ in range(500):  # until the prefill daemon is sending
+        if offer_state(a, ticket.offer_id) == "pulling":
+            break
+        await asyncio.sleep(0.01)
+    assert offer_state(a, ticket.offer_id) == "pulling", "the transfer never started"
+    b.kill()
+    with pytest.raises(KvxferError):
+        await pulling
+    released = await p.wait_released(ticket.offer_id, timeout_s=15)
+    assert released.reason is ReleaseReason.FAILED
+    assert a.proc is not None
+    await asyncio.sleep(SEND_LINGER_S + 0.5)
+    before = _cpu_seconds(a.proc.pid)
+    await asyncio.sleep(2.0)
+    used = _cpu_seconds(a.proc.pid) - before
+    assert used < 0.5, f"the prefill daemon used {used:.2f} CPU seconds in 2 s after its puller died"
+    await p.close()
