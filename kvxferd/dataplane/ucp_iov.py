@@ -116,6 +116,9 @@ class UcpTagIov:
         self._pending: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future[int]]] = {}
         self._callback = _RECV_CALLBACK(self._on_complete)  # one instance, alive as long as self
         self._send_callback = _SEND_CALLBACK(self._on_sent)
+        # Their C addresses, put in every request's parameters.
+        self._recv_cb = int(ctypes.cast(self._callback, ctypes.c_void_p).value or 0)
+        self._send_cb = int(ctypes.cast(self._send_callback, ctypes.c_void_p).value or 0)
         #: Receives cancelled but not confirmed by UCX (their memory may still be written).
         self.unconfirmed = 0
 
@@ -170,28 +173,40 @@ class UcpTagIov:
         detects the memory type), inside the memory ``keep`` owns."""
         await self._post(address, nbytes, _DATATYPE_CONTIG_BYTES, tag, keep, on_unconfirmed)
 
-    async def send(self, ucp_ep: int, iov: npt.NDArray[np.uint64], tag: int, keep: object) -> None:
-        """Send one tagged message gathered from ``iov`` on the endpoint ``ucp_ep``.
-
-        Not cancellable (UCP cannot cancel a send; aborting the endpoint ends it): callers
-        run it shielded, and ``iov`` and ``keep`` stay referenced until UCX completes it.
-        """
+    def _request(self, callback: int, datatype: int) -> tuple[int, asyncio.Future[int], _RequestParam]:
+        """A future the completion callback resolves, and the request parameters naming it."""
         loop = asyncio.get_running_loop()
         key = next(self._ids)
         fut: asyncio.Future[int] = loop.create_future()
         self._pending[key] = (loop, fut)
         param = _RequestParam()
         param.op_attr_mask = _OP_ATTR_FIELD_CALLBACK | _OP_ATTR_FIELD_USER_DATA | _OP_ATTR_FIELD_DATATYPE
-        param.cb = ctypes.cast(self._send_callback, ctypes.c_void_p).value
+        param.cb = callback
         param.user_data = key
-        param.datatype = _DATATYPE_IOV
-        req = self._lib.ucp_tag_send_nbx(ucp_ep, iov.ctypes.data, len(iov), tag, ctypes.byref(param)) or 0
-        if req == 0:  # completed in place (eager); the callback is not called
+        param.datatype = datatype
+        return key, fut, param
+
+    def _posted(self, key: int, req: int, call: str) -> bool:
+        """Whether UCX returned a request to wait for; False when it completed in place (the
+        callback is then not called). Raises when UCX refused the operation."""
+        if req == 0:
             self._pending.pop(key, None)
-            return
+            return False
         if not _is_request(req):
             self._pending.pop(key, None)
-            raise UnavailableError(f"ucp_tag_send_nbx failed with status {req - (1 << 64)}")
+            raise UnavailableError(f"{call} failed with status {req - (1 << 64)}")
+        return True
+
+    async def send(self, ucp_ep: int, iov: npt.NDArray[np.uint64], tag: int, keep: object) -> None:
+        """Send one tagged message gathered from ``iov`` on the endpoint ``ucp_ep``.
+
+        Not cancellable (UCP cannot cancel a send; aborting the endpoint ends it): callers
+        run it shielded, and ``iov`` and ``keep`` stay referenced until UCX completes it.
+        """
+        key, fut, param = self._request(self._send_cb, _DATATYPE_IOV)
+        req = self._lib.ucp_tag_send_nbx(ucp_ep, iov.ctypes.data, len(iov), tag, ctypes.byref(param))
+        if not self._posted(key, req or 0, "ucp_tag_send_nbx"):
+            return
         try:
             status = await asyncio.shield(fut)
         finally:
@@ -211,23 +226,10 @@ class UcpTagIov:
         keep: object,
         on_unconfirmed: Callable[[], None] | None,
     ) -> None:
-        loop = asyncio.get_running_loop()
-        key = next(self._ids)
-        fut: asyncio.Future[int] = loop.create_future()
-        self._pending[key] = (loop, fut)
-        param = _RequestParam()
-        param.op_attr_mask = _OP_ATTR_FIELD_CALLBACK | _OP_ATTR_FIELD_USER_DATA | _OP_ATTR_FIELD_DATATYPE
-        param.cb = ctypes.cast(self._callback, ctypes.c_void_p).value
-        param.user_data = key
-        param.datatype = datatype
+        key, fut, param = self._request(self._recv_cb, datatype)
         req = self._lib.ucp_tag_recv_nbx(self._worker, buffer, count, tag, _FULL_MASK, ctypes.byref(param))
-        req = req or 0
-        if req == 0:  # completed in place; the callback is not called
-            self._pending.pop(key, None)
+        if not self._posted(key, req or 0, "ucp_tag_recv_nbx"):
             return
-        if not _is_request(req):
-            self._pending.pop(key, None)
-            raise UnavailableError(f"ucp_tag_recv_nbx failed with status {req - (1 << 64)}")
         try:
             status = await asyncio.shield(fut)
         except asyncio.CancelledError:
