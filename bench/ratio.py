@@ -4,7 +4,7 @@ Each round measures the plain UCXX one-buffer send (shared-memory buffers, as th
 and then remote ``b16`` handoffs through two daemons, back to back, so both see the same
 machine state; the line printed gives every round's ratio and their median.
 
-Run: ``python -m bench.ratio [--rounds 5] [--iters 4] [--daemon-args '--window 4']``.
+Run: ``python -m bench.ratio [--rounds 7] [--iters 4] [--daemon-args '--window 4']``.
 """
 
 from __future__ import annotations
@@ -20,11 +20,12 @@ from .cluster import Cluster
 from .workloads import WORKLOADS, both_paths, run_sequential
 
 SEED = 11
+WARMUP_HANDOFFS = 3
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--iters", type=int, default=4)
     parser.add_argument("--memory", choices=["shm", "numpy"], default="shm")
     parser.add_argument("--daemon-args", default="", help="extra kvxferd flags, e.g. '--chunk-bytes 8388608'")
@@ -36,6 +37,8 @@ def main() -> None:
         daemon_args = tuple(args.daemon_args.split())
         paths = both_paths(cluster, w, SEED, "ratio", daemon_args=daemon_args)
         remote = next((p, d) for path, p, d in paths if path == "remote")
+        # Steady state before the first round: endpoints made, pool pages and UCX caches warm.
+        run_sequential(*remote, w, rng, WARMUP_HANDOFFS, warmup=0)
         for _ in range(args.rounds):
             base = ucx_baseline.measure(w.request_bytes, args.iters, args.memory)["gbps_median"]
             ours = run_sequential(*remote, w, rng, args.iters, warmup=1)["gbps"]

@@ -12,6 +12,7 @@ The daemon opens the buffer by its name under ``/dev/shm``; no address crosses t
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import re
@@ -21,7 +22,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ._errors import InvalidRequestError
+from ._errors import InvalidRequestError, ResourceExhaustedError
 
 __all__ = ["SHM_DIR", "HostBuffer", "check_shm_name"]
 
@@ -36,11 +37,45 @@ def check_shm_name(name: str) -> str:
     return name
 
 
+#: ``madvise`` advice that faults every page of a range in for writing (Linux 5.14); the
+#: ``mmap`` module of Python 3.11 does not name it.
+MADV_POPULATE_WRITE = 23
+_PAGE = mmap.PAGESIZE
+
+
 def _map(fd: int, size: int) -> mmap.mmap:
-    # MAP_POPULATE faults every page in now: a KV pool is used whole and often, and a page
-    # fault during a transfer costs more than copying the page.
-    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-    return mmap.mmap(fd, size, flags=flags)
+    """Map ``size`` bytes of the shared-memory file ``fd``: huge pages where allowed, every
+    page faulted in now.
+
+    Huge pages: ``/dev/shm`` lets a mapping ask for them (tmpfs ``huge=advise``, the common
+    default). A copy between two processes walks the pages of both sides, and 2 MiB pages
+    make that walk 512 times shorter: plain UCX sends between 256 MiB buffers ran at 3.9 GB/s
+    on 4 KiB pages and 6.5-7.6 GB/s on huge ones on the development VM. The advice must come
+    before the first fault, so the mapping is populated after it rather than by
+    ``MAP_POPULATE``.
+
+    Populating: a KV pool is used whole and often, and a page fault during a transfer costs
+    more than copying the page.
+    """
+    mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            mapping.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass  # kernel without transparent huge pages: 4 KiB pages, still correct
+    try:
+        mapping.madvise(MADV_POPULATE_WRITE)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            # EFAULT / ENOMEM: /dev/shm (or memory) is full. Touching the pages later would
+            # kill the process with SIGBUS, so say so now.
+            mapping.close()
+            raise OSError(
+                exc.errno, f"cannot back {size} bytes of shared memory ({exc.strerror}): is /dev/shm full or too small?"
+            ) from None
+        # Kernels before 5.14 do not know the advice: one read per page faults it in.
+        int(np.frombuffer(mapping, dtype=np.uint8, count=size)[::_PAGE].sum())
+    return mapping
 
 
 class HostBuffer:
@@ -90,6 +125,8 @@ class HostBuffer:
             if size <= 0 or size > actual:
                 raise InvalidRequestError(f"shared-memory buffer {name!r} has {actual} bytes, {size} were declared")
             mapping = _map(fd, size)
+        except OSError as exc:
+            raise ResourceExhaustedError(f"cannot map shared-memory buffer {name!r}: {exc.strerror}") from None
         finally:
             os.close(fd)
         return cls(name, size, mapping, owner=False)

@@ -570,8 +570,6 @@ class Node:
         # The most this side can take per chunk; the sender picks the size (TransferAccepted).
         max_chunk = self.settings.gpu_chunk_bytes if dst.on_gpu else self.settings.chunk_bytes
         side = BlockSide.of(dst.device, dst.base, dst.regions, dst_ids) if dst.device is not None else None
-        # Planned before the handshake (the sender nearly always takes the offered chunk size).
-        expected = self._receive_plan(dst, side, dst_ids, max_chunk)
         assert peer.stub is not None
         async with contextlib.AsyncExitStack() as stack:
             ep = await _within(
@@ -599,6 +597,9 @@ class Node:
                     )
                 )
                 record.mark("start_sent")
+                # Planned while the offerer claims and plans its side (the sender nearly
+                # always takes the offered chunk size).
+                expected = self._receive_plan(dst, side, dst_ids, max_chunk)
                 accepted = await _read(call, "accepted", self.settings.peer_timeout_s)
                 record.mark("accepted")
                 chunk = accepted.accepted.chunk_bytes or max_chunk
@@ -667,18 +668,22 @@ class Node:
                     raise
                 raise err from None
 
-    def _staging_for(self, pool: Pool, plan: SidePlan, direction: str) -> tuple[StagingPool, int]:
+    def _staging_for(self, pool: Pool, plan: SidePlan | None, direction: str) -> tuple[StagingPool, int]:
         """The staging a remote transfer of ``plan`` takes on ``pool``'s side ("send" or
         "receive"), and how many buffers: GPU pools stage every chunk; host pools stage only
         fragmented chunks, and none at all when UCX gathers sends from (scatters receives
-        into) the pool."""
+        into) the pool (then ``plan`` may still be None)."""
         window = self.settings.window
+        assert self.ucx is not None
+        uses_iov = self.ucx.gather_send if direction == "send" else self.ucx.scatter_receive
+        host_staging = self.send_staging if direction == "send" else self.recv_staging
+        if pool.device is None and uses_iov:
+            return host_staging, 0
+        if plan is None:
+            raise ValueError("a transfer that stages needs its plan first")
         if pool.device is not None:
             return self.gpu.staging(pool.device, direction), min(window, len(plan.chunks))
-        assert self.ucx is not None
-        if direction == "send":
-            return self.send_staging, 0 if self.ucx.gather_send else min(window, _staged_chunks(plan))
-        return self.recv_staging, 0 if self.ucx.scatter_receive else min(window, _staged_chunks(plan))
+        return host_staging, min(window, _staged_chunks(plan))
 
     @staticmethod
     def _receive_plan(dst: Pool, side: BlockSide | None, dst_ids: np.ndarray[Any, Any], chunk: int) -> SidePlan:
@@ -769,29 +774,33 @@ class Node:
                 # The receiver's maximum, capped by what this side stages per chunk.
                 own = self.settings.gpu_chunk_bytes if pool.on_gpu else self.settings.chunk_bytes
                 chunk = min(start.chunk_bytes, own)
+                plan: SidePlan | None = None
                 if pool.on_gpu:
                     assert pool.device is not None
                     side = BlockSide.of(pool.device, pool.base, pool.regions, offer.block_ids)
                     plan = stream_plan(side.total_bytes, chunk)
-                else:
-                    plan = build_plan(pool.regions, offer.block_ids, chunk)
+                elif not self.ucx.gather_send:
+                    plan = build_plan(pool.regions, offer.block_ids, chunk)  # staging depends on it
                 ep = await _within(
                     self.ucx.endpoint(peer.daemon_id, peer.identity.ucx_worker_address, self._error_handling(peer)),
                     self.settings.peer_timeout_s,
                 )
                 staging, need = self._staging_for(pool, plan, "send")
-                record.mark("planned")
                 async with staging.lease(need) as lease:
                     record.mark("staging")
                     await context.write(
                         peer_pb2.TransferServerMessage(
                             accepted=peer_pb2.TransferAccepted(
-                                total_bytes=plan.total_bytes,
-                                num_chunks=num_chunks(plan.total_bytes, plan.chunk_bytes),
+                                total_bytes=offer.nbytes,
+                                num_chunks=num_chunks(offer.nbytes, chunk),
                                 chunk_bytes=chunk,
                             )
                         )
                     )
+                    if plan is None:
+                        # UCX gathers from the pool: planned while the receiver posts receives.
+                        plan = build_plan(pool.regions, offer.block_ids, chunk)
+                    record.mark("planned")
                     if pool.on_gpu:
                         assert pool.device is not None
                         copier = self.gpu.copier(pool.device)

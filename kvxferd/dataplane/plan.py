@@ -92,7 +92,7 @@ def build_plan(regions: RegionTable, block_ids: npt.NDArray[np.integer], chunk_b
     if chunk_bytes <= 0:
         raise ValueError("chunk_bytes must be positive")
     ids = np.asarray(block_ids, dtype=np.int64)
-    n, nreg = len(ids), len(regions.nbytes)
+    n = len(ids)
     # Segments in stream order: region-major, then the caller's block order.
     seg_off = (regions.offset[:, None] + ids[None, :] * regions.stride[:, None]).ravel()
     seg_len = np.repeat(regions.nbytes, n)
@@ -105,14 +105,19 @@ def build_plan(regions: RegionTable, block_ids: npt.NDArray[np.integer], chunk_b
     first = seg_start // chunk_bytes
     last = (seg_end - 1) // chunk_bytes
     pieces = last - first + 1
-    seg_of = np.repeat(np.arange(len(seg_len)), pieces)
-    nth = np.arange(len(seg_of)) - np.repeat(np.cumsum(pieces) - pieces, pieces)
-    p_chunk = first[seg_of] + nth
-    p_start = np.maximum(seg_start[seg_of], p_chunk * chunk_bytes)
-    p_end = np.minimum(seg_end[seg_of], (p_chunk + 1) * chunk_bytes)
-    p_len = p_end - p_start
-    p_off = seg_off[seg_of] + (p_start - seg_start[seg_of])
-    p_buf = seg_buf[seg_of]
+    if len(pieces) == 0 or int(pieces.max()) == 1:
+        # No segment crosses a boundary (chunk size a multiple of the segment sizes, the
+        # usual case): the pieces are the segments, and half the arithmetic below is skipped.
+        p_chunk, p_start, p_end, p_len, p_off, p_buf = first, seg_start, seg_end, seg_len, seg_off, seg_buf
+    else:
+        seg_of = np.repeat(np.arange(len(seg_len)), pieces)
+        nth = np.arange(len(seg_of)) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+        p_chunk = first[seg_of] + nth
+        p_start = np.maximum(seg_start[seg_of], p_chunk * chunk_bytes)
+        p_end = np.minimum(seg_end[seg_of], (p_chunk + 1) * chunk_bytes)
+        p_len = p_end - p_start
+        p_off = seg_off[seg_of] + (p_start - seg_start[seg_of])
+        p_buf = seg_buf[seg_of]
 
     new_chunk = np.ones(len(p_chunk), dtype=bool)
     new_chunk[1:] = p_chunk[1:] != p_chunk[:-1]
@@ -143,7 +148,6 @@ def build_plan(regions: RegionTable, block_ids: npt.NDArray[np.integer], chunk_b
             runs.append(Run(int(p_buf[rs]), int(p_len[rs]), p_off[rs:re_], int(p_start[rs]) - base))
             r += 1
         chunks.append(ChunkPlan(c, nbytes, contiguous, tuple(runs)))
-    del nreg
     return SidePlan(total, chunk_bytes, len(seg_len), tuple(chunks))
 
 

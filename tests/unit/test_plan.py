@@ -80,3 +80,20 @@ def test_plan_work_does_not_grow_with_blocks() -> None:
 def test_contiguous_chunks_are_marked_for_zero_copy() -> None:
     plan = build_plan(RegionTable.from_regions([(0, 0, 1 << 20, 1 << 20)]), np.array([2, 3, 4, 5]), 1 << 20)
     assert [c.contiguous for c in plan.chunks] == [(0, 2 << 20), (0, 3 << 20), (0, 4 << 20), (0, 5 << 20)]
+
+
+def test_chunks_that_end_on_segment_boundaries_plan_the_same_pieces_as_cut_ones() -> None:
+    """Chunks a multiple of the segment size take the planner's short path; the pieces must be
+    those a cut at the same place would give: every segment, in stream order, in its chunk."""
+    regions = [(0, 0, 96, 32), (0, 32, 96, 32), (1, 8, 40, 32)]
+    ids = [5, 0, 3, 7, 1]
+    plan = build_plan(RegionTable.from_regions(regions), np.array(ids), 64)  # two segments a chunk
+    pieces = [
+        (run.buffer, int(off), run.length, chunk.index, run.chunk_offset + k * run.length)
+        for chunk in plan.chunks
+        for run in chunk.runs
+        for k, off in enumerate(run.offsets)
+    ]
+    segments = [(buf, off + i * stride, length) for buf, off, stride, length in regions for i in ids]
+    assert pieces == [(*seg, n // 2, n % 2 * 32) for n, seg in enumerate(segments)]
+    assert [c.nbytes for c in plan.chunks] == [64] * 7 + [32]

@@ -1,0 +1,68 @@
+"""Host buffers: shared memory the daemon maps, on huge pages where the system allows them."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvxfer_client import HostBuffer
+
+TWO_MIB = 2 << 20
+
+
+def _tmpfs_allows_huge_pages() -> bool:
+    """``/dev/shm`` mounted with ``huge=advise|always|within_size`` (the mount option rules
+    tmpfs mounts; ``shmem_enabled`` only rules the kernel's internal mount)."""
+    huge = ""
+    with open("/proc/mounts") as fh:
+        for line in fh:  # the last mount on /dev/shm is the one in use
+            fields = line.split()
+            if len(fields) > 3 and fields[1] == "/dev/shm":
+                huge = dict(o.partition("=")[::2] for o in fields[3].split(",")).get("huge", "")
+    return huge in {"advise", "always", "within_size"}
+
+
+def _pmd_mapped_kib(address: int) -> int:
+    """``ShmemPmdMapped`` of the mapping of this process that starts at ``address``."""
+    with open("/proc/self/smaps") as fh:
+        inside = False
+        for line in fh:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                inside = int(head.split("-")[0], 16) == address
+            elif inside and head == "ShmemPmdMapped:":
+                return int(line.split()[1])
+    raise AssertionError("mapping not found")
+
+
+def _address(buf: HostBuffer) -> int:
+    return int(buf.array().__array_interface__["data"][0])
+
+
+@pytest.mark.skipif(not _tmpfs_allows_huge_pages(), reason="/dev/shm is not mounted with huge=advise")
+def test_buffers_sit_on_huge_pages_on_both_sides_when_dev_shm_allows_them() -> None:
+    """Copies between processes walk both sides' pages: 2 MiB pages make that walk short."""
+    buf = HostBuffer.create(8 * TWO_MIB)
+    try:
+        peer = HostBuffer.attach(buf.name)
+        try:
+            assert _pmd_mapped_kib(_address(buf)) >= 4 * 2048
+            assert _pmd_mapped_kib(_address(peer)) >= 4 * 2048
+        finally:
+            peer.close()
+    finally:
+        buf.close()
+
+
+def test_buffers_are_zero_filled_and_shared_between_mappings() -> None:
+    buf = HostBuffer.create(TWO_MIB + 4096)  # not a multiple of a huge page
+    try:
+        arr = buf.array()
+        assert not arr.any()
+        arr[-1] = 7
+        peer = HostBuffer.attach(buf.name)
+        try:
+            assert peer.array()[-1] == 7
+        finally:
+            peer.close()
+    finally:
+        buf.close()
