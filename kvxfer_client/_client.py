@@ -43,6 +43,12 @@ __all__ = ["AsyncKvxferClient", "CancelResult", "KvxferClient", "Pool", "PullRes
 T = TypeVar("T")
 Event = OfferReleased | TransferFailed
 _RELEASED_MEMORY = 100_000  # released events kept for late wait_released() calls
+#: Seconds a pull's RPC may outlast its ``timeout_s``. After the deadline the daemon cancels
+#: the receives and waits up to 5 s (``kvxferd``'s ``CANCEL_CONFIRM_S``) for UCX to confirm
+#: that nothing more will be written; its answer then carries ``may_still_write``, which the
+#: engine needs before it reuses the destination blocks. A shorter margin would end the call
+#: first, with a bare deadline error and without that flag.
+PULL_ANSWER_MARGIN_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -270,7 +276,12 @@ class AsyncKvxferClient:
         transfer_id: str = "",
         timeout_s: float = 60.0,
     ) -> PullResult:
-        """Copy the ticket's blocks into ``block_ids`` of ``pool``; returns once they landed."""
+        """Copy the ticket's blocks into ``block_ids`` of ``pool``; returns once they landed.
+
+        Past ``timeout_s`` the pull fails with :class:`DeadlineExceededError`, at most a few
+        seconds later: the daemon first makes sure UCX writes no more into the destination,
+        and sets ``may_still_write`` on the error when it could not.
+        """
         ticket = _as_ticket(ticket)
         pool_id = pool.pool_id if isinstance(pool, Pool) else pool
         ids = _block_ids(block_ids, "dst block_ids")
@@ -279,8 +290,9 @@ class AsyncKvxferClient:
         req = engine_pb2.PullRequest(
             ticket=ticket.to_proto(), pool_id=pool_id, block_ids=ids, transfer_id=transfer_id, timeout_s=timeout_s
         )
-        # The daemon enforces timeout_s; the RPC deadline leaves it room to say why it failed.
-        resp = await self._call(self._engine.Pull, req, timeout_s=timeout_s + 5.0)
+        # The daemon enforces timeout_s; the RPC deadline leaves it room to say why it failed
+        # and whether the destination may still be written (see PULL_ANSWER_MARGIN_S).
+        resp = await self._call(self._engine.Pull, req, timeout_s=timeout_s + PULL_ANSWER_MARGIN_S)
         return PullResult(
             resp.transfer_id,
             resp.bytes,

@@ -57,6 +57,7 @@ from .dataplane.gpucopy import BlockSide, GpuDevices
 from .dataplane.hostcopy import copy_chunk
 from .dataplane.plan import SidePlan, build_plan, num_chunks, stream_plan
 from .dataplane.staging import StagingLease, StagingPool
+from .dataplane.ucp_iov import CANCEL_CONFIRM_S
 from .dataplane.ucx import UcxTransport, describe_transport
 from .memory.pools import Pool, PoolRegistry, check_block_ids
 
@@ -651,7 +652,9 @@ class Node:
                     # abort the endpoint) and wait for UCX to confirm before the engine hears
                     # of the failure and reuses those blocks.
                     receiving.cancel()
-                    await asyncio.wait({receiving}, timeout=self.settings.peer_timeout_s)
+                    await asyncio.wait({receiving}, timeout=CANCEL_CONFIRM_S + 1.0)
+                    if not receiving.done():
+                        record.may_still_write = True  # not even the cancellation finished
                     if self.ucx.iov is None:
                         self.ucx.forget(peer.daemon_id)  # UCXX receives cancel only with it
                     elif record.may_still_write:

@@ -32,6 +32,11 @@ from .plan import ChunkPlan
 
 __all__ = ["UcpTagIov", "chunk_iov", "contiguous_iov", "iov_supported"]
 
+#: Seconds a cancelled receive waits for UCX to confirm it will write no more; past that the
+#: destination is reported as possibly still written (``may_still_write``). The SDK's answer
+#: margin on a pull (``kvxfer_client._client.PULL_ANSWER_MARGIN_S``) must stay above it.
+CANCEL_CONFIRM_S = 5.0
+
 U8 = npt.NDArray[np.uint8]
 
 _OP_ATTR_FIELD_CALLBACK = 1 << 1
@@ -235,7 +240,7 @@ class UcpTagIov:
         except asyncio.CancelledError:
             # Stop UCX writing into the pool before anyone is told the transfer is over.
             self._lib.ucp_request_cancel(self._worker, req)
-            if not await _confirmed_within(fut, 5.0):
+            if not await _confirmed_within(fut, CANCEL_CONFIRM_S):
                 # The request stays with UCX; freeing it now would be unsafe. Count it until
                 # UCX completes it (the callback still resolves ``fut``).
                 self.unconfirmed += 1

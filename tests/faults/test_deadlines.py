@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import time
 
 import grpc
@@ -12,7 +13,9 @@ import pytest
 
 from bench.cluster import Cluster, Daemon
 from kvxfer_client import AsyncKvxferClient, DeadlineExceededError, HostBuffer, KvxferError, Layout, ReleaseReason
+from kvxfer_client._client import PULL_ANSWER_MARGIN_S
 from kvxfer_client._proto import admin_pb2, admin_pb2_grpc
+from kvxferd.dataplane.ucp_iov import CANCEL_CONFIRM_S
 from kvxferd.dataplane.ucx import SEND_LINGER_S
 
 LAYOUT = Layout.paged_kv(num_layers=8, num_blocks=1024, block_bytes=16 << 10)  # 256 MiB per pool
@@ -113,3 +116,44 @@ async def test_a_prefill_daemon_whose_puller_died_mid_transfer_releases_the_offe
     used = _cpu_seconds(a.proc.pid) - before
     assert used < 0.5, f"the prefill daemon used {used:.2f} CPU seconds in 2 s after its puller died"
     await p.close()
+
+
+async def test_a_pull_whose_sender_froze_gets_the_daemons_answer_not_a_bare_rpc_deadline(cluster: Cluster) -> None:
+    """A receive UCX cannot confirm cancelled costs the decode daemon CANCEL_CONFIRM_S after
+    the pull's deadline; the engine must still get the daemon's answer (with
+    ``may_still_write``), which decides whether it may reuse the destination blocks."""
+    assert PULL_ANSWER_MARGIN_S > CANCEL_CONFIRM_S + 1.0
+    # Small chunks, two in flight: a transfer of a few hundred ms, mostly inside a message.
+    slow = ["--chunk-bytes", "262144", "--window", "2"]
+    a, b = cluster.daemon("a", *slow), cluster.daemon("b", *slow)
+    p = await AsyncKvxferClient(a.socket, engine_name="p").connect()
+    d = await AsyncKvxferClient(b.socket, engine_name="d").connect()
+    src = [HostBuffer.create(s) for s in LAYOUT.buffer_sizes()]
+    dst = [HostBuffer.create(s) for s in LAYOUT.buffer_sizes()]
+    ppool, dpool = await p.register_pool(src, LAYOUT), await d.register_pool(dst, LAYOUT)
+    await d.pull(await p.offer(ppool, [0]), dpool, [1], timeout_s=30)  # Hello and endpoint first
+    ticket = await p.offer(ppool, list(range(0, 1024, 2)))
+    deadline_s = 2.0
+    t0 = time.monotonic()
+    pulling = asyncio.create_task(d.pull(ticket, dpool, list(range(1, 1024, 2)), timeout_s=deadline_s))
+    for _ in range(500):  # until the prefill daemon is sending
+        if offer_state(a, ticket.offer_id) == "pulling":
+            break
+        await asyncio.sleep(0.01)
+    assert a.proc is not None
+    os.kill(a.proc.pid, signal.SIGSTOP)  # mid-transfer: its sends stop making progress
+    try:
+        with pytest.raises(DeadlineExceededError) as failure:
+            await pulling
+        elapsed = time.monotonic() - t0
+    finally:
+        os.kill(a.proc.pid, signal.SIGCONT)
+    assert f"did not finish within {deadline_s}s" in str(failure.value), "the RPC deadline ended the call first"
+    assert elapsed < deadline_s + PULL_ANSWER_MARGIN_S
+    if failure.value.may_still_write:
+        assert elapsed >= deadline_s + CANCEL_CONFIRM_S - 0.5
+    # The thawed prefill daemon sees its puller gone and releases the offer as failed.
+    released = await p.wait_released(ticket.offer_id, timeout_s=30)
+    assert released.reason is ReleaseReason.FAILED
+    await p.close()
+    await d.close()
