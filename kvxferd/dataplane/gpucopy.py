@@ -4,9 +4,9 @@ The host never lists segments. Per handoff it uploads one small table — each r
 address, block stride, segment size and position in the stream, then the block ids — and the
 kernels compute every address on the GPU. The local path writes that table into a slot of a
 pinned host ring and uploads it with one asynchronous copy (a pageable upload blocks the host
-for about 30 µs, which is a sixth of a 256 MiB copy on an H100). CUDA block ``(x, y)`` copies piece ``y`` (at most
-``piece`` bytes) of segment ``x``, with 16-byte loads and stores when both ends share an
-alignment and a byte loop otherwise. The Python work per handoff is O(regions + blocks) numpy
+for about 30 µs, which is a sixth of a 256 MiB copy on an H100). CUDA block ``(x, y)`` copies
+piece ``y`` (at most ``piece`` bytes) of segment ``x``, with 16-byte loads and stores when
+both ends share an alignment and a byte loop otherwise. The Python work per handoff is O(regions + blocks) numpy
 plus one launch per chunk; it never grows with the number of segments.
 
 * :func:`launch_blocks` (``kvxfer_copy_blocks``): the local path, pool → pool, one launch.
