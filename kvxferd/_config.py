@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,72 +27,72 @@ __all__ = ["Settings", "load_settings"]
 _MiB = 1 << 20
 
 
+def _setting(default: Any = None, help: str = "", *, factory: Callable[[], Any] | None = None) -> Any:
+    """A :class:`Settings` field whose ``help`` text ``kvxferd --help`` shows."""
+    if factory is not None:
+        return field(default_factory=factory, metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass(frozen=True)
 class Settings:
     """Everything kvxferd can be told; the defaults run a working daemon."""
 
-    #: Unix socket for engines (EngineService) and local operators (AdminService).
-    engine_socket: str = field(default_factory=default_socket_path)
-    #: host:port of PeerService (other daemons). Port 0 picks a free port.
-    peer_listen: str = "127.0.0.1:7461"
-    #: host:port other daemons use to reach this one; defaults to peer_listen.
-    peer_advertise: str = ""
-    #: host:port of AdminService over TCP; empty disables it.
-    admin_listen: str = "127.0.0.1:7462"
-    #: Group owning the engine socket (mode 0660): engines in it may connect. Empty: ours.
-    engine_socket_group: str = ""
-    #: mTLS on the TCP listeners and towards peers: PEM certificate, key and CA (all or none).
-    tls_cert: str = ""
-    tls_key: str = ""
-    tls_ca: str = ""
-    #: host:port serving Prometheus metrics on /metrics; empty disables it.
-    metrics_listen: str = "127.0.0.1:7463"
-    #: Stable id of this daemon in tickets and logs; generated when empty.
-    daemon_id: str = ""
-    #: Lease of an offer when the engine asks for none, and the longest one allowed.
-    default_lease_s: float = 30.0
-    max_lease_s: float = 3600.0
-    #: Deadline of a pull when the engine gives none.
-    pull_timeout_s: float = 60.0
-    #: Deadline of each control message to a peer (Hello, transfer handshake steps).
-    peer_timeout_s: float = 5.0
-    #: Most offers held at once.
-    max_offers: int = 100_000
-    #: Bytes of one pipelined chunk on the UCX path (= one staging buffer). b16 remote on the
-    #: 2-core dev VM, against a plain UCXX send: 0.80 with 2 MiB, 0.98 with 4, 1.07 with 8.
-    chunk_bytes: int = 8 * _MiB
-    #: Chunks of one transfer in flight at once.
-    window: int = 8
-    #: Staging memory for sending, and the same again for receiving.
-    staging_bytes: int = 64 * _MiB
-    #: Chunk of the local (same-daemon) copy path.
-    local_chunk_bytes: int = 16 * _MiB
-    #: Bytes of one chunk when a GPU pool sends or receives over UCX (= one GPU staging buffer).
-    gpu_chunk_bytes: int = 64 * _MiB
-    #: GPU staging memory per GPU for sending, and the same again for receiving.
-    gpu_staging_bytes: int = 256 * _MiB
-    #: Threads running memory copies (numpy releases the GIL while copying).
-    copy_threads: int = 2
-    #: UCX endpoint error handling: "auto" (off towards a peer on this host so UCX may use
-    #: shared memory + CMA, on otherwise), "on" or "off".
-    ucx_error_handling: str = "auto"
-    #: Receive fragmented chunks straight into the pool with UCP IOV receives (needs UCXX's
-    #: blocking or polling progress mode); off: receive into staging and unpack.
-    ucx_iov_receive: bool = True
-    #: Send fragmented chunks straight from the pool with UCP IOV sends (same progress-mode
-    #: condition); off: pack each into staging first.
-    ucx_iov_send: bool = True
-    #: The UCX data plane; off, the daemon serves the local path only (and its peer port
-    #: reports NOT_SERVING).
-    ucx_enabled: bool = True
-    #: Seconds SIGTERM waits for running transfers before cancelling them.
-    drain_grace_s: float = 10.0
-    #: Finished transfers kept for kvxferctl.
-    history: int = 1000
-    log_level: str = "info"
-    log_json: bool = False
-    #: Write {daemon_id, addresses, pid} as JSON here once every listener is up.
-    ready_file: str = ""
+    engine_socket: str = _setting(
+        factory=default_socket_path, help="Unix socket for engines (EngineService) and local operators (AdminService)."
+    )
+    peer_listen: str = _setting("127.0.0.1:7461", "host:port of PeerService (other daemons); port 0 picks a free port.")
+    peer_advertise: str = _setting("", "host:port other daemons use to reach this one; empty: peer_listen.")
+    admin_listen: str = _setting("127.0.0.1:7462", "host:port of AdminService over TCP; empty disables it.")
+    engine_socket_group: str = _setting(
+        "", "Group owning the engine socket (mode 0660): engines in it may connect. Empty: the daemon's own."
+    )
+    tls_cert: str = _setting("", "mTLS on the TCP listeners and towards peers: PEM certificate (with key and CA).")
+    tls_key: str = _setting("", "mTLS: PEM private key of tls_cert.")
+    tls_ca: str = _setting("", "mTLS: PEM CA that peer and operator certificates must chain to.")
+    metrics_listen: str = _setting(
+        "127.0.0.1:7463", "host:port serving Prometheus metrics on /metrics; empty disables it."
+    )
+    daemon_id: str = _setting("", "Stable id of this daemon in tickets and logs; generated when empty.")
+    default_lease_s: float = _setting(30.0, "Lease of an offer when the engine asks for none.")
+    max_lease_s: float = _setting(3600.0, "Longest lease an engine may ask for.")
+    pull_timeout_s: float = _setting(60.0, "Deadline of a pull when the engine gives none.")
+    peer_timeout_s: float = _setting(
+        5.0, "Deadline of each control message to a peer (Hello, transfer handshake steps)."
+    )
+    max_offers: int = _setting(100_000, "Most offers held at once; more are refused with RESOURCE_EXHAUSTED.")
+    # Bigger chunks amortise UCX's per-message handshake; smaller ones fill the pipeline
+    # sooner. Of 2, 4, 8 and 32 MiB, 8 MiB moved b16 host handoffs fastest on the dev VM.
+    chunk_bytes: int = _setting(8 * _MiB, "Bytes of one pipelined chunk on the UCX path (= one staging buffer).")
+    window: int = _setting(8, "Chunks of one transfer in flight at once.")
+    staging_bytes: int = _setting(64 * _MiB, "Host staging memory for sending, and the same again for receiving.")
+    local_chunk_bytes: int = _setting(16 * _MiB, "Chunk of the local (same-daemon) host copy path.")
+    gpu_chunk_bytes: int = _setting(
+        64 * _MiB, "Bytes of one chunk when a GPU pool sends or receives over UCX (= one GPU staging buffer)."
+    )
+    gpu_staging_bytes: int = _setting(
+        256 * _MiB, "GPU staging memory per GPU for sending, and the same again for receiving."
+    )
+    copy_threads: int = _setting(2, "Threads running host memory copies (numpy releases the GIL while copying).")
+    ucx_error_handling: str = _setting(
+        "auto",
+        'UCX endpoint error handling: "auto" (off towards a peer on this host, so UCX may use shared memory and CMA; '
+        'on otherwise), "on" or "off".',
+    )
+    ucx_iov_receive: bool = _setting(
+        True, "Receive fragmented chunks straight into the pool with UCP IOV receives; off: into staging, then unpack."
+    )
+    ucx_iov_send: bool = _setting(
+        True, "Send fragmented chunks straight from the pool with UCP IOV sends; off: pack each into staging first."
+    )
+    ucx_enabled: bool = _setting(
+        True, "The UCX data plane; off, the daemon serves the local path only (its peer port reports NOT_SERVING)."
+    )
+    drain_grace_s: float = _setting(10.0, "Seconds SIGTERM waits for running transfers before cancelling them.")
+    history: int = _setting(1000, "Finished transfers kept for kvxferctl.")
+    log_level: str = _setting("info", "Least severe log level written: debug, info, warning or error.")
+    log_json: bool = _setting(False, "Write each log line as one JSON object instead of key=value pairs.")
+    ready_file: str = _setting("", "Write {daemon_id, addresses, pid} as JSON here once every listener is up.")
 
     def validate(self) -> None:
         if self.chunk_bytes < 64 << 10 or self.chunk_bytes > 256 * _MiB:
@@ -147,12 +147,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--config", help="YAML settings file (or KVXFERD_CONFIG)")
     parser.add_argument("--print-config", action="store_true", help="print the effective settings and exit")
-    for name, kind in _fields().items():
+    defaults = Settings()
+    for f in dataclasses.fields(Settings):
+        name, kind = f.name, _fields()[f.name]
         flag = "--" + name.replace("_", "-")
+        shown = getattr(defaults, name)
+        help_text = f"{f.metadata['help']} [default: {shown!r}; env KVXFERD_{name.upper()}]"
+        help_text = help_text.replace("%", "%%")  # argparse formats help with %
         if kind is bool:
-            parser.add_argument(flag, dest=name, default=None, action=argparse.BooleanOptionalAction)
+            parser.add_argument(flag, dest=name, default=None, action=argparse.BooleanOptionalAction, help=help_text)
         else:
-            parser.add_argument(flag, dest=name, default=None, metavar=kind.__name__.upper())
+            parser.add_argument(flag, dest=name, default=None, metavar=kind.__name__.upper(), help=help_text)
     return parser
 
 

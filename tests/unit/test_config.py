@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -51,3 +52,15 @@ def test_unknown_yaml_keys_are_refused(tmp_path: Path) -> None:
     cfg.write_text("windw: 3\n")
     with pytest.raises(ValueError, match="unknown setting 'windw'"):
         load_settings(["--config", str(cfg)], environ={})
+
+
+def test_help_explains_every_setting_with_its_default_and_environment_variable() -> None:
+    from kvxferd._config import build_parser
+
+    text = " ".join(build_parser().format_help().split())  # argparse wraps lines
+    for f in dataclasses.fields(Settings):
+        flag = "--" + f.name.replace("_", "-")
+        assert f.metadata.get("help"), f"{f.name} has no help text"
+        assert f"{flag} " in text
+        assert f"env KVXFERD_{f.name.upper()}]" in text
+    assert "[default: 8388608; env KVXFERD_CHUNK_BYTES]" in text
