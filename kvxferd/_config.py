@@ -74,6 +74,11 @@ class Settings:
         256 * _MiB, "GPU staging memory per GPU for sending, and the same again for receiving."
     )
     copy_threads: int = _setting(2, "Threads running host memory copies (numpy releases the GIL while copying).")
+    local_single_pass: bool = _setting(
+        True,
+        "Local host copies between two fragmented sides in one pass, by the kernel (process_vm_readv on the "
+        "daemon itself); off, or where the kernel refuses it: numpy gather and scatter through scratch.",
+    )
     ucx_error_handling: str = _setting(
         "auto",
         'UCX endpoint error handling: "auto" (off towards a peer on this host, so UCX may use shared memory and CMA; '

@@ -53,6 +53,7 @@ from ._sessions import Session
 from ._transfers import TransferRecord, TransferTable
 from .control.peers import Peer, PeerDirectory
 from .dataplane.aligned import aligned_empty
+from .dataplane.cma import self_copy_works
 from .dataplane.gpucopy import BlockSide, GpuDevices
 from .dataplane.hostcopy import copy_chunk
 from .dataplane.plan import SidePlan, build_plan, num_chunks, stream_plan
@@ -95,6 +96,14 @@ class Node:
         self.transfers = TransferTable(settings.history)
         self.lease_expiries = 0
         self.executor = ThreadPoolExecutor(settings.copy_threads, thread_name_prefix="kvxfer-copy")
+        self.single_pass = settings.local_single_pass and self_copy_works()
+        if settings.local_single_pass and not self.single_pass:
+            log_event(
+                "local_copy.two_pass",
+                logging.WARNING,
+                reason="process_vm_readv on this process was refused (seccomp or kernel); "
+                "local host copies go through scratch",
+            )
         self.send_staging = StagingPool(settings.staging_bytes, settings.chunk_bytes)
         self.recv_staging = StagingPool(settings.staging_bytes, settings.chunk_bytes)
         self.peers: PeerDirectory | None = None
@@ -521,7 +530,7 @@ class Node:
             started = time.perf_counter()
             stop = threading.Event()
             copying = asyncio.get_running_loop().run_in_executor(
-                self.executor, _copy_plan, src.arrays, src_plan, dst.arrays, dst_plan, stop
+                self.executor, _copy_plan, src.arrays, src_plan, dst.arrays, dst_plan, stop, self.single_pass
             )
             try:
                 await asyncio.shield(copying)
@@ -904,13 +913,18 @@ async def _within(aw: Awaitable[T], timeout: float | None) -> T:
 
 
 def _copy_plan(
-    src_arrays: Sequence[Any], src: SidePlan, dst_arrays: Sequence[Any], dst: SidePlan, stop: threading.Event
+    src_arrays: Sequence[Any],
+    src: SidePlan,
+    dst_arrays: Sequence[Any],
+    dst: SidePlan,
+    stop: threading.Event,
+    single_pass: bool,
 ) -> None:
-    scratch = _scratch(src.chunk_bytes)
+    scratch = None if single_pass else _scratch(src.chunk_bytes)
     for a, b in zip(src.chunks, dst.chunks, strict=True):
         if stop.is_set():
             return
-        copy_chunk(src_arrays, a, dst_arrays, b, scratch)
+        copy_chunk(src_arrays, a, dst_arrays, b, scratch, single_pass)
 
 
 _SCRATCH: dict[tuple[int, int], Any] = {}

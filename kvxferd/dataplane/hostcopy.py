@@ -3,6 +3,8 @@
 A :class:`~kvxferd.dataplane.plan.Run` is ``k`` pieces of ``L`` bytes at arbitrary byte
 offsets. Viewing the buffer as overlapping ``L``-byte items at a 1-byte stride turns the run
 into one numpy fancy-index copy (a C loop of memcpys, GIL released), whatever ``k`` is.
+A chunk is also an ``(address, length)`` list (:func:`chunk_iov`), the form UCX's IOV
+operations and the kernel's scatter-gather copy (:mod:`.cma`) take.
 """
 
 from __future__ import annotations
@@ -12,9 +14,10 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
+from .cma import copy_iov
 from .plan import ChunkPlan
 
-__all__ = ["copy_chunk", "gather_chunk", "scatter_chunk"]
+__all__ = ["chunk_iov", "contiguous_iov", "copy_chunk", "gather_chunk", "scatter_chunk"]
 
 U8 = npt.NDArray[np.uint8]
 
@@ -32,6 +35,25 @@ def _rows(buf: U8, offsets: npt.NDArray[np.int64], length: int) -> tuple[U8, npt
         return None
     rows = rel // length
     return buf[base : base + (int(rows.max()) + 1) * length].reshape(-1, length), rows
+
+
+def chunk_iov(arrays: Sequence[U8], chunk: ChunkPlan) -> npt.NDArray[np.uint64]:
+    """The chunk's pieces as ``(address, length)`` rows (``ucp_dt_iov_t``, ``struct iovec``),
+    in stream order."""
+    if chunk.contiguous is not None:
+        return contiguous_iov(chunk_view(arrays, chunk))
+    parts = []
+    for run in chunk.runs:
+        entries = np.empty((len(run.offsets), 2), dtype=np.uint64)
+        entries[:, 0] = arrays[run.buffer].ctypes.data + run.offsets
+        entries[:, 1] = run.length
+        parts.append(entries)
+    return np.concatenate(parts) if len(parts) > 1 else parts[0]
+
+
+def contiguous_iov(buf: U8) -> npt.NDArray[np.uint64]:
+    """One ``(address, length)`` row covering ``buf``."""
+    return np.array([[buf.ctypes.data, buf.nbytes]], dtype=np.uint64)
 
 
 def chunk_view(buffers: Sequence[U8], chunk: ChunkPlan) -> U8:
@@ -76,14 +98,23 @@ def scatter_chunk(buffers: Sequence[U8], chunk: ChunkPlan, src: U8) -> None:
 
 
 def copy_chunk(
-    src_buffers: Sequence[U8], src: ChunkPlan, dst_buffers: Sequence[U8], dst: ChunkPlan, scratch: U8
+    src_buffers: Sequence[U8],
+    src: ChunkPlan,
+    dst_buffers: Sequence[U8],
+    dst: ChunkPlan,
+    scratch: U8 | None,
+    single_pass: bool = False,
 ) -> None:
-    """Copy one chunk between two plans of the same stream, through ``scratch`` only when
-    neither side is contiguous."""
+    """Copy one chunk between two plans of the same stream. When neither side is contiguous,
+    the kernel copies segment to segment when ``single_pass`` (see :mod:`.cma`; the caller
+    checked :func:`.cma.self_copy_works`), else numpy goes through ``scratch``."""
     if src.contiguous is not None:
         scatter_chunk(dst_buffers, dst, chunk_view(src_buffers, src))
     elif dst.contiguous is not None:
         gather_chunk(src_buffers, src, chunk_view(dst_buffers, dst))
+    elif single_pass:
+        copy_iov(chunk_iov(dst_buffers, dst), chunk_iov(src_buffers, src))
     else:
+        assert scratch is not None, "a two-pass copy needs scratch"
         gather_chunk(src_buffers, src, scratch)
         scatter_chunk(dst_buffers, dst, scratch)

@@ -28,7 +28,7 @@ import numpy.typing as npt
 
 from kvxfer_client._errors import UnavailableError
 
-from .plan import ChunkPlan
+from .hostcopy import chunk_iov, contiguous_iov
 
 __all__ = ["UcpTagIov", "chunk_iov", "contiguous_iov", "iov_supported"]
 
@@ -73,22 +73,6 @@ _SEND_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int, ctypes.c_
 def _is_request(ptr: int) -> bool:
     """UCS_PTR_IS_PTR: neither NULL (done) nor an error code."""
     return 0 < ptr < (_UCS_ERR_LAST % (1 << 64))
-
-
-def chunk_iov(arrays: Sequence[U8], chunk: ChunkPlan) -> npt.NDArray[np.uint64]:
-    """The chunk's pieces as ``ucp_dt_iov_t`` entries (address, length), in stream order."""
-    parts = []
-    for run in chunk.runs:
-        entries = np.empty((len(run.offsets), 2), dtype=np.uint64)
-        entries[:, 0] = arrays[run.buffer].ctypes.data + run.offsets
-        entries[:, 1] = run.length
-        parts.append(entries)
-    return np.concatenate(parts) if len(parts) > 1 else parts[0]
-
-
-def contiguous_iov(buf: U8) -> npt.NDArray[np.uint64]:
-    """One IOV entry covering ``buf``."""
-    return np.array([[buf.ctypes.data, buf.nbytes]], dtype=np.uint64)
 
 
 class UcpTagIov:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvxferd.dataplane.cma import self_copy_works
 from kvxferd.dataplane.hostcopy import copy_chunk, gather_chunk, scatter_chunk
 from kvxferd.dataplane.plan import RegionTable, build_plan
 
@@ -44,6 +46,17 @@ def handoffs(draw: st.DrawFn) -> tuple:  # type: ignore[type-arg]
 @settings(max_examples=300, deadline=None)
 @given(handoffs(), st.booleans())
 def test_gather_scatter_through_chunks_equals_the_per_segment_copy(case: tuple, direct: bool) -> None:  # type: ignore[type-arg]
+    _check_chunked_copy(case, "copy_chunk" if direct else "gather+scatter")
+
+
+@pytest.mark.skipif(not self_copy_works(), reason="process_vm_readv on this process is refused here")
+@settings(max_examples=300, deadline=None)
+@given(handoffs())
+def test_single_pass_kernel_copy_equals_the_per_segment_copy(case: tuple) -> None:  # type: ignore[type-arg]
+    _check_chunked_copy(case, "single-pass")
+
+
+def _check_chunked_copy(case: tuple, how: str) -> None:  # type: ignore[type-arg]
     regions, sizes, src_ids, dst_ids, chunk = case
     rng = np.random.default_rng(len(src_ids))
     src = [rng.integers(0, 256, s, dtype=np.uint8) for s in sizes]
@@ -57,7 +70,9 @@ def test_gather_scatter_through_chunks_equals_the_per_segment_copy(case: tuple, 
     assert [c.nbytes for c in sp.chunks] == [c.nbytes for c in dp.chunks]
     scratch = np.empty(chunk, np.uint8)
     for a, b in zip(sp.chunks, dp.chunks, strict=True):
-        if direct:
+        if how == "single-pass":
+            copy_chunk(src, a, dst, b, None, single_pass=True)
+        elif how == "copy_chunk":
             copy_chunk(src, a, dst, b, scratch)
         else:
             gather_chunk(src, a, scratch)
