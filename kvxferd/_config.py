@@ -73,7 +73,7 @@ class Settings:
     gpu_staging_bytes: int = _setting(
         256 * _MiB, "GPU staging memory per GPU for sending, and the same again for receiving."
     )
-    copy_threads: int = _setting(2, "Threads running host memory copies (numpy releases the GIL while copying).")
+    copy_threads: int = _setting(2, "Threads running local host copies; one handoff's chunks are dealt to all of them.")
     local_single_pass: bool = _setting(
         True,
         "Local host copies between two fragmented sides in one pass, by the kernel (process_vm_readv on the "

@@ -529,17 +529,33 @@ class Node:
             src.busy += 1
             started = time.perf_counter()
             stop = threading.Event()
-            copying = asyncio.get_running_loop().run_in_executor(
-                self.executor, _copy_plan, src.arrays, src_plan, dst.arrays, dst_plan, stop, self.single_pass
-            )
+            # The chunks are dealt round-robin to the copy threads: a lone handoff uses them all.
+            parts = min(self.settings.copy_threads, len(src_plan.chunks)) or 1
+            loop = asyncio.get_running_loop()
+            copying = [
+                loop.run_in_executor(
+                    self.executor,
+                    _copy_plan,
+                    src.arrays,
+                    src_plan,
+                    dst.arrays,
+                    dst_plan,
+                    stop,
+                    self.single_pass,
+                    k,
+                    parts,
+                )
+                for k in range(parts)
+            ]
             try:
-                await asyncio.shield(copying)
+                await asyncio.shield(asyncio.gather(*copying))
                 record.data_plane_s = time.perf_counter() - started
-            except asyncio.CancelledError:
-                # The copy thread stops at its next chunk; wait for it, so that nobody hears
-                # "cancelled" (and reuses the destination) while it can still write there.
+            except BaseException:
+                # Every copy thread stops at its next chunk; wait for them all, so that nobody
+                # hears "failed" or "cancelled" (and reuses the destination) while one can
+                # still write there.
                 stop.set()
-                await asyncio.wait({copying})
+                await asyncio.wait(copying)
                 raise
             finally:
                 self._done_with(src)
@@ -919,9 +935,12 @@ def _copy_plan(
     dst: SidePlan,
     stop: threading.Event,
     single_pass: bool,
+    part: int = 0,
+    parts: int = 1,
 ) -> None:
+    """Copy chunks ``part``, ``part + parts``, ... of the plan (one copy thread's share)."""
     scratch = None if single_pass else _scratch(src.chunk_bytes)
-    for a, b in zip(src.chunks, dst.chunks, strict=True):
+    for a, b in zip(src.chunks[part::parts], dst.chunks[part::parts], strict=True):
         if stop.is_set():
             return
         copy_chunk(src_arrays, a, dst_arrays, b, scratch, single_pass)

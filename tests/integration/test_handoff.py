@@ -100,3 +100,23 @@ def test_a_prefill_daemon_restarted_on_the_same_address_is_greeted_again(cluster
     result = decode("pull", pulls=[[ticket2, [6]]])["results"][0]
     assert result["ok"], result
     assert decode("verify", seed=3, pairs=[[[5], [6]]])["verified"]
+
+
+@pytest.mark.parametrize("single_pass", [True, False], ids=["kernel-single-pass", "numpy-two-pass"])
+def test_a_local_handoff_split_over_copy_threads_is_byte_exact(cluster: Cluster, single_pass: bool) -> None:
+    """Many small chunks dealt to three copy threads; with the kernel's one-pass copy and
+    with numpy's gather and scatter through scratch."""
+    mode = "--local-single-pass" if single_pass else "--no-local-single-pass"
+    daemon = cluster.daemon("a", mode, "--local-chunk-bytes", "65536", "--copy-threads", "3")
+    shape = {"layers": 3, "blocks": 96, "block_bytes": 5000}  # 30 KB per block: ~50 chunks
+    prefill = cluster.engine(daemon, "prefill-split")
+    decode = cluster.engine(daemon, "decode-split")
+    prefill("pool", shape=shape, seed=4)
+    decode("pool", shape=shape)
+    rng = np.random.default_rng(6)
+    pairs = [(rng.permutation(96)[:90].tolist(), rng.permutation(96)[:90].tolist())]
+    ticket = prefill("offer", requests=[pairs[0][0]])["tickets"][0]
+    result = decode("pull", pulls=[[ticket, pairs[0][1]]])["results"][0]
+    assert result["ok"] and result["path"] == "local", result
+    assert decode("verify", seed=4, pairs=pairs) == {"ok": True, "verified": True, "bad_bytes": 0}
+    assert f"local_single_pass={single_pass}" in daemon.log()
