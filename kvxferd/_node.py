@@ -78,6 +78,9 @@ _REASON_NAMES: dict[int, str] = {
     v: k.removeprefix("RELEASE_REASON_").lower() for k, v in common_pb2.ReleaseReason.items()
 }
 MIN_CHUNK = 64 << 10
+#: Local host handoffs up to this size are copied on the event loop (about 10 us at memory
+#: speed); larger ones go to the copy threads.
+INLINE_COPY_BYTES = 128 << 10
 MAX_CHUNK = 256 << 20
 
 
@@ -528,37 +531,11 @@ class Node:
             record.nbytes = src_plan.total_bytes
             src.busy += 1
             started = time.perf_counter()
-            stop = threading.Event()
-            # The chunks are dealt round-robin to the copy threads: a lone handoff uses them all.
-            parts = min(self.settings.copy_threads, len(src_plan.chunks)) or 1
-            loop = asyncio.get_running_loop()
-            copying = [
-                loop.run_in_executor(
-                    self.executor,
-                    _copy_plan,
-                    src.arrays,
-                    src_plan,
-                    dst.arrays,
-                    dst_plan,
-                    stop,
-                    self.single_pass,
-                    k,
-                    parts,
-                )
-                for k in range(parts)
-            ]
             try:
-                await asyncio.shield(asyncio.gather(*copying))
-                record.data_plane_s = time.perf_counter() - started
-            except BaseException:
-                # Every copy thread stops at its next chunk; wait for them all, so that nobody
-                # hears "failed" or "cancelled" (and reuses the destination) while one can
-                # still write there.
-                stop.set()
-                await asyncio.wait(copying)
-                raise
+                await self._copy_local_host(src, src_plan, dst, dst_plan)
             finally:
                 self._done_with(src)
+            record.data_plane_s = time.perf_counter() - started
         except BaseException as exc:
             if offer.state == "pulling":
                 self.release_offer(
@@ -566,6 +543,32 @@ class Node:
                 )
             raise
         self.release_offer(offer, common_pb2.RELEASE_REASON_PULLED, "", record.transfer_id)
+
+    async def _copy_local_host(self, src: Pool, src_plan: SidePlan, dst: Pool, dst_plan: SidePlan) -> None:
+        """Copy a local host handoff: inline when small, else its chunks dealt round-robin to
+        the copy threads (a lone handoff uses them all)."""
+        if src_plan.total_bytes <= INLINE_COPY_BYTES:
+            # Microseconds of copying: the hop to a copy thread and back would cost more.
+            _copy_plan(src.arrays, src_plan, dst.arrays, dst_plan, threading.Event(), self.single_pass)
+            return
+        stop = threading.Event()
+        parts = min(self.settings.copy_threads, len(src_plan.chunks))
+        loop = asyncio.get_running_loop()
+        copying = [
+            loop.run_in_executor(
+                self.executor, _copy_plan, src.arrays, src_plan, dst.arrays, dst_plan, stop, self.single_pass, k, parts
+            )
+            for k in range(parts)
+        ]
+        try:
+            await asyncio.shield(asyncio.gather(*copying))
+        except BaseException:
+            # Every copy thread stops at its next chunk; wait for them all, so that nobody
+            # hears "failed" or "cancelled" (and reuses the destination) while one can still
+            # write there.
+            stop.set()
+            await asyncio.wait(copying)
+            raise
 
     async def _copy_local_gpu(
         self, src: Pool, src_ids: np.ndarray[Any, Any], dst: Pool, dst_ids: np.ndarray[Any, Any]
