@@ -41,7 +41,7 @@ class NodeState:
     pool_bytes: Callable[[], dict[tuple[str, str], int]] = dict
     #: peer state -> number of peers in it.
     peers: Callable[[], Tally[str]] = Tally
-    #: direction -> (buffers in use, buffers allowed, bytes per buffer).
+    #: direction -> (buffers in use, buffers allocated, buffers allowed, bytes per buffer).
     staging: Callable[[], dict[str, tuple[int, int, int, int]]] = dict
     serving: Callable[[], bool] = lambda: True
 

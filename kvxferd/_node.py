@@ -78,10 +78,10 @@ _REASON_NAMES: dict[int, str] = {
     v: k.removeprefix("RELEASE_REASON_").lower() for k, v in common_pb2.ReleaseReason.items()
 }
 MIN_CHUNK = 64 << 10
+MAX_CHUNK = 256 << 20
 #: Local host handoffs up to this size are copied on the event loop (about 10 us at memory
 #: speed); larger ones go to the copy threads.
 INLINE_COPY_BYTES = 128 << 10
-MAX_CHUNK = 256 << 20
 
 
 class Node:
@@ -549,14 +549,14 @@ class Node:
         the copy threads (a lone handoff uses them all)."""
         if src_plan.total_bytes <= INLINE_COPY_BYTES:
             # Microseconds of copying: the hop to a copy thread and back would cost more.
-            _copy_plan(src.arrays, src_plan, dst.arrays, dst_plan, threading.Event(), self.single_pass)
+            _copy_plan(src.arrays, src_plan, dst.arrays, dst_plan, self.single_pass)
             return
         stop = threading.Event()
         parts = min(self.settings.copy_threads, len(src_plan.chunks))
         loop = asyncio.get_running_loop()
         copying = [
             loop.run_in_executor(
-                self.executor, _copy_plan, src.arrays, src_plan, dst.arrays, dst_plan, stop, self.single_pass, k, parts
+                self.executor, _copy_plan, src.arrays, src_plan, dst.arrays, dst_plan, self.single_pass, stop, k, parts
             )
             for k in range(parts)
         ]
@@ -936,15 +936,16 @@ def _copy_plan(
     src: SidePlan,
     dst_arrays: Sequence[Any],
     dst: SidePlan,
-    stop: threading.Event,
     single_pass: bool,
+    stop: threading.Event | None = None,
     part: int = 0,
     parts: int = 1,
 ) -> None:
-    """Copy chunks ``part``, ``part + parts``, ... of the plan (one copy thread's share)."""
+    """Copy chunks ``part``, ``part + parts``, ... of the plan (one copy thread's share),
+    until ``stop`` is set."""
     scratch = None if single_pass else _scratch(src.chunk_bytes)
     for a, b in zip(src.chunks[part::parts], dst.chunks[part::parts], strict=True):
-        if stop.is_set():
+        if stop is not None and stop.is_set():
             return
         copy_chunk(src_arrays, a, dst_arrays, b, scratch, single_pass)
 

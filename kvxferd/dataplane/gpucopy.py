@@ -6,8 +6,9 @@ kernels compute every address on the GPU. The local path writes that table into 
 pinned host ring and uploads it with one asynchronous copy (a pageable upload blocks the host
 for about 30 µs, which is a sixth of a 256 MiB copy on an H100). CUDA block ``(x, y)`` copies
 piece ``y`` (at most ``piece`` bytes) of segment ``x``, with 16-byte loads and stores when
-both ends share an alignment and a byte loop otherwise. The Python work per handoff is O(regions + blocks) numpy
-plus one launch per chunk; it never grows with the number of segments.
+both ends share an alignment and a byte loop otherwise. The Python work per handoff is
+O(regions + blocks) numpy plus one launch per chunk; it never grows with the number of
+segments.
 
 * :func:`launch_blocks` (``kvxfer_copy_blocks``): the local path, pool → pool, one launch.
 * :meth:`GpuCopier.launch_stream` (``kvxfer_copy_stream``): one chunk of a side's byte
