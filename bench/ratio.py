@@ -1,8 +1,10 @@
-"""The remote-path target, measured fairly on a noisy machine: interleaved rounds.
+"""The remote-path target, measured fairly on a noisy machine: interleaved sends.
 
-Each round measures the plain UCXX one-buffer send (shared-memory buffers, as the pools use)
-and then remote ``b16`` handoffs through two daemons, back to back, so both see the same
-machine state; the line printed gives every round's ratio and their median.
+The plain UCXX one-buffer send (shared-memory buffers, as the pools use) runs between two
+processes kept alive next to the daemons. Each round alternates one baseline send and one
+remote ``b16`` handoff through two daemons, ``--iters`` of each (the order flips every pair),
+so both see the same machine state: on a shared VM the memory bandwidth available drifts
+from one second to the next. The line printed gives every round's ratio and their median.
 
 Run: ``python -m bench.ratio [--rounds 7] [--iters 4] [--daemon-args '--window 4']``.
 """
@@ -15,8 +17,8 @@ import statistics
 
 import numpy as np
 
-from . import ucx_baseline
 from .cluster import Cluster
+from .ucx_baseline import BaselinePair
 from .workloads import WORKLOADS, both_paths, run_sequential
 
 SEED = 11
@@ -33,16 +35,27 @@ def main() -> None:
     w = WORKLOADS["b16"]
     rng = np.random.default_rng(SEED)
     rounds = []
-    with Cluster() as cluster:
+    with Cluster() as cluster, BaselinePair(w.request_bytes, args.memory) as baseline:
         daemon_args = tuple(args.daemon_args.split())
         paths = both_paths(cluster, w, SEED, "ratio", daemon_args=daemon_args)
         remote = next((p, d) for path, p, d in paths if path == "remote")
         # Steady state before the first round: endpoints made, pool pages and UCX caches warm.
         run_sequential(*remote, w, rng, WARMUP_HANDOFFS, warmup=0)
         for _ in range(args.rounds):
-            base = ucx_baseline.measure(w.request_bytes, args.iters, args.memory)["gbps_median"]
-            run = run_sequential(*remote, w, rng, args.iters, warmup=1)
-            ours, data_plane = run["gbps"], run["gbps_data_plane"]
+            base_s: list[float] = []
+            ours_s: list[float] = []
+            data_s: list[float] = []
+            for i in range(args.iters):
+                if i % 2 == 0:
+                    base_s.append(baseline.send())
+                run = run_sequential(*remote, w, rng, 1, warmup=0)
+                ours_s.extend(run["latencies_s"])
+                data_s.extend(run["data_plane_s"])
+                if i % 2 == 1:
+                    base_s.append(baseline.send())
+            base = w.request_bytes * len(base_s) / sum(base_s) / 1e9
+            ours = w.request_bytes * len(ours_s) / sum(ours_s) / 1e9
+            data_plane = w.request_bytes * len(data_s) / sum(data_s) / 1e9
             rounds.append(
                 {
                     "baseline_gbps": round(base, 3),

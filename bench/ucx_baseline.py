@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import multiprocessing as mp
 import statistics
@@ -40,15 +41,6 @@ def _buffer(nbytes: int, memory: str) -> Any:
     return arr
 
 
-def _tight_progress(ucxx: Any) -> Any:
-    """Drive UCX progress the way kvxferd does during a transfer (every loop iteration)."""
-    from kvxferd.dataplane.ucx import ProgressDriver, _take_over_progress
-
-    driver = ProgressDriver(_take_over_progress(ucxx))
-    driver.active += 1
-    return driver
-
-
 def _cuda_first(memory: str) -> None:
     """GPU buffers: create the CUDA context before UCX starts, as kvxferd does."""
     if memory == "cupy":
@@ -57,33 +49,24 @@ def _cuda_first(memory: str) -> None:
         cupy.cuda.runtime.free(0)
 
 
-def _receiver(nbytes: int, iters: int, memory: str, addr_q: Any, ready_q: Any) -> None:
-    from kvxferd.dataplane.ucx import apply_ucx_defaults
-
-    _cuda_first(memory)
-    apply_ucx_defaults()
-    import ucxx
-
-    async def run() -> None:
-        addr_q.put(bytes(ucxx.get_worker_address()))
-        driver = _tight_progress(ucxx)
-        buf = _buffer(nbytes, memory)
-        peer = ready_q.get()
-        from ucxx._lib.libucxx import UCXAddress
-
-        ep = await ucxx.create_endpoint_from_worker_address(
-            UCXAddress.create_from_buffer(peer), endpoint_error_handling=False
-        )
-        for i in range(iters + 1):
-            await ep.recv(buf, tag=1000 + i, force_tag=True)
-        await ep.send(np.zeros(1, np.uint8), tag=999, force_tag=True)
-        driver.stop()
-
-    asyncio.run(run())
+def _endpoint_pair(ucxx: Any, conn: Any, first: bool) -> Any:
+    """Exchange worker addresses over ``conn`` (the receiver speaks first)."""
+    own = bytes(ucxx.get_worker_address())
+    if first:
+        conn.send_bytes(own)
+        return conn.recv_bytes()
+    peer = conn.recv_bytes()
+    conn.send_bytes(own)
+    return peer
 
 
-def _sender(nbytes: int, iters: int, memory: str, addr_q: Any, ready_q: Any, out_q: Any) -> None:
-    from kvxferd.dataplane.ucx import apply_ucx_defaults
+def _serve(role: str, nbytes: int, memory: str, peer_conn: Any, cmd: Any) -> None:
+    """One side of the pair: waits for a command on ``cmd``, moves one buffer, answers.
+
+    Between commands UCX is progressed at kvxferd's idle pace, so a pair kept alive next to
+    the daemons takes no CPU from them; during a send or receive it is progressed tightly.
+    """
+    from kvxferd.dataplane.ucx import ProgressDriver, _take_over_progress, apply_ucx_defaults
 
     _cuda_first(memory)
     apply_ucx_defaults()
@@ -91,42 +74,126 @@ def _sender(nbytes: int, iters: int, memory: str, addr_q: Any, ready_q: Any, out
     from ucxx._lib.libucxx import UCXAddress
 
     async def run() -> None:
-        peer = addr_q.get()
-        ready_q.put(bytes(ucxx.get_worker_address()))
-        driver = _tight_progress(ucxx)
+        loop = asyncio.get_running_loop()
+        driver = ProgressDriver(_take_over_progress(ucxx))
+        peer = _endpoint_pair(ucxx, peer_conn, first=role == "receiver")
         ep = await ucxx.create_endpoint_from_worker_address(
             UCXAddress.create_from_buffer(peer), endpoint_error_handling=False
         )
         buf = _buffer(nbytes, memory)
-        data = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
-        if memory == "cupy":
-            buf.set(data)
-        else:
-            buf[:] = data
-        times = []
-        for i in range(iters + 1):  # the first send warms up registration and pages
-            t0 = time.perf_counter()
-            await ep.send(buf, tag=1000 + i, force_tag=True)
-            if i:
-                times.append(time.perf_counter() - t0)
-        await ep.recv(np.zeros(1, np.uint8), tag=999, force_tag=True)
+        if role == "sender":
+            data = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
+            if memory == "cupy":
+                buf.set(data)
+            else:
+                buf[:] = data
+        cmd.send("ready")
+        while True:
+            tag = await loop.run_in_executor(None, cmd.recv)
+            if tag is None:
+                break
+            if tag == "digest":
+                host = buf.get() if memory == "cupy" else buf
+                cmd.send(hashlib.blake2b(memoryview(host), digest_size=16).hexdigest())
+                continue
+            with driver.busy():
+                if role == "receiver":
+                    receiving = asyncio.ensure_future(ep.recv(buf, tag=tag, force_tag=True))
+                    await asyncio.sleep(0)  # posted before the sender is told to go
+                    cmd.send("posted")
+                    await receiving
+                    cmd.send("received")
+                else:
+                    t0 = time.perf_counter()
+                    # A send completes when the receiver has the bytes (rendezvous), so the
+                    # send's time is the transfer's time.
+                    await ep.send(buf, tag=tag, force_tag=True)
+                    cmd.send(time.perf_counter() - t0)
         driver.stop()
-        out_q.put(times)
 
     asyncio.run(run())
 
 
+class BaselinePair:
+    """A sender and a receiver process kept alive, moving one buffer per :meth:`send`.
+
+    Keeping the pair alive lets a benchmark interleave baseline sends with the transfers it
+    compares them to, one by one, so both see the same machine state.
+
+    >>> with BaselinePair(1 << 20, "numpy") as pair:  # doctest: +SKIP
+    ...     seconds = pair.send()
+    """
+
+    TIMEOUT_S = 120.0
+
+    def __init__(self, nbytes: int, memory: str = "shm") -> None:
+        if memory not in ("shm", "numpy", "cupy"):
+            raise ValueError(f"memory must be shm, numpy or cupy, not {memory!r}")
+        self.nbytes = nbytes
+        self.memory = memory
+        self._tag = 1000
+        ctx = mp.get_context("spawn")
+        peer_r, peer_s = ctx.Pipe()
+        self._cmd: dict[str, Any] = {}
+        self._procs = []
+        for role, peer in (("receiver", peer_r), ("sender", peer_s)):
+            ours, theirs = ctx.Pipe()
+            self._cmd[role] = ours
+            self._procs.append(ctx.Process(target=_serve, args=(role, nbytes, memory, peer, theirs), daemon=True))
+        for proc in self._procs:
+            proc.start()
+        for role in ("receiver", "sender"):
+            self._expect(role, "ready")
+        self.send()  # the first send warms up registration and pages
+
+    def _answer(self, role: str) -> Any:
+        conn = self._cmd[role]
+        if not conn.poll(self.TIMEOUT_S):
+            raise TimeoutError(f"baseline {role} gave no answer in {self.TIMEOUT_S}s")
+        return conn.recv()
+
+    def _expect(self, role: str, word: str) -> None:
+        got = self._answer(role)
+        if got != word:
+            raise RuntimeError(f"baseline {role} said {got!r}, expected {word!r}")
+
+    def send(self) -> float:
+        """Move the buffer once; returns the seconds the send took."""
+        self._tag += 1
+        self._cmd["receiver"].send(self._tag)
+        self._expect("receiver", "posted")
+        self._cmd["sender"].send(self._tag)
+        seconds = float(self._answer("sender"))
+        self._expect("receiver", "received")
+        return seconds
+
+    def digests(self) -> tuple[str, str]:
+        """Digests of the sender's and the receiver's buffer (equal once a send went through)."""
+        for conn in self._cmd.values():
+            conn.send("digest")
+        return str(self._answer("sender")), str(self._answer("receiver"))
+
+    def close(self) -> None:
+        for conn in self._cmd.values():
+            try:
+                conn.send(None)
+            except OSError:
+                pass
+        for proc in self._procs:
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+
+    def __enter__(self) -> BaselinePair:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def measure(nbytes: int, iters: int, memory: str = "shm") -> dict[str, Any]:
-    ctx = mp.get_context("spawn")
-    addr_q, ready_q, out_q = ctx.Queue(), ctx.Queue(), ctx.Queue()
-    r = ctx.Process(target=_receiver, args=(nbytes, iters, memory, addr_q, ready_q))
-    s = ctx.Process(target=_sender, args=(nbytes, iters, memory, addr_q, ready_q, out_q))
-    r.start()
-    s.start()
-    times = out_q.get(timeout=300)
-    s.join(60)
-    r.join(60)
-    # A send completes when the receiver has the bytes (rendezvous), so send time is transfer time.
+    with BaselinePair(nbytes, memory) as pair:
+        times = [pair.send() for _ in range(iters)]
     med = statistics.median(times)
     return {
         "memory": memory,

@@ -130,6 +130,8 @@ def run_sequential(
         "daemon_p99_ms": float(np.percentile(daemon_s, 99)) * 1e3,
         "transport": ",".join(sorted(transports)),
         "verified": bool(verified) if verify_seed is not None else None,
+        "latencies_s": latencies,
+        "data_plane_s": data_s,
     }
 
 
