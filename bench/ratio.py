@@ -4,7 +4,8 @@ The plain UCXX one-buffer send (shared-memory buffers, as the pools use) runs be
 processes kept alive next to the daemons. Each round alternates one baseline send and one
 remote ``b16`` handoff through two daemons, ``--iters`` of each (the order flips every pair),
 so both see the same machine state: on a shared VM the memory bandwidth available drifts
-from one second to the next. The line printed gives every round's ratio and their median.
+from one second to the next, and no process starts or exits (freeing memory the host then
+reclaims) between the two. The line printed gives every round's ratio and their median.
 
 Run: ``python -m bench.ratio [--rounds 7] [--iters 4] [--daemon-args '--window 4']``.
 """
