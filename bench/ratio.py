@@ -54,9 +54,7 @@ def main() -> None:
                 data_s.extend(run["data_plane_s"])
                 if i % 2 == 1:
                     base_s.append(baseline.send())
-            base = w.request_bytes * len(base_s) / sum(base_s) / 1e9
-            ours = w.request_bytes * len(ours_s) / sum(ours_s) / 1e9
-            data_plane = w.request_bytes * len(data_s) / sum(data_s) / 1e9
+            base, ours, data_plane = (w.request_bytes * len(t) / sum(t) / 1e9 for t in (base_s, ours_s, data_s))
             rounds.append(
                 {
                     "baseline_gbps": round(base, 3),

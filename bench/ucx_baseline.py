@@ -49,8 +49,17 @@ def _cuda_first(memory: str) -> None:
         cupy.cuda.runtime.free(0)
 
 
-def _endpoint_pair(ucxx: Any, conn: Any, first: bool) -> Any:
-    """Exchange worker addresses over ``conn`` (the receiver speaks first)."""
+def _say(conn: Any, message: object) -> None:
+    """Commands and answers cross the pipes as JSON, never pickle."""
+    conn.send_bytes(json.dumps(message).encode())
+
+
+def _hear(conn: Any) -> Any:
+    return json.loads(conn.recv_bytes())
+
+
+def _swap_addresses(ucxx: Any, conn: Any, first: bool) -> bytes:
+    """Exchange worker addresses over ``conn`` (the receiver speaks first); returns the peer's."""
     own = bytes(ucxx.get_worker_address())
     if first:
         conn.send_bytes(own)
@@ -76,7 +85,7 @@ def _serve(role: str, nbytes: int, memory: str, peer_conn: Any, cmd: Any) -> Non
     async def run() -> None:
         loop = asyncio.get_running_loop()
         driver = ProgressDriver(_take_over_progress(ucxx))
-        peer = _endpoint_pair(ucxx, peer_conn, first=role == "receiver")
+        peer = _swap_addresses(ucxx, peer_conn, first=role == "receiver")
         ep = await ucxx.create_endpoint_from_worker_address(
             UCXAddress.create_from_buffer(peer), endpoint_error_handling=False
         )
@@ -87,28 +96,28 @@ def _serve(role: str, nbytes: int, memory: str, peer_conn: Any, cmd: Any) -> Non
                 buf.set(data)
             else:
                 buf[:] = data
-        cmd.send("ready")
+        _say(cmd, "ready")
         while True:
-            tag = await loop.run_in_executor(None, cmd.recv)
+            tag = await loop.run_in_executor(None, _hear, cmd)
             if tag is None:
                 break
             if tag == "digest":
                 host = buf.get() if memory == "cupy" else buf
-                cmd.send(hashlib.blake2b(memoryview(host), digest_size=16).hexdigest())
+                _say(cmd, hashlib.blake2b(memoryview(host), digest_size=16).hexdigest())
                 continue
             with driver.busy():
                 if role == "receiver":
                     receiving = asyncio.ensure_future(ep.recv(buf, tag=tag, force_tag=True))
                     await asyncio.sleep(0)  # posted before the sender is told to go
-                    cmd.send("posted")
+                    _say(cmd, "posted")
                     await receiving
-                    cmd.send("received")
+                    _say(cmd, "received")
                 else:
                     t0 = time.perf_counter()
                     # A send completes when the receiver has the bytes (rendezvous), so the
                     # send's time is the transfer's time.
                     await ep.send(buf, tag=tag, force_tag=True)
-                    cmd.send(time.perf_counter() - t0)
+                    _say(cmd, time.perf_counter() - t0)
         driver.stop()
 
     asyncio.run(run())
@@ -142,15 +151,19 @@ class BaselinePair:
             self._procs.append(ctx.Process(target=_serve, args=(role, nbytes, memory, peer, theirs), daemon=True))
         for proc in self._procs:
             proc.start()
-        for role in ("receiver", "sender"):
-            self._expect(role, "ready")
-        self.send()  # the first send warms up registration and pages
+        try:
+            for role in ("receiver", "sender"):
+                self._expect(role, "ready")
+            self.send()  # the first send warms up registration and pages
+        except BaseException:
+            self.close()
+            raise
 
     def _answer(self, role: str) -> Any:
         conn = self._cmd[role]
         if not conn.poll(self.TIMEOUT_S):
             raise TimeoutError(f"baseline {role} gave no answer in {self.TIMEOUT_S}s")
-        return conn.recv()
+        return _hear(conn)
 
     def _expect(self, role: str, word: str) -> None:
         got = self._answer(role)
@@ -160,9 +173,9 @@ class BaselinePair:
     def send(self) -> float:
         """Move the buffer once; returns the seconds the send took."""
         self._tag += 1
-        self._cmd["receiver"].send(self._tag)
+        _say(self._cmd["receiver"], self._tag)
         self._expect("receiver", "posted")
-        self._cmd["sender"].send(self._tag)
+        _say(self._cmd["sender"], self._tag)
         seconds = float(self._answer("sender"))
         self._expect("receiver", "received")
         return seconds
@@ -170,13 +183,13 @@ class BaselinePair:
     def digests(self) -> tuple[str, str]:
         """Digests of the sender's and the receiver's buffer (equal once a send went through)."""
         for conn in self._cmd.values():
-            conn.send("digest")
+            _say(conn, "digest")
         return str(self._answer("sender")), str(self._answer("receiver"))
 
     def close(self) -> None:
         for conn in self._cmd.values():
             try:
-                conn.send(None)
+                _say(conn, None)
             except OSError:
                 pass
         for proc in self._procs:
