@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["MAX_MESSAGE_BYTES", "default_socket_path"]
+__all__ = ["MAX_MESSAGE_BYTES", "call_stream_enabled", "default_socket_path"]
 
 #: gRPC message size limit on every channel and server (block id lists stay far below it).
 MAX_MESSAGE_BYTES = 16 << 20
@@ -30,3 +30,20 @@ def channel_options() -> list[tuple[str, int]]:
         ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ]
+
+
+def call_stream_enabled() -> bool:
+    """Whether clients send Offer and Pull on one ``Calls`` stream (the default) rather than as
+    unary calls: ``$KVXFER_CALL_STREAM``, one of 1/true/yes/on or 0/false/no/off.
+
+    >>> os.environ["KVXFER_CALL_STREAM"] = "off"; call_stream_enabled()
+    False
+    >>> del os.environ["KVXFER_CALL_STREAM"]; call_stream_enabled()
+    True
+    """
+    value = os.environ.get("KVXFER_CALL_STREAM", "1").strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"KVXFER_CALL_STREAM must be 1/true/yes/on or 0/false/no/off, not {value!r}")

@@ -29,6 +29,7 @@ __all__ = [
     "UnavailableError",
     "error_from_rpc",
     "error_from_status",
+    "status_code",
 ]
 
 
@@ -134,6 +135,18 @@ def error_from_status(code: grpc.StatusCode | None, details: str | None) -> Kvxf
     err = cls(details or (code.name if code is not None else "unknown error"))
     err.may_still_write = bool(details and details.endswith(MAY_STILL_WRITE))
     return err
+
+
+_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def status_code(number: int) -> grpc.StatusCode | None:
+    """The gRPC status code numbered ``number`` (as carried in a ``CallStatus``), or None.
+
+    >>> status_code(5)
+    <StatusCode.NOT_FOUND: (5, 'not found')>
+    """
+    return _BY_NUMBER.get(number)
 
 
 def error_from_rpc(exc: grpc.RpcError) -> KvxferError:

@@ -19,17 +19,23 @@ from kvxfer_client._errors import KvxferError
 
 from .._log import log_event
 
-__all__ = ["rpc_method"]
+__all__ = ["rpc_method", "status_of"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-async def _abort(context: grpc.aio.ServicerContext[Any, Any], method: str, exc: BaseException) -> None:
+def status_of(method: str, exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status ``method`` ends with when it raised ``exc`` (logged here, once): a
+    :class:`KvxferError`'s own code, INTERNAL for anything else (a bug)."""
     if isinstance(exc, KvxferError):
         log_event("rpc.error", logging.DEBUG, method=method, code=exc.grpc_code.name, detail=str(exc))
-        await context.abort(exc.grpc_code, str(exc))
-    log_event("rpc.internal_error", logging.ERROR, exc_info=True, method=method, detail=repr(exc))
-    await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {method}: {exc!r}")
+        return exc.grpc_code, str(exc)
+    log_event("rpc.internal_error", logging.ERROR, exc_info=exc, method=method, detail=repr(exc))
+    return grpc.StatusCode.INTERNAL, f"internal error in {method}: {exc!r}"
+
+
+async def _abort(context: grpc.aio.ServicerContext[Any, Any], method: str, exc: BaseException) -> None:
+    await context.abort(*status_of(method, exc))
 
 
 def rpc_method(fn: F) -> F:

@@ -9,6 +9,7 @@ from kvxfer_client._proto import engine_pb2, engine_pb2_grpc
 
 from .._node import Node
 from ._rpc import rpc_method
+from .call_stream import serve_calls
 
 Ctx = Any  # grpc.aio.ServicerContext
 
@@ -45,14 +46,22 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
     ) -> engine_pb2.DeregisterPoolResponse:
         return engine_pb2.DeregisterPoolResponse(released_offers=self.node.deregister_pool(request.pool_id))
 
-    @rpc_method
-    async def Offer(self, request: engine_pb2.OfferRequest, context: Ctx) -> engine_pb2.OfferResponse:  # noqa: N802
+    async def _offer(self, request: engine_pb2.OfferRequest) -> engine_pb2.OfferResponse:
         offer, ticket = self.node.offer(request)
         return engine_pb2.OfferResponse(ticket=ticket.to_proto(), lease_deadline_unix=offer.deadline)
 
     @rpc_method
+    async def Offer(self, request: engine_pb2.OfferRequest, context: Ctx) -> engine_pb2.OfferResponse:  # noqa: N802
+        return await self._offer(request)
+
+    @rpc_method
     async def Pull(self, request: engine_pb2.PullRequest, context: Ctx) -> engine_pb2.PullResponse:  # noqa: N802
         return await self.node.pull(request)
+
+    @rpc_method
+    # Served with context.read()/write(): answers go out in completion order, not request order.
+    async def Calls(self, request_iterator: Any, context: Ctx) -> None:  # type: ignore[override]  # noqa: N802
+        await serve_calls(context, {"offer": self._offer, "pull": self.node.pull})
 
     @rpc_method
     async def Release(self, request: engine_pb2.ReleaseRequest, context: Ctx) -> engine_pb2.ReleaseResponse:  # noqa: N802

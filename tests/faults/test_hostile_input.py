@@ -191,6 +191,49 @@ def test_generated_requests_get_client_errors_and_never_crash_the_daemon(
         assert codes - {grpc.StatusCode.OK}, "no request was refused: the generator did not reach validation"
 
 
+def call_stream(target: Target, requests: list[engine_pb2.CallRequest]) -> list[engine_pb2.CallResponse]:
+    """Send ``requests`` on one ``Calls`` stream, close it, return every answer."""
+    with grpc.insecure_channel("unix:" + target.daemon.socket) as channel:
+        answers = engine_pb2_grpc.EngineServiceStub(channel).Calls(iter(requests), timeout=30)
+        return list(answers)
+
+
+def test_generated_call_stream_requests_get_client_errors_and_never_crash_the_daemon(target: Target) -> None:
+    codes: set[int] = set()
+
+    @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(st.lists(message_strategy(engine_pb2.CallRequest.DESCRIPTOR, target.ids), min_size=1, max_size=6))
+    def attack(data: list[dict[str, Any]]) -> None:
+        requests = [build(engine_pb2.CallRequest, d) for d in data]
+        for answer in call_stream(target, requests):
+            if answer.WhichOneof("result") == "error":
+                codes.add(answer.error.code)
+                assert grpc.StatusCode(next(c for c in grpc.StatusCode if c.value[0] == answer.error.code)) in (
+                    CLIENT_ERRORS
+                ), f"{requests} answered {answer}"
+
+    attack()
+    assert target.daemon.proc is not None and target.daemon.proc.poll() is None
+    assert codes, "no call was refused: the generator did not reach validation"
+
+
+def test_calls_naming_no_call_are_refused_and_unknown_abandons_ignored(target: Target) -> None:
+    offer = engine_pb2.OfferRequest(pool_id=target.pool_id, block_ids=[30])
+    answers = call_stream(
+        target,
+        [
+            engine_pb2.CallRequest(call_id=1),  # no call at all
+            engine_pb2.CallRequest(call_id=99, abandon=True),  # nothing of that id runs
+            engine_pb2.CallRequest(call_id=2, offer=offer),
+        ],
+    )
+    by_id = {a.call_id: a for a in answers}
+    assert sorted(by_id) == [1, 2]
+    assert by_id[1].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "names no call" in by_id[1].error.details
+    assert by_id[2].WhichOneof("result") == "offer"  # the stream went on serving
+
+
 def hostile_pulls(t: Target) -> list[tuple[str, engine_pb2.PullRequest]]:
     good = common_pb2.Ticket(
         version=1,

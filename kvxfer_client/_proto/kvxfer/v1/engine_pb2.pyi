@@ -21,6 +21,100 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
+class CallRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CALL_ID_FIELD_NUMBER: _builtins.int
+    OFFER_FIELD_NUMBER: _builtins.int
+    PULL_FIELD_NUMBER: _builtins.int
+    ABANDON_FIELD_NUMBER: _builtins.int
+    call_id: _builtins.int
+    """Chosen by the client; unique among its calls still running on this stream."""
+    abandon: _builtins.bool
+    """The client stopped waiting for call ``call_id`` (its own deadline passed, or it was
+    cancelled): the daemon cancels it as it would a cancelled unary call. Not answered.
+    """
+    @_builtins.property
+    def offer(self) -> Global___OfferRequest: ...
+    @_builtins.property
+    def pull(self) -> Global___PullRequest: ...
+    def __init__(
+        self,
+        *,
+        call_id: _builtins.int = ...,
+        offer: Global___OfferRequest | None = ...,
+        pull: Global___PullRequest | None = ...,
+        abandon: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["abandon", b"abandon", "call", b"call", "offer", b"offer", "pull", b"pull"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abandon", b"abandon", "call", b"call", "call_id", b"call_id", "offer", b"offer", "pull", b"pull"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_call: _TypeAlias = _typing.Literal["offer", "pull", "abandon"]  # noqa: Y015
+    _WhichOneofArgType_call: _TypeAlias = _typing.Literal["call", b"call"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_call) -> _WhichOneofReturnType_call | None: ...
+
+Global___CallRequest: _TypeAlias = CallRequest  # noqa: Y015
+
+@_typing.final
+class CallResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CALL_ID_FIELD_NUMBER: _builtins.int
+    OFFER_FIELD_NUMBER: _builtins.int
+    PULL_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    call_id: _builtins.int
+    @_builtins.property
+    def offer(self) -> Global___OfferResponse: ...
+    @_builtins.property
+    def pull(self) -> Global___PullResponse: ...
+    @_builtins.property
+    def error(self) -> Global___CallStatus:
+        """The call failed: the status a unary call would have ended with."""
+
+    def __init__(
+        self,
+        *,
+        call_id: _builtins.int = ...,
+        offer: Global___OfferResponse | None = ...,
+        pull: Global___PullResponse | None = ...,
+        error: Global___CallStatus | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "offer", b"offer", "pull", b"pull", "result", b"result"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["call_id", b"call_id", "error", b"error", "offer", b"offer", "pull", b"pull", "result", b"result"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["offer", "pull", "error"]  # noqa: Y015
+    _WhichOneofArgType_result: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_result) -> _WhichOneofReturnType_result | None: ...
+
+Global___CallResponse: _TypeAlias = CallResponse  # noqa: Y015
+
+@_typing.final
+class CallStatus(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CODE_FIELD_NUMBER: _builtins.int
+    DETAILS_FIELD_NUMBER: _builtins.int
+    code: _builtins.int
+    """A gRPC status code (google.rpc.Code numbering, e.g. 5 = NOT_FOUND)."""
+    details: _builtins.str
+    def __init__(
+        self,
+        *,
+        code: _builtins.int = ...,
+        details: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "details", b"details"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CallStatus: _TypeAlias = CallStatus  # noqa: Y015
+
+@_typing.final
 class WatchEventsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -75,6 +75,11 @@ class EngineServiceStub:
                 request_serializer=kvxfer_dot_v1_dot_engine__pb2.ExtendLeaseRequest.SerializeToString,
                 response_deserializer=kvxfer_dot_v1_dot_engine__pb2.ExtendLeaseResponse.FromString,
                 _registered_method=True)
+        self.Calls = channel.stream_stream(
+                '/kvxfer.v1.EngineService/Calls',
+                request_serializer=kvxfer_dot_v1_dot_engine__pb2.CallRequest.SerializeToString,
+                response_deserializer=kvxfer_dot_v1_dot_engine__pb2.CallResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServiceServicer:
@@ -138,6 +143,19 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Calls(self, request_iterator, context):
+        """Offer and Pull multiplexed on one long-lived stream per client: a message on an open
+        stream costs about half a unary call (no per-call set-up, headers or trailers), and these
+        two calls are on the critical path of time-to-first-token. Each request carries an id
+        chosen by the client; answers come back in completion order, carrying that id. A call on
+        the stream behaves exactly like the unary call of the same name, errors included (same
+        status code and message, in CallStatus). Closing or losing the stream cancels the calls
+        still running on it, as a disconnect cancels a unary call.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -180,6 +198,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.ExtendLease,
                     request_deserializer=kvxfer_dot_v1_dot_engine__pb2.ExtendLeaseRequest.FromString,
                     response_serializer=kvxfer_dot_v1_dot_engine__pb2.ExtendLeaseResponse.SerializeToString,
+            ),
+            'Calls': grpc.stream_stream_rpc_method_handler(
+                    servicer.Calls,
+                    request_deserializer=kvxfer_dot_v1_dot_engine__pb2.CallRequest.FromString,
+                    response_serializer=kvxfer_dot_v1_dot_engine__pb2.CallResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -398,6 +421,33 @@ class EngineService:
             '/kvxfer.v1.EngineService/ExtendLease',
             kvxfer_dot_v1_dot_engine__pb2.ExtendLeaseRequest.SerializeToString,
             kvxfer_dot_v1_dot_engine__pb2.ExtendLeaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Calls(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvxfer.v1.EngineService/Calls',
+            kvxfer_dot_v1_dot_engine__pb2.CallRequest.SerializeToString,
+            kvxfer_dot_v1_dot_engine__pb2.CallResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -53,6 +53,15 @@ class EngineServiceStub:
     """Extends the lease of an offer this engine holds a ticket for but has not pulled yet (the
     decode side's heartbeat while the request waits), on whichever daemon made the offer.
     """
+    Calls: _grpc.StreamStreamMultiCallable[_engine_pb2.CallRequest, _engine_pb2.CallResponse]
+    """Offer and Pull multiplexed on one long-lived stream per client: a message on an open
+    stream costs about half a unary call (no per-call set-up, headers or trailers), and these
+    two calls are on the critical path of time-to-first-token. Each request carries an id
+    chosen by the client; answers come back in completion order, carrying that id. A call on
+    the stream behaves exactly like the unary call of the same name, errors included (same
+    status code and message, in CallStatus). Closing or losing the stream cancels the calls
+    still running on it, as a disconnect cancels a unary call.
+    """
 
 @_typing.type_check_only
 class EngineServiceAsyncStub(EngineServiceStub):
@@ -77,6 +86,15 @@ class EngineServiceAsyncStub(EngineServiceStub):
     ExtendLease: _aio.UnaryUnaryMultiCallable[_engine_pb2.ExtendLeaseRequest, _engine_pb2.ExtendLeaseResponse]  # type: ignore[assignment]
     """Extends the lease of an offer this engine holds a ticket for but has not pulled yet (the
     decode side's heartbeat while the request waits), on whichever daemon made the offer.
+    """
+    Calls: _aio.StreamStreamMultiCallable[_engine_pb2.CallRequest, _engine_pb2.CallResponse]  # type: ignore[assignment]
+    """Offer and Pull multiplexed on one long-lived stream per client: a message on an open
+    stream costs about half a unary call (no per-call set-up, headers or trailers), and these
+    two calls are on the critical path of time-to-first-token. Each request carries an id
+    chosen by the client; answers come back in completion order, carrying that id. A call on
+    the stream behaves exactly like the unary call of the same name, errors included (same
+    status code and message, in CallStatus). Closing or losing the stream cancels the calls
+    still running on it, as a disconnect cancels a unary call.
     """
 
 class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -147,6 +165,21 @@ class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_engine_pb2.ExtendLeaseResponse, _abc.Awaitable[_engine_pb2.ExtendLeaseResponse]]:
         """Extends the lease of an offer this engine holds a ticket for but has not pulled yet (the
         decode side's heartbeat while the request waits), on whichever daemon made the offer.
+        """
+
+    @_abc_1.abstractmethod
+    def Calls(
+        self,
+        request_iterator: _MaybeAsyncIterator[_engine_pb2.CallRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_engine_pb2.CallResponse], _abc.AsyncIterator[_engine_pb2.CallResponse]]:
+        """Offer and Pull multiplexed on one long-lived stream per client: a message on an open
+        stream costs about half a unary call (no per-call set-up, headers or trailers), and these
+        two calls are on the critical path of time-to-first-token. Each request carries an id
+        chosen by the client; answers come back in completion order, carrying that id. A call on
+        the stream behaves exactly like the unary call of the same name, errors included (same
+        status code and message, in CallStatus). Closing or losing the stream cancels the calls
+        still running on it, as a disconnect cancels a unary call.
         """
 
 def add_EngineServiceServicer_to_server(servicer: EngineServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

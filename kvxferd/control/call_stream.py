@@ -1,0 +1,100 @@
+"""``EngineService.Calls``: an engine's unary calls multiplexed on one long-lived stream.
+
+A unary gRPC call pays for its own set-up, headers and trailers; a message on a stream that is
+already open costs about half as much (on the dev VM: 0.49 ms against 0.24 ms per round
+trip, ``grpc.aio`` over a Unix socket). Offer and Pull sit on the critical path of
+time-to-first-token, so the SDK sends them here.
+
+Each request runs as its own task, exactly as the unary method would (same handler, same
+errors), and its answer is written as soon as it is ready: answers come back in completion
+order with the request's ``call_id``. One lock serialises the writes (gRPC allows one write
+at a time per stream). Abandoning a call cancels its task; so does losing the stream, for
+every call still running. A stream holds at most :data:`MAX_CALLS_IN_FLIGHT` calls, so a
+runaway client meets ``RESOURCE_EXHAUSTED`` rather than an unbounded task list.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+import grpc
+
+from kvxfer_client._proto import engine_pb2
+
+from .._log import log_event
+from ._rpc import status_of
+
+__all__ = ["MAX_CALLS_IN_FLIGHT", "serve_calls"]
+
+#: Calls one stream may have running at once (one engine's pulls in flight are far fewer).
+MAX_CALLS_IN_FLIGHT = 4096
+
+#: A request message's ``call`` field → the coroutine that answers it.
+Handlers = Mapping[str, Callable[[Any], Awaitable[Any]]]
+
+
+def _error(call_id: int, code: grpc.StatusCode, details: str) -> engine_pb2.CallResponse:
+    status = engine_pb2.CallStatus(code=code.value[0], details=details)
+    return engine_pb2.CallResponse(call_id=call_id, error=status)
+
+
+async def serve_calls(context: Any, handlers: Handlers) -> None:
+    """Serve one ``Calls`` stream until the client closes it (then let its calls finish) or
+    goes away (then cancel them)."""
+    running: dict[int, asyncio.Task[None]] = {}
+    write_lock = asyncio.Lock()
+
+    async def answer(response: engine_pb2.CallResponse) -> None:
+        async with write_lock:
+            try:
+                await context.write(response)
+            except Exception as exc:  # noqa: BLE001 - the stream is gone; its reader cancels the rest
+                log_event("calls.write_failed", logging.DEBUG, call_id=response.call_id, detail=repr(exc))
+
+    async def run(call_id: int, kind: str, request: Any) -> None:
+        response: engine_pb2.CallResponse | None
+        try:
+            result = await handlers[kind](request)
+            response = engine_pb2.CallResponse(call_id=call_id, **{kind: result})
+        except asyncio.CancelledError:
+            response = _error(call_id, grpc.StatusCode.CANCELLED, f"call {call_id} was cancelled")
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a status
+            response = _error(call_id, *status_of(kind.capitalize(), exc))
+        if running.get(call_id) is not asyncio.current_task():
+            return  # abandoned, or the stream is closing: nobody waits for this answer
+        try:
+            await answer(response)
+        finally:
+            # Only now: the stream must not end (and send its status) while a write is pending.
+            if running.get(call_id) is asyncio.current_task():
+                del running[call_id]
+
+    try:
+        while (request := await context.read()) is not grpc.aio.EOF:
+            call_id, kind = request.call_id, request.WhichOneof("call")
+            if kind == "abandon":
+                task = running.pop(call_id, None)
+                if task is not None:
+                    task.cancel()
+            elif kind not in handlers:
+                await answer(_error(call_id, grpc.StatusCode.INVALID_ARGUMENT, f"call {call_id} names no call"))
+            elif call_id in running:
+                await answer(_error(call_id, grpc.StatusCode.INVALID_ARGUMENT, f"call id {call_id} is already running"))
+            elif len(running) >= MAX_CALLS_IN_FLIGHT:
+                detail = f"more than {MAX_CALLS_IN_FLIGHT} calls running on one stream"
+                await answer(_error(call_id, grpc.StatusCode.RESOURCE_EXHAUSTED, detail))
+            else:
+                running[call_id] = asyncio.create_task(run(call_id, kind, getattr(request, kind)))
+        # The client has sent its last request: let the calls still running answer.
+        while running:
+            await asyncio.wait(list(running.values()))
+    finally:
+        # Lost stream (or daemon stopping): cancel what is left, as for unary calls.
+        tasks = list(running.values())
+        running.clear()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
