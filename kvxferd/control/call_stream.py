@@ -7,10 +7,11 @@ time-to-first-token, so the SDK sends them here.
 
 Each request runs as its own task, exactly as the unary method would (same handler, same
 errors), and its answer is written as soon as it is ready: answers come back in completion
-order with the request's ``call_id``. One lock serialises the writes (gRPC allows one write
-at a time per stream). Abandoning a call cancels its task; so does losing the stream, for
-every call still running. A stream holds at most :data:`MAX_CALLS_IN_FLIGHT` calls, so a
-runaway client meets ``RESOURCE_EXHAUSTED`` rather than an unbounded task list.
+order with the request's ``call_id``. One writer task sends them (gRPC allows one write at a
+time per stream, and a write must never be cancelled halfway). Abandoning a call cancels its
+task; so does losing the stream, for every call still running. A stream holds at most
+:data:`MAX_CALLS_IN_FLIGHT` calls and as many unsent answers, so a runaway client meets
+``RESOURCE_EXHAUSTED`` or back-pressure rather than unbounded lists.
 """
 
 from __future__ import annotations
@@ -45,17 +46,22 @@ async def serve_calls(context: Any, handlers: Handlers) -> None:
     """Serve one ``Calls`` stream until the client closes it (then let its calls finish) or
     goes away (then cancel them)."""
     running: dict[int, asyncio.Task[None]] = {}
-    write_lock = asyncio.Lock()
+    abandoned: set[asyncio.Task[None]] = set()  # held until they have wound down
+    # Answers go through one writer task: cancelling a call (abandon) must never cancel a
+    # write in progress, which would leave the stream unable to finish.
+    outbox: asyncio.Queue[engine_pb2.CallResponse] = asyncio.Queue(MAX_CALLS_IN_FLIGHT)
 
-    async def answer(response: engine_pb2.CallResponse) -> None:
-        async with write_lock:
+    async def write_answers() -> None:
+        while True:
+            response = await outbox.get()
             try:
                 await context.write(response)
-            except Exception as exc:  # noqa: BLE001 - the stream is gone; its reader cancels the rest
+            except Exception as exc:  # noqa: BLE001 - the stream is gone; the reader ends it
                 log_event("calls.write_failed", logging.DEBUG, call_id=response.call_id, detail=repr(exc))
+            finally:
+                outbox.task_done()
 
     async def run(call_id: int, kind: str, request: Any) -> None:
-        response: engine_pb2.CallResponse | None
         try:
             result = await handlers[kind](request)
             response = engine_pb2.CallResponse(call_id=call_id, **{kind: result})
@@ -65,13 +71,10 @@ async def serve_calls(context: Any, handlers: Handlers) -> None:
             response = _error(call_id, *status_of(kind.capitalize(), exc))
         if running.get(call_id) is not asyncio.current_task():
             return  # abandoned, or the stream is closing: nobody waits for this answer
-        try:
-            await answer(response)
-        finally:
-            # Only now: the stream must not end (and send its status) while a write is pending.
-            if running.get(call_id) is asyncio.current_task():
-                del running[call_id]
+        del running[call_id]
+        await outbox.put(response)
 
+    writer = asyncio.create_task(write_answers(), name="calls-writer")
     try:
         while (request := await context.read()) is not grpc.aio.EOF:
             call_id, kind = request.call_id, request.WhichOneof("call")
@@ -79,22 +82,27 @@ async def serve_calls(context: Any, handlers: Handlers) -> None:
                 task = running.pop(call_id, None)
                 if task is not None:
                     task.cancel()
+                    abandoned.add(task)
+                    task.add_done_callback(abandoned.discard)
             elif kind not in handlers:
-                await answer(_error(call_id, grpc.StatusCode.INVALID_ARGUMENT, f"call {call_id} names no call"))
+                await outbox.put(_error(call_id, grpc.StatusCode.INVALID_ARGUMENT, f"call {call_id} names no call"))
             elif call_id in running:
-                await answer(_error(call_id, grpc.StatusCode.INVALID_ARGUMENT, f"call id {call_id} is already running"))
+                detail = f"call id {call_id} is already running"
+                await outbox.put(_error(call_id, grpc.StatusCode.INVALID_ARGUMENT, detail))
             elif len(running) >= MAX_CALLS_IN_FLIGHT:
                 detail = f"more than {MAX_CALLS_IN_FLIGHT} calls running on one stream"
-                await answer(_error(call_id, grpc.StatusCode.RESOURCE_EXHAUSTED, detail))
+                await outbox.put(_error(call_id, grpc.StatusCode.RESOURCE_EXHAUSTED, detail))
             else:
                 running[call_id] = asyncio.create_task(run(call_id, kind, getattr(request, kind)))
-        # The client has sent its last request: let the calls still running answer.
+        # The client has sent its last request: let the calls still running answer, and the
+        # answers go out, before the stream ends (and sends its status).
         while running:
             await asyncio.wait(list(running.values()))
+        await outbox.join()
     finally:
         # Lost stream (or daemon stopping): cancel what is left, as for unary calls.
         tasks = list(running.values())
         running.clear()
-        for task in tasks:
+        for task in (*tasks, writer):
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, writer, return_exceptions=True)
