@@ -2,8 +2,10 @@
 
 A message on an open gRPC stream costs about half a unary call, and these two calls are on
 the critical path of time-to-first-token (see ``kvxferd/control/call_stream.py``). The stream
-opens on first use. Every request gets a fresh ``call_id`` and a future; one reader task
-resolves the futures as answers arrive, in whatever order the daemon finishes the calls.
+opens on first use. Every request gets a fresh ``call_id`` and a future; one writer task sends
+the requests (a caller cancelled halfway through a write would cancel the whole gRPC call), and
+one reader task resolves the futures as answers arrive, in whatever order the daemon finishes
+the calls.
 
 Each call keeps the deadline its unary twin would have: past it, or when the caller is
 cancelled, the call is abandoned (the daemon cancels it) and the caller gets
@@ -17,13 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 
 from ._errors import (
     DeadlineExceededError,
-    KvxferError,
     UnavailableError,
     error_from_rpc,
     error_from_status,
@@ -38,17 +40,24 @@ class CallStreamUnsupportedError(Exception):
     """The daemon has no ``Calls`` method (an older kvxferd): nothing was executed."""
 
 
+@dataclass
+class _Stream:
+    """One open ``Calls`` stream: the gRPC call, its reader and writer tasks, and the requests
+    waiting to be written."""
+
+    call: Any  # grpc.aio.StreamStreamCall
+    outbox: asyncio.Queue[engine_pb2.CallRequest] = field(default_factory=asyncio.Queue)
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+
 class CallStream:
     """Multiplexes calls over one ``Calls`` stream of ``stub``'s channel."""
 
     def __init__(self, stub: engine_pb2_grpc.EngineServiceStub) -> None:
         self._stub = stub
         self._ids = itertools.count(1)
-        self._call: Any = None  # grpc.aio.StreamStreamCall while open
-        self._reader: asyncio.Task[None] | None = None
+        self._stream: _Stream | None = None
         self._pending: dict[int, asyncio.Future[engine_pb2.CallResponse]] = {}
-        self._write_lock = asyncio.Lock()
-        self._background: set[asyncio.Task[None]] = set()
         #: Set once the daemon answered UNIMPLEMENTED: use unary calls from then on.
         self.unsupported = False
 
@@ -57,27 +66,22 @@ class CallStream:
         response message; raises the :class:`KvxferError` the unary call would have raised."""
         if self.unsupported:
             raise CallStreamUnsupportedError
-        call = self._call if self._call is not None else self._open()
+        stream = self._stream if self._stream is not None else self._open()
         call_id = next(self._ids)
         answered = asyncio.get_running_loop().create_future()
         self._pending[call_id] = answered
+        # The writer task sends it: a caller cancelled halfway through a write would cancel
+        # the whole gRPC call, and with it every other call on the stream.
+        stream.outbox.put_nowait(engine_pb2.CallRequest(call_id=call_id, **{kind: request}))
         try:
             async with asyncio.timeout(timeout_s):
-                async with self._write_lock:
-                    await call.write(engine_pb2.CallRequest(call_id=call_id, **{kind: request}))
                 response = await answered
         except TimeoutError:
-            self._abandon(call, call_id)
+            self._abandon(stream, call_id)
             raise DeadlineExceededError(f"kvxferd did not answer the {kind} within {timeout_s:g}s") from None
         except asyncio.CancelledError:
-            self._abandon(call, call_id)
+            self._abandon(stream, call_id)
             raise
-        except grpc.RpcError as exc:  # the write found the stream failed
-            raise self._stream_error(exc) from None
-        except asyncio.InvalidStateError:  # the write found the stream ended: nothing was sent
-            raise (
-                CallStreamUnsupportedError if self.unsupported else UnavailableError("call stream to kvxferd ended")
-            ) from None
         finally:
             self._pending.pop(call_id, None)
         result = response.WhichOneof("result")
@@ -87,15 +91,25 @@ class CallStream:
             raise UnavailableError(f"kvxferd answered a {kind} call with {result!r}")
         return getattr(response, kind)
 
-    def _open(self) -> Any:
-        call = self._call = self._stub.Calls()
-        self._reader = asyncio.create_task(self._read(call), name="kvxfer-calls")
-        return call
+    def _open(self) -> _Stream:
+        stream = self._stream = _Stream(self._stub.Calls())
+        stream.tasks += [
+            asyncio.create_task(self._read(stream), name="kvxfer-calls-reader"),
+            asyncio.create_task(self._write(stream), name="kvxfer-calls-writer"),
+        ]
+        return stream
 
-    async def _read(self, call: Any) -> None:
+    async def _write(self, stream: _Stream) -> None:
+        try:
+            while True:
+                await stream.call.write(await stream.outbox.get())
+        except (grpc.RpcError, asyncio.InvalidStateError):
+            pass  # the stream ended: its reader fails the waiting calls
+
+    async def _read(self, stream: _Stream) -> None:
         error: Exception = UnavailableError("kvxferd closed the call stream")
         try:
-            while (response := await call.read()) is not grpc.aio.EOF:
+            while (response := await stream.call.read()) is not grpc.aio.EOF:
                 answered = self._pending.get(response.call_id)
                 if answered is not None and not answered.done():
                     answered.set_result(response)
@@ -105,7 +119,7 @@ class CallStream:
             error = UnavailableError("client closed")
             raise
         finally:
-            self._lost(call, error)
+            self._lost(stream, error)
 
     def _stream_error(self, exc: grpc.RpcError) -> Exception:
         if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
@@ -114,38 +128,28 @@ class CallStream:
         err = error_from_rpc(exc)
         return UnavailableError(f"call stream to kvxferd lost: {err}")
 
-    def _lost(self, call: Any, error: Exception) -> None:
+    def _lost(self, stream: _Stream, error: Exception) -> None:
         """The stream ended: fail its waiting calls; the next call opens a new stream."""
-        if self._call is not call:
+        if self._stream is not stream:
             return
-        self._call = None
+        self._stream = None
+        for task in stream.tasks:
+            if task is not asyncio.current_task():
+                task.cancel()
         for answered in self._pending.values():
             if not answered.done():
                 answered.set_exception(error)
         self._pending.clear()
 
-    def _abandon(self, call: Any, call_id: int) -> None:
-        """Tell the daemon to cancel ``call_id`` (in the background: the caller has moved on)."""
-
-        async def send() -> None:
-            try:
-                async with self._write_lock:
-                    await call.write(engine_pb2.CallRequest(call_id=call_id, abandon=True))
-            except (grpc.RpcError, asyncio.InvalidStateError, KvxferError):
-                pass  # the stream is gone: the daemon cancelled everything on it already
-
-        if self._call is call:
-            task = asyncio.create_task(send())
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+    def _abandon(self, stream: _Stream, call_id: int) -> None:
+        """Tell the daemon to cancel ``call_id``: the caller has moved on."""
+        if self._stream is stream:
+            stream.outbox.put_nowait(engine_pb2.CallRequest(call_id=call_id, abandon=True))
 
     async def close(self) -> None:
         """Cancel the stream (the daemon cancels its running calls) and fail the waiting ones."""
-        call, reader = self._call, self._reader
-        if call is not None:
-            self._lost(call, UnavailableError("client closed"))
-            call.cancel()
-        if reader is not None:
-            reader.cancel()
-            await asyncio.gather(reader, *self._background, return_exceptions=True)
-        self._reader = None
+        stream = self._stream
+        if stream is not None:
+            self._lost(stream, UnavailableError("client closed"))
+            stream.call.cancel()
+            await asyncio.gather(*stream.tasks, return_exceptions=True)

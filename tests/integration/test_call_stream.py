@@ -102,7 +102,7 @@ async def test_offers_pulls_and_their_errors_are_the_same_on_the_stream_and_as_u
         await e.decode.pull(ticket, e.dst, [3])  # the forged pull left the offer intact
         # The calls went where the mode says: on one open stream, or none was ever opened.
         streams = [c._calls for c in (e.prefill, e.decode)]
-        assert all(s is not None and s._call is not None for s in streams) if call_stream else streams == [None, None]
+        assert all(s is not None and s._stream is not None for s in streams) if call_stream else streams == [None, None]
     finally:
         await e.prefill.close()
         await e.decode.close()
@@ -129,6 +129,23 @@ async def test_answers_come_back_in_completion_order_not_request_order(engines: 
     assert (second.call_id, second.WhichOneof("result")) == (41, "pull")
     assert second.pull.bytes == len(big) * LAYOUT.bytes_per_block
     assert _blocks(engines.dst_buffers, list(range(1, 64, 2))) == _blocks(engines.src_buffers, big)
+
+
+async def test_callers_cancelled_midway_do_not_disturb_the_other_calls_on_the_stream(engines: Engines) -> None:
+    async def offer(i: int) -> str:
+        return (await engines.prefill.offer(engines.src, [i % 64])).offer_id
+
+    for _ in range(5):
+        tasks = [asyncio.create_task(offer(i)) for i in range(64)]
+        for _ in range(3):
+            await asyncio.sleep(0)  # some requests are being written now, some are answered
+            for task in tasks[::4]:
+                task.cancel()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        kept = [r for i, r in enumerate(results) if i % 4]
+        assert all(isinstance(r, str) for r in kept), [r for r in kept if not isinstance(r, str)][:3]
+        for offer_id in kept:
+            await engines.prefill.release(str(offer_id))
 
 
 async def test_a_client_deadline_abandons_the_call_and_the_stream_stays_usable(engines: Engines) -> None:
