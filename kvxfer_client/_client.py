@@ -239,15 +239,14 @@ class AsyncKvxferClient:
         """Offer and Pull: on the call stream while the daemon has one, else a unary call."""
         if self._stub is None:
             await self.connect()
-        calls = self._calls
-        if calls is None or calls.unsupported:
-            return await self._call(unary, request, timeout_s)
-        if self._session_lost is not None:
-            raise self._session_lost
-        try:
-            return await calls.call(kind, request, timeout_s or self.timeout_s)
-        except CallStreamUnsupportedError:  # an older kvxferd: nothing ran, send it unary
-            return await self._call(unary, request, timeout_s)
+        if self._calls is not None and not self._calls.unsupported:
+            if self._session_lost is not None:
+                raise self._session_lost
+            try:
+                return await self._calls.call(kind, request, timeout_s or self.timeout_s)
+            except CallStreamUnsupportedError:
+                pass  # an older kvxferd: nothing ran, send it unary
+        return await self._call(unary, request, timeout_s)
 
     @property
     def _engine(self) -> engine_pb2_grpc.EngineServiceStub:

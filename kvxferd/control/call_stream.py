@@ -71,8 +71,10 @@ async def serve_calls(context: Any, handlers: Handlers) -> None:
             response = _error(call_id, *status_of(kind.capitalize(), exc))
         if running.get(call_id) is not asyncio.current_task():
             return  # abandoned, or the stream is closing: nobody waits for this answer
-        del running[call_id]
+        # Still listed while queueing (the outbox may be full): the stream must not end first.
         await outbox.put(response)
+        if running.get(call_id) is asyncio.current_task():
+            del running[call_id]
 
     writer = asyncio.create_task(write_answers(), name="calls-writer")
     try:
