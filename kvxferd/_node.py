@@ -608,6 +608,7 @@ class Node:
             tag_base = secrets.randbits(40) << 24
             call = peer.stub.Transfer(timeout=timeout + self.settings.peer_timeout_s)
             receiving: asyncio.Task[None] | None = None
+            sent: asyncio.Task[Any] | None = None
             lease: StagingLease | None = None
             try:
                 await call.write(
@@ -661,20 +662,26 @@ class Node:
                         on_unconfirmed=lambda: setattr(record, "may_still_write", True),
                     )
                 receiving = asyncio.create_task(receive)
-                sent_task = asyncio.create_task(_read(call, "sent", None))
-                done, _ = await asyncio.wait({receiving, sent_task}, return_when=asyncio.FIRST_EXCEPTION)
-                for task in done:
-                    task.result()  # a failure on either side ends the transfer now
+                sent = asyncio.create_task(_read(call, "sent", None))
+                first, _ = await asyncio.wait({receiving, sent}, return_when=asyncio.FIRST_COMPLETED)
+                if sent in first:
+                    sent.result()  # the offerer failed (or aborted) while bytes were due: end now
                 await receiving
                 record.data_plane_s = time.perf_counter() - started
                 record.mark("received")
-                await sent_task
+                # Every receive has completed, so every byte has landed (the tags are this
+                # transfer's own): say done now, while the offerer's "sent" is on its way.
                 record.committed = True  # the sender releases the offer as pulled on this message
                 await call.write(peer_pb2.TransferClientMessage(done=peer_pb2.TransferDone(ok=True)))
+                await _within(sent, self.settings.peer_timeout_s)
+                # Success only once the offerer has released the offer as pulled: a cancel or
+                # abort on its side before that fails this pull too, so both sides agree.
                 await _read(call, "closed", self.settings.peer_timeout_s)
                 record.mark("closed")
                 await call.done_writing()
             except BaseException as exc:
+                if sent is not None and not sent.done():
+                    sent.cancel()
                 if receiving is not None and not receiving.done():
                     # Receives may still be posted into the destination: cancel them (and
                     # abort the endpoint) and wait for UCX to confirm before the engine hears
