@@ -64,8 +64,9 @@ class PeerServiceServicer:
 
     def Transfer(self, request_iterator, context):
         """One pull of one offer. The decode daemon (client) sends start, the offering daemon answers
-        accepted, sends the bytes over UCX, answers sent; the client answers done once every byte
-        has landed, and the offering daemon answers closed after releasing the offer.
+        accepted, sends the bytes over UCX and then says sent; the client says done once every byte
+        has landed (it need not have read sent yet), and the offering daemon answers closed after
+        releasing the offer. The pull succeeds only on closed.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -38,8 +38,9 @@ class PeerServiceStub:
     """Exchanges versions and UCX worker addresses. Called once per peer, again after a failure."""
     Transfer: _grpc.StreamStreamMultiCallable[_peer_pb2.TransferClientMessage, _peer_pb2.TransferServerMessage]
     """One pull of one offer. The decode daemon (client) sends start, the offering daemon answers
-    accepted, sends the bytes over UCX, answers sent; the client answers done once every byte
-    has landed, and the offering daemon answers closed after releasing the offer.
+    accepted, sends the bytes over UCX and then says sent; the client says done once every byte
+    has landed (it need not have read sent yet), and the offering daemon answers closed after
+    releasing the offer. The pull succeeds only on closed.
     """
     ExtendLease: _grpc.UnaryUnaryMultiCallable[_peer_pb2.PeerExtendLeaseRequest, _peer_pb2.PeerExtendLeaseResponse]
     """Extends the lease of an offer of the called daemon (checked against the offer's token)."""
@@ -51,8 +52,9 @@ class PeerServiceAsyncStub(PeerServiceStub):
     """Exchanges versions and UCX worker addresses. Called once per peer, again after a failure."""
     Transfer: _aio.StreamStreamMultiCallable[_peer_pb2.TransferClientMessage, _peer_pb2.TransferServerMessage]  # type: ignore[assignment]
     """One pull of one offer. The decode daemon (client) sends start, the offering daemon answers
-    accepted, sends the bytes over UCX, answers sent; the client answers done once every byte
-    has landed, and the offering daemon answers closed after releasing the offer.
+    accepted, sends the bytes over UCX and then says sent; the client says done once every byte
+    has landed (it need not have read sent yet), and the offering daemon answers closed after
+    releasing the offer. The pull succeeds only on closed.
     """
     ExtendLease: _aio.UnaryUnaryMultiCallable[_peer_pb2.PeerExtendLeaseRequest, _peer_pb2.PeerExtendLeaseResponse]  # type: ignore[assignment]
     """Extends the lease of an offer of the called daemon (checked against the offer's token)."""
@@ -73,8 +75,9 @@ class PeerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_peer_pb2.TransferServerMessage], _abc.AsyncIterator[_peer_pb2.TransferServerMessage]]:
         """One pull of one offer. The decode daemon (client) sends start, the offering daemon answers
-        accepted, sends the bytes over UCX, answers sent; the client answers done once every byte
-        has landed, and the offering daemon answers closed after releasing the offer.
+        accepted, sends the bytes over UCX and then says sent; the client says done once every byte
+        has landed (it need not have read sent yet), and the offering daemon answers closed after
+        releasing the offer. The pull succeeds only on closed.
         """
 
     @_abc_1.abstractmethod
