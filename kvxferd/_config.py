@@ -98,6 +98,12 @@ class Settings:
     log_level: str = _setting("info", "Least severe log level written: debug, info, warning or error.")
     log_json: bool = _setting(False, "Write each log line as one JSON object instead of key=value pairs.")
     ready_file: str = _setting("", "Write {daemon_id, addresses, pid} as JSON here once every listener is up.")
+    fault_injection: bool = _setting(
+        False, "Testing only: accept the fault points given in `faults`. Off, any `faults` is refused at start."
+    )
+    faults: str = _setting(
+        "", "Testing only (needs fault_injection): 'point=action;...' pauses or failures at named points (_faults.py)."
+    )
 
     def validate(self) -> None:
         if self.chunk_bytes < 64 << 10 or self.chunk_bytes > 256 * _MiB:
@@ -115,6 +121,12 @@ class Settings:
         tls = [bool(self.tls_cert), bool(self.tls_key), bool(self.tls_ca)]
         if any(tls) and not all(tls):
             raise ValueError("mTLS needs tls_cert, tls_key and tls_ca together")
+        if self.faults and not self.fault_injection:
+            raise ValueError("faults are given but fault_injection is off: fault points are for tests only")
+        if self.faults:
+            from ._faults import Faults
+
+            Faults.parse(self.faults)
         for name in ("pull_timeout_s", "peer_timeout_s", "drain_grace_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")

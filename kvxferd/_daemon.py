@@ -159,6 +159,8 @@ async def serve(settings: Settings) -> int:
         await listener.server.stop(grace=1.0)
     if node.peers is not None:
         await node.peers.close()
+    if ucx is not None:
+        await ucx.address_probe.close()
     if metrics_server is not None:
         metrics_server.shutdown()
     systemd.stop()

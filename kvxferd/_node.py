@@ -21,7 +21,7 @@ import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -46,6 +46,7 @@ from kvxfer_client._ticket import Ticket
 from kvxfer_client._version import PROTOCOL_VERSION, __version__
 
 from ._config import Settings
+from ._faults import Faults
 from ._log import log_event
 from ._metrics import Metrics, NodeState
 from ._offers import Offer, OfferTable
@@ -82,11 +83,18 @@ MAX_CHUNK = 256 << 20
 #: Local host handoffs up to this size are copied on the event loop (about 10 us at memory
 #: speed); larger ones go to the copy threads.
 INLINE_COPY_BYTES = 128 << 10
+#: The offering side commits (releases the offer as pulled, says closed) only with at least
+#: this much of the transfer stream's deadline left, so that closed reaches the puller before
+#: the same deadline ends its wait (peer.proto, "Outcomes").
+COMMIT_MARGIN_S = 1.0
 
 
 class Node:
     def __init__(self, settings: Settings, ucx: UcxTransport | None) -> None:
         self.settings = settings
+        self.faults = Faults.parse(settings.faults) if settings.fault_injection else Faults()
+        if self.faults.points:
+            log_event("fault.armed", logging.WARNING, points=settings.faults)
         self.daemon_id = settings.daemon_id or f"kvxferd-{socket.gethostname()}-{secrets.token_hex(4)}"
         self.started = time.time()
         self.draining = False
@@ -478,11 +486,18 @@ class Node:
         self._begin(record)
         pool.busy += 1
         try:
-            async with asyncio.timeout(timeout):
+            # Only this deadline raises TimeoutError here: every step's own deadline raises
+            # DeadlineExceededError naming that step (see ``_within``).
+            async with asyncio.timeout(timeout) as deadline:
                 if local:
                     await self._pull_local(record, ticket, pool, ids)
                 else:
-                    await self._pull_remote(record, ticket, pool, ids, timeout)
+                    await self._pull_remote(record, ticket, pool, ids, timeout, deadline)
+        except KvxferError as exc:  # before TimeoutError: DeadlineExceededError is one
+            self._end(record, common_pb2.TRANSFER_STATE_FAILED, str(exc))
+            if record.may_still_write:
+                raise type(exc)(str(exc) + _quarantine(record)) from None
+            raise
         except TimeoutError:
             self._end(record, common_pb2.TRANSFER_STATE_FAILED, f"deadline of {timeout}s exceeded")
             msg = f"pull {transfer_id} did not finish within {timeout}s"
@@ -490,11 +505,6 @@ class Node:
         except asyncio.CancelledError:
             self._end(record, common_pb2.TRANSFER_STATE_CANCELLED, "cancelled")
             raise CancelledError(f"pull {transfer_id} was cancelled" + _quarantine(record)) from None
-        except KvxferError as exc:
-            self._end(record, common_pb2.TRANSFER_STATE_FAILED, str(exc))
-            if record.may_still_write:
-                raise type(exc)(str(exc) + _quarantine(record)) from None
-            raise
         except Exception as exc:
             self._end(record, common_pb2.TRANSFER_STATE_FAILED, repr(exc))
             raise
@@ -586,7 +596,13 @@ class Node:
         )
 
     async def _pull_remote(
-        self, record: TransferRecord, ticket: Ticket, dst: Pool, dst_ids: np.ndarray[Any, Any], timeout: float
+        self,
+        record: TransferRecord,
+        ticket: Ticket,
+        dst: Pool,
+        dst_ids: np.ndarray[Any, Any],
+        timeout: float,
+        deadline: asyncio.Timeout,
     ) -> None:
         if self.ucx is None or self.peers is None:
             raise UnavailableError("the UCX data plane is not available (install kvxfer[ucx] or a cu12/cu13 extra)")
@@ -601,12 +617,11 @@ class Node:
         side = BlockSide.of(dst.device, dst.base, dst.regions, dst_ids) if dst.device is not None else None
         assert peer.stub is not None
         async with contextlib.AsyncExitStack() as stack:
-            ep = await _within(
-                self.ucx.endpoint(peer.daemon_id, peer.identity.ucx_worker_address, self._error_handling(peer)),
-                self.settings.peer_timeout_s,
-            )
+            ep = await self._endpoint(peer)
             tag_base = secrets.randbits(40) << 24
-            call = peer.stub.Transfer(timeout=timeout + self.settings.peer_timeout_s)
+            # The stream's deadline (which the offerer sees too) bounds the wait for closed.
+            stream_deadline_s = timeout + self.settings.peer_timeout_s
+            call = peer.stub.Transfer(timeout=stream_deadline_s)
             receiving: asyncio.Task[None] | None = None
             sent: asyncio.Task[Any] | None = None
             lease: StagingLease | None = None
@@ -671,12 +686,22 @@ class Node:
                 record.mark("received")
                 # Every receive has completed, so every byte has landed (the tags are this
                 # transfer's own): say done now, while the offerer's "sent" is on its way.
+                await self.faults.hit("before_done", transfer_id=record.transfer_id)
                 record.committed = True  # the sender releases the offer as pulled on this message
-                await call.write(peer_pb2.TransferClientMessage(done=peer_pb2.TransferDone(ok=True)))
-                await _within(sent, self.settings.peer_timeout_s)
-                # Success only once the offerer has released the offer as pulled: a cancel or
-                # abort on its side before that fails this pull too, so both sides agree.
-                await _read(call, "closed", self.settings.peer_timeout_s)
+                try:
+                    await call.write(peer_pb2.TransferClientMessage(done=peer_pb2.TransferDone(ok=True)))
+                except asyncio.InvalidStateError:
+                    # The offerer already ended the stream (a cancel or failure on its side):
+                    # reading it raises its status, which says why.
+                    await _read(call, "closed", self.settings.peer_timeout_s)
+                # From here the offerer decides (peer.proto, "Outcomes"): closed is success, an
+                # error status is failure. Neither the pull's own deadline nor a step deadline
+                # may decide instead, or a late closed would fail this side only; the stream's
+                # deadline, which the offerer also keeps, bounds the wait.
+                deadline.reschedule(None)
+                await self.faults.hit("before_closed_read", transfer_id=record.transfer_id)
+                await sent
+                await _read(call, "closed", None)
                 record.mark("closed")
                 await call.done_writing()
             except BaseException as exc:
@@ -700,6 +725,11 @@ class Node:
                         lease.poisoned = True
                 call.cancel()
                 err = _peer_error(exc, ticket.peer_address) if isinstance(exc, grpc.RpcError) else exc
+                if record.committed and isinstance(err, DeadlineExceededError):
+                    err = DeadlineExceededError(
+                        f"pull {record.transfer_id}: every byte landed, but {ticket.peer_address} did not close "
+                        f"the transfer within the stream's deadline of {stream_deadline_s}s: both sides fail it"
+                    )
                 if isinstance(err, UnavailableError):
                     self._drop_peer(peer)  # the next pull says Hello again and makes a new endpoint
                 if err is exc:
@@ -740,6 +770,28 @@ class Node:
             peer = await self.peers.dial(ticket.peer_address)
         return peer
 
+    def _chunk_fault(self, transfer_id: str) -> Callable[[int], Awaitable[None]] | None:
+        """The ``after_chunk_sent:N`` fault points as a send hook (None when none is armed)."""
+        if not any(p.startswith("after_chunk_sent:") for p in self.faults.points):
+            return None
+
+        async def hit(index: int) -> None:
+            await self.faults.hit(f"after_chunk_sent:{index}", transfer_id=transfer_id)
+
+        return hit
+
+    async def _endpoint(self, peer: Peer) -> Any:
+        """The UCX endpoint to ``peer`` (made from its worker address on first use)."""
+        assert self.ucx is not None
+        await self.faults.hit("peer_endpoint", peer=peer.daemon_id)
+        # Bounded by the probe's own deadline: its first use may wait for the child to start.
+        await self.ucx.address_probe.check(peer.identity.ucx_worker_address, self._error_handling(peer), peer.daemon_id)
+        return await _within(
+            self.ucx.endpoint(peer.daemon_id, peer.identity.ucx_worker_address, self._error_handling(peer)),
+            self.settings.peer_timeout_s,
+            f"the UCX endpoint to {peer.daemon_id}",
+        )
+
     def _drop_peer(self, peer: Peer) -> None:
         assert self.peers is not None and self.ucx is not None
         self.peers.mark_failed(peer)
@@ -749,7 +801,7 @@ class Node:
 
     async def serve_transfer(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
         """Answer one ``PeerService.Transfer`` stream (see peer.proto for the sequence)."""
-        first = await _within(context.read(), self.settings.peer_timeout_s)
+        first = await _within(context.read(), self.settings.peer_timeout_s, "the puller's 'start'")
         if first is grpc.aio.EOF or first.WhichOneof("msg") != "start":
             raise InvalidRequestError("a Transfer stream must begin with start")
         start = first.start
@@ -819,10 +871,7 @@ class Node:
                     plan = stream_plan(side.total_bytes, chunk)
                 elif not self.ucx.gather_send:
                     plan = build_plan(pool.regions, offer.block_ids, chunk)  # staging depends on it
-                ep = await _within(
-                    self.ucx.endpoint(peer.daemon_id, peer.identity.ucx_worker_address, self._error_handling(peer)),
-                    self.settings.peer_timeout_s,
-                )
+                ep = await self._endpoint(peer)
                 staging, need = self._staging_for(pool, plan, "send")
                 async with staging.lease(need) as lease:
                     record.mark("staging")
@@ -835,6 +884,7 @@ class Node:
                             )
                         )
                     )
+                    await self.faults.hit("after_accepted", transfer_id=record.transfer_id)
                     if plan is None:
                         # UCX gathers from the pool: planned while the receiver posts receives.
                         plan = build_plan(pool.regions, offer.block_ids, chunk)
@@ -853,7 +903,15 @@ class Node:
                             mark=record.mark,
                         )
                     else:
-                        await self.ucx.send(ep, plan, pool.arrays, start.tag_base, lease, self.settings.window)
+                        await self.ucx.send(
+                            ep,
+                            plan,
+                            pool.arrays,
+                            start.tag_base,
+                            lease,
+                            self.settings.window,
+                            after_chunk=self._chunk_fault(record.transfer_id),
+                        )
                 record.mark("sent")
                 await context.write(
                     peer_pb2.TransferServerMessage(
@@ -862,10 +920,19 @@ class Node:
                 )
                 done = await context.read()
                 record.mark("confirmed")
+                await self.faults.hit("after_done_read", transfer_id=record.transfer_id)
                 if done is grpc.aio.EOF or done.WhichOneof("msg") != "done":
                     raise UnavailableError("receiver closed the transfer without confirming")
                 if not done.done.ok:
                     raise UnavailableError(f"receiver reported failure: {done.done.detail}")
+                left = context.time_remaining()
+                if left is not None and left < COMMIT_MARGIN_S:
+                    # The puller gives up at this same deadline: closed might not reach it in
+                    # time, so both sides fail rather than risk a success on this side only.
+                    raise DeadlineExceededError(
+                        f"transfer {record.transfer_id}: done came with {max(left, 0.0):.2f}s of the stream's "
+                        f"deadline left (under {COMMIT_MARGIN_S}s): too late to commit"
+                    )
                 record.committed = True
                 self.release_offer(offer, common_pb2.RELEASE_REASON_PULLED, "", record.transfer_id)
                 released = True
@@ -875,10 +942,11 @@ class Node:
                 # The receiver confirmed every byte; only the closing message was interrupted.
                 self._end(record, common_pb2.TRANSFER_STATE_SUCCEEDED)
             else:
-                detail = "deadline exceeded" if isinstance(exc, TimeoutError) else str(exc) or repr(exc)
+                own_deadline = isinstance(exc, TimeoutError) and not isinstance(exc, KvxferError)
+                detail = "deadline exceeded" if own_deadline else str(exc) or repr(exc)
                 self.release_offer(offer, common_pb2.RELEASE_REASON_FAILED, detail, record.transfer_id)
                 self._end(record, common_pb2.TRANSFER_STATE_FAILED, detail)
-            if isinstance(exc, TimeoutError):
+            if isinstance(exc, TimeoutError) and not isinstance(exc, KvxferError):
                 raise DeadlineExceededError(f"transfer {record.transfer_id} exceeded its deadline") from None
             if isinstance(exc, asyncio.CancelledError) and record.abort_detail:
                 # Cancelled here (an engine or operator aborted it), not by the peer hanging
@@ -930,12 +998,15 @@ def _destination_key(pool_id: str, ids: np.ndarray[Any, Any]) -> str:
     )
 
 
-async def _within(aw: Awaitable[T], timeout: float | None) -> T:
-    """``await aw`` with a deadline. Unlike ``asyncio.wait_for`` on Python 3.11, this never
-    swallows a cancellation that arrives as ``aw`` completes (an outer pull deadline would be
-    lost and the transfer would run on)."""
-    async with asyncio.timeout(timeout):
-        return await aw
+async def _within(aw: Awaitable[T], timeout: float | None, what: str = "a step of the transfer") -> T:
+    """``await aw`` with a deadline; past it, DeadlineExceededError naming ``what`` and the
+    deadline. Unlike ``asyncio.wait_for`` on Python 3.11, this never swallows a cancellation
+    that arrives as ``aw`` completes (an outer pull deadline would be lost)."""
+    try:
+        async with asyncio.timeout(timeout):
+            return await aw
+    except TimeoutError:
+        raise DeadlineExceededError(f"{what} did not happen within its deadline of {timeout}s") from None
 
 
 def _copy_plan(
@@ -975,7 +1046,7 @@ def _staged_chunks(plan: SidePlan) -> int:
 
 
 async def _read(call: Any, expected: str, timeout: float | None) -> Any:
-    msg = await _within(call.read(), timeout)
+    msg = await _within(call.read(), timeout, f"the peer's {expected!r}")
     if msg is grpc.aio.EOF:
         raise UnavailableError(f"peer closed the transfer before {expected}")
     if msg.WhichOneof("msg") != expected:

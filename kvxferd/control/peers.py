@@ -18,6 +18,8 @@ from kvxfer_client._errors import DeadlineExceededError, IncompatibleError, Unav
 from kvxfer_client._proto import peer_pb2, peer_pb2_grpc
 from kvxfer_client._version import PROTOCOL_VERSION
 
+from ..dataplane.ucx_address import check_worker_address
+
 __all__ = ["Peer", "PeerDirectory"]
 
 CONNECTED = "connected"
@@ -47,10 +49,11 @@ def check_compatible(ours: peer_pb2.PeerIdentity, theirs: peer_pb2.PeerIdentity)
             f"peer {theirs.daemon_id!r} speaks protocol {theirs.protocol_version}, "
             f"this daemon speaks {ours.protocol_version} (versions {theirs.version} vs {ours.version})"
         )
-    if not theirs.daemon_id or theirs.daemon_id == ours.daemon_id:
-        raise IncompatibleError(f"peer daemon id {theirs.daemon_id!r} is empty or equals ours")
+    if not theirs.daemon_id or len(theirs.daemon_id) > 256 or theirs.daemon_id == ours.daemon_id:
+        raise IncompatibleError(f"peer daemon id {theirs.daemon_id!r} is empty, too long or equals ours")
     if not theirs.ucx_worker_address:
         raise IncompatibleError(f"peer {theirs.daemon_id!r} has no UCX worker (data plane unavailable there)")
+    check_worker_address(theirs.ucx_worker_address, repr(theirs.daemon_id))
 
 
 class PeerDirectory:

@@ -45,6 +45,7 @@ from .hostcopy import chunk_view, gather_chunk, scatter_chunk
 from .plan import ChunkPlan, SidePlan
 from .staging import StagingLease
 from .ucp_iov import UcpTagIov, chunk_iov, contiguous_iov, iov_supported
+from .ucx_address import AddressProbe
 
 __all__ = ["UCX_DEFAULTS", "UcxTransport", "ucx_available"]
 
@@ -205,12 +206,16 @@ class UcxTransport:
         #: Send fragmented chunks straight from their segments (else: pack into staging).
         self.gather_send = iov_send and self.iov is not None
         self._connecting: dict[str, asyncio.Lock] = {}
+        #: Unpacks each new peer worker address in a child process before our UCX sees it.
+        self.address_probe = AddressProbe()
+        self.address_probe.start()
         self._drains: set[asyncio.Task[None]] = set()
         #: Sends UCX has not finished, including those of cancelled transfers (see send()).
         self._sends: set[asyncio.Future[Any]] = set()
 
     async def endpoint(self, peer_id: str, address: bytes, error_handling: bool) -> Any:
-        """The endpoint to ``peer_id`` (created from its worker address once, then cached)."""
+        """The endpoint to ``peer_id`` (created from its worker address once, then cached).
+        The caller has passed ``address`` through :attr:`address_probe` first."""
         lock = self._connecting.setdefault(peer_id, asyncio.Lock())
         async with lock:
             ep = self._endpoints.get(peer_id)
@@ -272,10 +277,12 @@ class UcxTransport:
         tag_base: int,
         lease: StagingLease,
         window: int,
+        after_chunk: Callable[[int], Awaitable[None]] | None = None,
     ) -> None:
         """Send every chunk of ``plan``: straight from the pool (contiguous chunks, and
         fragmented ones as IOV sends when ``gather_send``), else packed into staging while
-        earlier chunks fly."""
+        earlier chunks fly. ``after_chunk(index)`` is awaited once each chunk is sent (the
+        daemon's fault-injection point)."""
         iov = self.iov if self.gather_send else None
         keep = list(arrays)
 
@@ -292,9 +299,11 @@ class UcxTransport:
                 if ep.closed:
                     raise UnavailableError("the UCX endpoint to the receiver is closed")
                 await self._send_tracked(iov.send(ep.ucp_endpoint, chunk_iov(arrays, chunk), tag, keep))
-                return
-            data = chunk_view(arrays, chunk) if staged is None else staged[: chunk.nbytes]
-            await self._send_tracked(ep.send(data, tag=tag, force_tag=True))
+            else:
+                data = chunk_view(arrays, chunk) if staged is None else staged[: chunk.nbytes]
+                await self._send_tracked(ep.send(data, tag=tag, force_tag=True))
+            if after_chunk is not None:
+                await after_chunk(chunk.index)
 
         with self._busy():
             await _pipeline(plan, lease, window, move, pack, stage=iov is None)

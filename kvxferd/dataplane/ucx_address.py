@@ -1,0 +1,204 @@
+"""Checks a peer's UCX worker address before this daemon's UCX unpacks it.
+
+UCX trusts the worker addresses it is given: ``ucp_ep_create`` walks the packed bytes without
+a length and asserts on what it does not expect (random bytes abort the process with
+``Assertion `*addr_version == UCP_OBJECT_VERSION_V2' failed``). A worker address comes from a
+peer's Hello, so it is hostile until checked, in two steps:
+
+1. :func:`check_worker_address` — structure: a size UCX produces (16 B..16 KiB, ours is about
+   200 B), a known address version (the low 4 bits of the first byte: V1 or V2), not all zeros.
+   It refuses random bytes 7 times in 8 at no cost, and every Hello goes through it.
+2. :class:`AddressProbe` — the unpack itself, in a child process with its own UCX worker: the
+   child makes an endpoint from the address and closes it. If UCX aborts, the child dies, not
+   the daemon, and the address is refused. Each address is probed once (verdicts are kept), so
+   only the first endpoint to a peer pays for it (a few milliseconds once the child is up).
+
+Either refusal is :class:`~kvxfer_client.IncompatibleError` naming the peer: the peer is
+failed, the daemon keeps serving.
+
+>>> check_worker_address(b"\\x20" + bytes(range(1, 200)), "peer-1")
+>>> check_worker_address(b"\\x2b" + bytes(199), "peer-1")
+Traceback (most recent call last):
+...
+kvxfer_client._errors.IncompatibleError: peer peer-1 sent a malformed UCX worker address: unknown address version 11
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import struct
+import sys
+from collections import OrderedDict
+
+from kvxfer_client._errors import IncompatibleError
+
+from .._log import log_event
+
+__all__ = ["MAX_ADDRESS_BYTES", "AddressProbe", "check_worker_address"]
+
+MIN_ADDRESS_BYTES = 16
+MAX_ADDRESS_BYTES = 16 << 10
+#: UCP address versions (low nibble of the header byte): V1 = 0, V2 = 1.
+_KNOWN_VERSIONS = (0, 1)
+#: Seconds one probe may take before the child is killed and the address refused.
+PROBE_TIMEOUT_S = 10.0
+_VERDICTS_KEPT = 4096
+
+
+def check_worker_address(address: bytes, peer: str) -> None:
+    """Refuse (IncompatibleError) a worker address whose structure UCX would not produce."""
+
+    def refuse(why: str) -> IncompatibleError:
+        return IncompatibleError(f"peer {peer[:100]} sent a malformed UCX worker address: {why}")
+
+    if not MIN_ADDRESS_BYTES <= len(address) <= MAX_ADDRESS_BYTES:
+        raise refuse(f"{len(address)} bytes, expected {MIN_ADDRESS_BYTES}..{MAX_ADDRESS_BYTES}")
+    version = address[0] & 0x0F
+    if version not in _KNOWN_VERSIONS:
+        raise refuse(f"unknown address version {version}")
+    if not any(address):
+        raise refuse("all zero bytes")
+
+
+class AddressProbe:
+    """A child process that unpacks worker addresses with its own UCX, one at a time.
+
+    :meth:`start` spawns it in the background (importing UCX takes about a second here); the
+    first :meth:`check` waits for it. A probe runs to its end even when its caller is
+    cancelled, so the child's answers never fall out of step with its questions.
+    """
+
+    def __init__(self) -> None:
+        self._proc: asyncio.subprocess.Process | None = None
+        self._starting: asyncio.Task[asyncio.subprocess.Process] | None = None
+        self._lock = asyncio.Lock()
+        self._verdicts: OrderedDict[bytes, str] = OrderedDict()  # digest -> "" (fine) or why not
+        self.crashes = 0
+
+    def start(self) -> None:
+        """Spawn the child now, so the first peer does not wait for it."""
+        if self._starting is None or self._starting.done():
+            self._starting = asyncio.get_running_loop().create_task(self._spawn(), name="ucx-address-probe")
+
+    async def check(self, address: bytes, error_handling: bool, peer: str) -> None:
+        """Raise IncompatibleError unless UCX can make an endpoint from ``address`` and survive."""
+        key = hashlib.blake2b(address + bytes([error_handling]), digest_size=16).digest()
+        verdict = self._verdicts.get(key)
+        if verdict is None:
+            verdict = await asyncio.shield(self._verdict(key, address, error_handling))
+        if verdict:
+            raise IncompatibleError(f"peer {peer[:100]} sent a malformed UCX worker address: {verdict}")
+
+    async def _verdict(self, key: bytes, address: bytes, error_handling: bool) -> str:
+        async with self._lock:
+            verdict = self._verdicts.get(key)
+            if verdict is None:
+                verdict = await self._probe(address, error_handling)
+                self._verdicts[key] = verdict
+                while len(self._verdicts) > _VERDICTS_KEPT:
+                    self._verdicts.popitem(last=False)
+            return verdict
+
+    async def _probe(self, address: bytes, error_handling: bool) -> str:
+        try:
+            proc = await asyncio.wait_for(self._child(), PROBE_TIMEOUT_S)
+            assert proc.stdin is not None and proc.stdout is not None
+            proc.stdin.write(struct.pack(">IB", len(address), int(error_handling)) + address)
+            await proc.stdin.drain()
+            answer = await asyncio.wait_for(proc.stdout.readexactly(1), PROBE_TIMEOUT_S)
+        except (asyncio.IncompleteReadError, ConnectionError, RuntimeError, TimeoutError) as exc:
+            self.crashes += 1
+            await self.close()
+            if isinstance(exc, TimeoutError):
+                why = f"UCX did not unpack it within the probe's {PROBE_TIMEOUT_S}s"
+            else:
+                why = "unpacking it crashed UCX in the probe process"
+            log_event("ucx.address_refused", logging.WARNING, detail=why)
+            return why
+        if answer != b"1":
+            await self.close()
+            return "the probe process answered out of turn"
+        return ""
+
+    async def _child(self) -> asyncio.subprocess.Process:
+        if self._proc is None or self._proc.returncode is not None:
+            if self._starting is None or (self._starting.done() and self._proc is not None):
+                self.start()  # never started, or the child it started has died since
+            assert self._starting is not None
+            self._proc = await self._starting
+        return self._proc
+
+    @staticmethod
+    async def _spawn() -> asyncio.subprocess.Process:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "kvxferd.dataplane.ucx_address",
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.DEVNULL,
+        )
+        assert proc.stdout is not None
+        try:
+            if await proc.stdout.readexactly(1) != b"R":
+                raise ConnectionError("the probe process did not start")
+        except BaseException:
+            proc.kill()
+            await proc.wait()
+            raise
+        return proc
+
+    async def close(self) -> None:
+        """Stop the child (the next check starts another)."""
+        starting, self._starting = self._starting, None
+        if starting is not None and not starting.done():
+            starting.cancel()
+            await asyncio.wait({starting})
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+def _serve_probes() -> None:
+    """The child: read ``>IB`` length + error-handling flag + address, answer one byte."""
+    # Answers go out on a private copy of stdout: UCX prints its own messages (an assertion
+    # among them) to fd 1, which from here on is stderr.
+    answers = os.fdopen(os.dup(1), "wb", buffering=0)
+    os.dup2(2, 1)
+    from .ucx import apply_ucx_defaults
+
+    apply_ucx_defaults()
+    os.environ["UCXPY_PROGRESS_MODE"] = "thread"  # the child has no event loop of its own to drive
+    import ucxx
+    from ucxx._lib.libucxx import UCXAddress
+
+    async def run() -> None:
+        stdin = sys.stdin.buffer
+        ucxx.get_worker_address()  # the context and worker exist before we say ready
+        answers.write(b"R")
+        while True:
+            header = stdin.read(5)
+            if len(header) < 5:
+                return
+            size, error_handling = struct.unpack(">IB", header)
+            address = stdin.read(size)
+            try:
+                ep = await ucxx.create_endpoint_from_worker_address(
+                    UCXAddress.create_from_buffer(address), endpoint_error_handling=bool(error_handling)
+                )
+                ep.abort()
+                answer = b"1"
+            except Exception:  # noqa: BLE001 - UCX said no without crashing: that is an answer
+                answer = b"1"
+            answers.write(answer)
+
+    asyncio.run(run())
+    os._exit(0)  # skip UCXX's teardown at interpreter exit (nothing left to flush)
+
+
+if __name__ == "__main__":
+    _serve_probes()

@@ -1,0 +1,104 @@
+"""Both sides of a remote pull agree on its outcome in every interleaving of done, closed,
+cancel and deadlines (peer.proto, "Outcomes"). Each window is hit every time through the
+daemons' fault-injection points, never by sleeping and hoping."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from bench.cluster import Cluster, Daemon
+from kvxfer_client import (
+    AsyncKvxferClient,
+    CancelledError,
+    DeadlineExceededError,
+    HostBuffer,
+    KvxferError,
+    Layout,
+    ReleaseReason,
+)
+
+LAYOUT = Layout.paged_kv(num_layers=2, num_blocks=32, block_bytes=64 << 10)
+
+
+def _with_faults(spec: str, *more: str) -> list[str]:
+    return ["--fault-injection", "--faults", spec, "--peer-timeout-s", "1", *more]
+
+
+async def _wait_for_log(daemon: Daemon, text: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while text not in daemon.log():
+        assert time.monotonic() < deadline, f"{text!r} never appeared in {daemon.name}'s log"
+        await asyncio.sleep(0.02)
+
+
+async def _pull(prefill: Daemon, decode: Daemon, timeout_s: float, transfer_id: str = "t-1") -> tuple[object, object]:
+    """Offer on ``prefill``, pull on ``decode``; returns (pull result or error, release reason)."""
+    async with (
+        AsyncKvxferClient(prefill.socket, engine_name="p") as p,
+        AsyncKvxferClient(decode.socket, engine_name="d") as d,
+    ):
+        src = await p.register_pool([HostBuffer.create(s) for s in LAYOUT.buffer_sizes()], LAYOUT)
+        dst = await d.register_pool([HostBuffer.create(s) for s in LAYOUT.buffer_sizes()], LAYOUT)
+        ticket = await p.offer(src, [1, 2, 3], lease_s=60)
+        try:
+            outcome: object = await d.pull(ticket, dst, [4, 5, 6], transfer_id=transfer_id, timeout_s=timeout_s)
+        except KvxferError as exc:
+            outcome = exc
+        released = await p.wait_released(ticket.offer_id, 30)
+        return outcome, released.reason
+
+
+def test_fault_points_are_refused_unless_enabled_at_start(cluster: Cluster) -> None:
+    with pytest.raises(RuntimeError, match="fault_injection is off"):
+        cluster.daemon("a", "--faults", "before_done=fail")
+
+
+async def test_closed_later_than_a_step_deadline_is_still_success_on_both_sides(cluster: Cluster) -> None:
+    # The offerer stalls 2.5 s between reading done and saying closed: longer than the 1 s
+    # step deadline that used to fail the puller while the offerer released as pulled.
+    a = cluster.daemon("a", *_with_faults("after_done_read=pause:2.5"))
+    b = cluster.daemon("b", "--peer-timeout-s", "1")
+    outcome, reason = await _pull(a, b, timeout_s=20)
+    assert not isinstance(outcome, Exception), outcome
+    assert reason is ReleaseReason.PULLED
+
+
+async def test_an_offerer_silent_past_the_streams_deadline_fails_both_sides_naming_that_deadline(
+    cluster: Cluster,
+) -> None:
+    # Pull deadline 2 s + peer_timeout_s 1 s = a 3 s stream; the offerer stalls 4 s after done.
+    a = cluster.daemon("a", *_with_faults("after_done_read=pause:4"))
+    b = cluster.daemon("b", "--peer-timeout-s", "1")
+    outcome, reason = await _pull(a, b, timeout_s=2)
+    assert isinstance(outcome, DeadlineExceededError), outcome
+    assert "3.0s" in str(outcome) and "every byte landed" in str(outcome)
+    assert reason is ReleaseReason.FAILED
+
+
+async def test_a_prefill_side_cancel_after_every_byte_landed_but_before_done_fails_both_sides(
+    cluster: Cluster,
+) -> None:
+    a = cluster.daemon("a", "--peer-timeout-s", "1")
+    b = cluster.daemon("b", *_with_faults("before_done=pause:3"))
+    pulling = asyncio.create_task(_pull(a, b, timeout_s=20, transfer_id="t-cancel"))
+    await _wait_for_log(b, "point=before_done")
+    async with AsyncKvxferClient(a.socket, engine_name="operator") as ops:
+        assert (await ops.cancel("t-cancel")).cancelled
+    outcome, reason = await pulling
+    assert isinstance(outcome, CancelledError), outcome
+    assert reason is ReleaseReason.FAILED
+
+
+async def test_a_decode_side_cancel_after_done_is_too_late_and_both_sides_succeed(cluster: Cluster) -> None:
+    a = cluster.daemon("a", *_with_faults("after_done_read=pause:2"))
+    b = cluster.daemon("b", "--peer-timeout-s", "1")
+    pulling = asyncio.create_task(_pull(a, b, timeout_s=20, transfer_id="t-late"))
+    await _wait_for_log(a, "point=after_done_read")
+    async with AsyncKvxferClient(b.socket, engine_name="operator") as ops:
+        assert not (await ops.cancel("t-late")).cancelled
+    outcome, reason = await pulling
+    assert not isinstance(outcome, Exception), outcome
+    assert reason is ReleaseReason.PULLED

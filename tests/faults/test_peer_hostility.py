@@ -1,0 +1,163 @@
+"""A peer's UCX worker address is hostile until checked (issue: a random address aborted the
+daemon inside UCX). Fake peers here are real gRPC servers in the test process; the daemons
+under test are real processes."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+
+import grpc
+import numpy as np
+import pytest
+
+from bench.cluster import Cluster, Daemon
+from kvxfer_client import AsyncKvxferClient, HostBuffer, IncompatibleError, Layout, ReleaseReason, Ticket
+from kvxfer_client._proto import common_pb2, peer_pb2, peer_pb2_grpc
+from kvxfer_client._version import PROTOCOL_VERSION
+from kvxferd.dataplane.ucx_address import AddressProbe
+
+LAYOUT = Layout.paged_kv(num_layers=2, num_blocks=32, block_bytes=16 << 10)
+
+
+def _random_address(version_byte: int) -> bytes:
+    return bytes([version_byte]) + os.urandom(216)
+
+
+class FakePeer(peer_pb2_grpc.PeerServiceServicer):
+    """Answers Hello with a chosen worker address; nothing else."""
+
+    def __init__(self, address: bytes) -> None:
+        self.address = address
+
+    async def Hello(self, request: peer_pb2.HelloRequest, context: object) -> peer_pb2.HelloResponse:  # noqa: N802
+        return peer_pb2.HelloResponse(
+            identity=peer_pb2.PeerIdentity(
+                daemon_id="forged-peer",
+                version="0",
+                protocol_version=PROTOCOL_VERSION,
+                hostname="elsewhere",
+                ucx_worker_address=self.address,
+                ucx_transports=["tcp"],
+            )
+        )
+
+
+@pytest.fixture
+async def daemon_pair(cluster: Cluster) -> AsyncIterator[tuple[Daemon, Daemon]]:
+    yield cluster.daemon("a"), cluster.daemon("b")
+
+
+async def _serve_fake(address: bytes) -> tuple[grpc.aio.Server, str]:
+    server = grpc.aio.server()
+    peer_pb2_grpc.add_PeerServiceServicer_to_server(FakePeer(address), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+async def _local_handoff_works(daemon: Daemon) -> None:
+    async with (
+        AsyncKvxferClient(daemon.socket, engine_name="p") as p,
+        AsyncKvxferClient(daemon.socket, engine_name="d") as d,
+    ):
+        src = [HostBuffer.create(s) for s in LAYOUT.buffer_sizes()]
+        for buf in src:
+            buf.array()[:] = np.random.default_rng(1).integers(0, 256, buf.size, dtype=np.uint8)
+        dst = [HostBuffer.create(s) for s in LAYOUT.buffer_sizes()]
+        src_pool, dst_pool = await p.register_pool(src, LAYOUT), await d.register_pool(dst, LAYOUT)
+        ticket = await p.offer(src_pool, [1, 2])
+        await d.pull(ticket, dst_pool, [3, 4])
+        assert (await p.wait_released(ticket.offer_id, 5)).reason is ReleaseReason.PULLED
+
+
+@pytest.mark.parametrize("version_byte", [0x2B, 0x25, 0x00])
+async def test_a_forged_ticket_to_a_peer_with_a_random_worker_address_fails_the_pull_not_the_daemon(
+    daemon_pair: tuple[Daemon, Daemon], version_byte: int
+) -> None:
+    _, b = daemon_pair
+    server, address = await _serve_fake(_random_address(version_byte) if version_byte else bytes(217))
+    try:
+        async with AsyncKvxferClient(b.socket, engine_name="decode") as d:
+            dst = await d.register_pool([HostBuffer.create(s) for s in LAYOUT.buffer_sizes()], LAYOUT)
+            forged = Ticket(
+                daemon_id="forged-peer",
+                peer_address=address,
+                offer_id="off-0",
+                token=b"\1" * 16,
+                num_blocks=1,
+                fingerprint=dst.fingerprint,
+                total_bytes=LAYOUT.bytes_per_block,
+            )
+            with pytest.raises(IncompatibleError, match="malformed UCX worker address"):
+                await d.pull(forged, dst, [0], timeout_s=10)
+        assert b.proc is not None and b.proc.poll() is None, b.log()
+        await _local_handoff_works(b)
+    finally:
+        await server.stop(None)
+
+
+async def test_a_hello_with_a_random_worker_address_then_a_transfer_is_refused_and_the_offer_survives(
+    daemon_pair: tuple[Daemon, Daemon],
+) -> None:
+    a, b = daemon_pair
+    async with (
+        AsyncKvxferClient(a.socket, engine_name="prefill") as p,
+        AsyncKvxferClient(b.socket, engine_name="decode") as d,
+    ):
+        src = await p.register_pool([HostBuffer.create(s) for s in LAYOUT.buffer_sizes()], LAYOUT)
+        dst = await d.register_pool([HostBuffer.create(s) for s in LAYOUT.buffer_sizes()], LAYOUT)
+        ticket = await p.offer(src, [5, 6], lease_s=60)
+        async with grpc.aio.insecure_channel(a.info["peer_address"]) as channel:
+            stub = peer_pb2_grpc.PeerServiceStub(channel)
+            identity = peer_pb2.PeerIdentity(
+                daemon_id="attacker",
+                version="0",
+                protocol_version=PROTOCOL_VERSION,
+                hostname="elsewhere",
+                ucx_worker_address=_random_address(0x2B),
+                ucx_transports=["tcp"],
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as hello:
+                await stub.Hello(peer_pb2.HelloRequest(identity=identity), timeout=10)
+            assert hello.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "malformed UCX worker address" in (hello.value.details() or "")
+            call = stub.Transfer(timeout=10)
+            await call.write(
+                peer_pb2.TransferClientMessage(
+                    start=peer_pb2.TransferStart(
+                        transfer_id="evil-1",
+                        offer_id=ticket.offer_id,
+                        token=ticket.token,
+                        receiver_daemon_id="attacker",
+                        receiver_signature=common_pb2.LayoutSignature(),
+                        num_blocks=2,
+                        tag_base=1 << 24,
+                        chunk_bytes=1 << 20,
+                        timeout_s=5,
+                    )
+                )
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as transfer:
+                await call.read()
+            assert transfer.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert a.proc is not None and a.proc.poll() is None, a.log()
+        # The offer was never claimed: the real decode engine still pulls it.
+        await d.pull(ticket, dst, [1, 2], timeout_s=20)
+        assert (await p.wait_released(ticket.offer_id, 5)).reason is ReleaseReason.PULLED
+
+
+async def test_the_address_probe_contains_a_ucx_abort_and_keeps_serving() -> None:
+    import ucxx
+
+    own = bytes(ucxx.get_worker_address())
+    probe = AddressProbe()
+    try:
+        await probe.check(own, False, "self")  # a real address passes
+        # Past the structural check's back: version 11 makes UCX assert and abort.
+        with pytest.raises(IncompatibleError, match="crashed UCX in the probe process"):
+            await probe.check(_random_address(0x2B), False, "hostile")
+        assert probe.crashes == 1
+        await probe.check(own, True, "self")  # a fresh child answers the next one
+    finally:
+        await probe.close()
