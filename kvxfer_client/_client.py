@@ -34,6 +34,7 @@ from ._errors import (
     error_from_rpc,
 )
 from ._events import OfferReleased, TransferFailed, event_from_proto
+from ._fds import pass_fds
 from ._layout import MAX_BLOCKS, Layout
 from ._memory import HostBuffer
 from ._proto import common_pb2, engine_pb2, engine_pb2_grpc
@@ -263,29 +264,34 @@ class AsyncKvxferClient:
         keeps GPU tensors alive until the pool is deregistered, and offers blocks only after
         the stream that wrote them has been synchronised.
 
-        Once the daemon has mapped host buffers, their names are removed from ``/dev/shm``
-        (the memory lives on in both mappings), so a host buffer is registered once.
+        Host buffers go to the daemon as open file descriptors (never names), so the daemon
+        maps only memory this engine can open; the same buffers may be registered again, e.g.
+        after the daemon restarted.
         """
         if not buffers:
             raise InvalidRequestError("a pool needs at least one buffer")
         specs = [_buffer_spec(b) for b in buffers]
         layout.validate([s.size for s in specs])
         await self.connect()
+        host = [i for i, b in enumerate(buffers) if isinstance(b, HostBuffer)]
+        if host:
+            fds = [buffers[i].fd for i in host]
+            if min(fds) < 0:
+                raise InvalidRequestError("host buffers must come from HostBuffer.create (they pass their descriptor)")
+            handles = await asyncio.to_thread(pass_fds, self.socket_path + ".fds", self.session_id, fds, self.timeout_s)
+            for i, handle in zip(host, handles, strict=True):
+                specs[i].fd_handle = handle
         req = engine_pb2.RegisterPoolRequest(
             session_id=self.session_id, buffers=specs, layout=layout.to_proto(), name=name
         )
         resp = await self._call(self._engine.RegisterPool, req)
-        # Both processes have the memory mapped now: drop the names so nothing is left in
-        # /dev/shm even if this engine or the daemon is killed.
-        for b in buffers:
-            if isinstance(b, HostBuffer):
-                b.unlink()
         return Pool(resp.pool_id, layout, tuple(buffers), resp.fingerprint)
 
     async def deregister_pool(self, pool: Pool | str) -> int:
         """Deregister a pool; returns how many of its offers were released."""
         pool_id = pool.pool_id if isinstance(pool, Pool) else pool
-        resp = await self._call(self._engine.DeregisterPool, engine_pb2.DeregisterPoolRequest(pool_id=pool_id))
+        req = engine_pb2.DeregisterPoolRequest(pool_id=pool_id, session_id=self.session_id)
+        resp = await self._call(self._engine.DeregisterPool, req)
         return int(resp.released_offers)
 
     async def offer(
@@ -293,7 +299,10 @@ class AsyncKvxferClient:
     ) -> Ticket:
         """Pin blocks for a decode engine and return the ticket to hand it."""
         pool_id = pool.pool_id if isinstance(pool, Pool) else pool
-        req = engine_pb2.OfferRequest(pool_id=pool_id, block_ids=_block_ids(block_ids, "block_ids"), lease_s=lease_s)
+        await self.connect()
+        req = engine_pb2.OfferRequest(
+            pool_id=pool_id, block_ids=_block_ids(block_ids, "block_ids"), lease_s=lease_s, session_id=self.session_id
+        )
         resp = await self._hot_call("offer", self._engine.Offer, req)
         return Ticket.from_proto(resp.ticket)
 
@@ -317,8 +326,14 @@ class AsyncKvxferClient:
         ids = _block_ids(block_ids, "dst block_ids")
         if len(ids) != ticket.num_blocks:
             raise InvalidRequestError(f"the ticket holds {ticket.num_blocks} blocks, {len(ids)} destination ids given")
+        await self.connect()
         req = engine_pb2.PullRequest(
-            ticket=ticket.to_proto(), pool_id=pool_id, block_ids=ids, transfer_id=transfer_id, timeout_s=timeout_s
+            ticket=ticket.to_proto(),
+            pool_id=pool_id,
+            block_ids=ids,
+            transfer_id=transfer_id,
+            timeout_s=timeout_s,
+            session_id=self.session_id,
         )
         # The daemon enforces timeout_s; the RPC deadline leaves it room to say why it failed
         # and whether the destination may still be written (see PULL_ANSWER_MARGIN_S).
@@ -335,7 +350,7 @@ class AsyncKvxferClient:
 
     async def release(self, offer_id: str) -> None:
         """Withdraw an offer nobody pulled yet (the engine gets a ``cancelled`` release)."""
-        await self._call(self._engine.Release, engine_pb2.ReleaseRequest(offer_id=offer_id))
+        await self._call(self._engine.Release, engine_pb2.ReleaseRequest(offer_id=offer_id, session_id=self.session_id))
 
     async def cancel(self, transfer_id: str) -> CancelResult:
         """Cancel a running transfer (a pull of this daemon, or a peer's pull of one of its offers).
@@ -343,7 +358,8 @@ class AsyncKvxferClient:
         Returns once the data plane stopped; ``may_still_write`` says when UCX has not confirmed
         that: keep the destination blocks out of use until the pool is deregistered.
         """
-        resp = await self._call(self._engine.Cancel, engine_pb2.CancelRequest(transfer_id=transfer_id))
+        req = engine_pb2.CancelRequest(transfer_id=transfer_id, session_id=self.session_id)
+        resp = await self._call(self._engine.Cancel, req)
         return CancelResult(bool(resp.cancelled), bool(resp.may_still_write))
 
     async def extend_lease(self, ticket: Ticket | str | dict[str, Any], lease_s: float) -> float:
@@ -496,7 +512,7 @@ class KvxferClient:
 def _buffer_spec(buf: Any) -> common_pb2.BufferSpec:
     """A :class:`HostBuffer` or a GPU tensor as the daemon's ``BufferSpec``."""
     if isinstance(buf, HostBuffer):
-        return common_pb2.BufferSpec(kind=common_pb2.MEMORY_KIND_HOST_SHM, size=buf.size, shm_name=buf.name)
+        return common_pb2.BufferSpec(kind=common_pb2.MEMORY_KIND_HOST_SHM, size=buf.size)
     spec = describe_cuda_tensor(buf)
     return common_pb2.BufferSpec(
         kind=common_pb2.MEMORY_KIND_CUDA_IPC,

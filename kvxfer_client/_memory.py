@@ -1,12 +1,17 @@
 """Host memory the daemon can map: POSIX shared memory created by the engine.
 
-The daemon opens the buffer by its name under ``/dev/shm``; no address crosses the socket.
+The engine hands the daemon its open file descriptor (SCM_RIGHTS over the daemon's fd socket),
+never a name: the daemon can then map only memory the engine itself could open, whatever the
+two processes' users, groups and umasks. The name under ``/dev/shm`` is removed as soon as the
+buffer is made, so nothing is left there if the engine dies, and the same buffer can be
+registered again (after a daemon restart) from the descriptor it keeps.
 
 >>> buf = HostBuffer.create(4096)
->>> arr = buf.array()
->>> arr[:4] = [1, 2, 3, 4]
->>> HostBuffer.attach(buf.name).array()[:4].tolist()
+>>> buf.array()[:4] = [1, 2, 3, 4]
+>>> HostBuffer.map_fd(buf.fd, 4096, "buffer").array()[:4].tolist()
 [1, 2, 3, 4]
+>>> os.path.exists(os.path.join(SHM_DIR, buf.name))
+False
 >>> buf.close()
 """
 
@@ -17,6 +22,7 @@ import mmap
 import os
 import re
 import secrets
+import stat
 from typing import Any
 
 import numpy as np
@@ -85,28 +91,58 @@ class HostBuffer:
     made before that stay valid.
     """
 
-    def __init__(self, name: str, size: int, mapping: mmap.mmap, owner: bool) -> None:
+    def __init__(self, name: str, size: int, mapping: mmap.mmap, owner: bool, fd: int = -1) -> None:
         self.name = name
         self.size = size
         self._mmap: mmap.mmap | None = mapping
         self._owner = owner
+        #: The open descriptor (buffers made by :meth:`create`), passed to the daemon at
+        #: registration; -1 for mappings made from a name or a passed descriptor.
+        self.fd = fd
 
     @classmethod
-    def create(cls, size: int, *, prefix: str = "kvxfer") -> HostBuffer:
-        """Create and map a new zero-filled shared-memory buffer of ``size`` bytes."""
+    def create(cls, size: int, *, prefix: str = "kvxfer", named: bool = False) -> HostBuffer:
+        """Create and map a new zero-filled shared-memory buffer of ``size`` bytes.
+
+        ``named``: keep the name under ``/dev/shm`` until :meth:`close` (for :meth:`attach`
+        from another process); by default it is removed at once.
+        """
         if size <= 0:
             raise ValueError(f"size must be positive, got {size}")
         name = f"{check_shm_name(prefix)}-{os.getpid()}-{secrets.token_hex(6)}"
-        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o660)
+        path = os.path.join(SHM_DIR, name)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
+            if not named:
+                os.unlink(path)
             os.ftruncate(fd, size)
             mapping = _map(fd, size)
         except BaseException:
-            os.unlink(os.path.join(SHM_DIR, name))
-            raise
-        finally:
             os.close(fd)
-        return cls(name, size, mapping, owner=True)
+            if named:
+                os.unlink(path)
+            raise
+        return cls(name, size, mapping, owner=named, fd=fd)
+
+    @classmethod
+    def map_fd(cls, fd: int, size: int, what: str) -> HostBuffer:
+        """Map ``size`` bytes of a passed descriptor (the daemon does this at registration);
+        the caller keeps (and closes) ``fd``."""
+        try:
+            info = os.fstat(fd)
+        except OSError:
+            raise InvalidRequestError(f"{what}: not an open file descriptor") from None
+        if not stat.S_ISREG(info.st_mode):
+            raise InvalidRequestError(f"{what}: the descriptor is not a shared-memory file")
+        if size <= 0 or size > info.st_size:
+            raise InvalidRequestError(f"{what}: the file has {info.st_size} bytes, {size} were declared")
+        try:
+            mapping = _map(fd, size)
+        except PermissionError:
+            raise InvalidRequestError(f"{what}: the descriptor is not open for reading and writing") from None
+        except OSError as exc:
+            raise ResourceExhaustedError(f"cannot map {what}: {exc.strerror}") from None
+        return cls("", size, mapping, owner=False)
 
     @classmethod
     def attach(cls, name: str, size: int | None = None) -> HostBuffer:
@@ -145,10 +181,14 @@ class HostBuffer:
             pass
 
     def close(self) -> None:
-        """Unmap (once no numpy view is alive) and, for the creator, unlink the name."""
+        """Unmap (once no numpy view is alive), close the descriptor and, for the creator of
+        a named buffer, unlink the name."""
         if self._owner:
             self.unlink()
             self._owner = False
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
         mapping, self._mmap = self._mmap, None
         if mapping is not None:
             try:

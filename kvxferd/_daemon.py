@@ -25,6 +25,7 @@ from ._node import Node
 from ._systemd import Notifier
 from .control.admin_service import AdminService
 from .control.engine_service import EngineService
+from .control.fd_socket import FdSocket
 from .control.peer_service import PeerService
 from .control.server import Listener, start_listener
 from .dataplane.ucx import UcxTransport, ucx_available
@@ -107,6 +108,8 @@ async def serve(settings: Settings) -> int:
                 socket_group=settings.engine_socket_group,
             )
         )
+        fd_socket = FdSocket(settings.engine_socket + ".fds", node.sessions.get, settings.engine_socket_group)
+        fd_socket.start()
         if settings.admin_listen:
             admin_listener = await start_listener(settings.admin_listen, [tcp_admin], server_creds)
             listeners.append(admin_listener)
@@ -155,6 +158,7 @@ async def serve(settings: Settings) -> int:
             node.abort(record, f"daemon {node.daemon_id} is shutting down (drain grace over)")
         await node.wait_idle(2.0)
     node.shutdown()
+    fd_socket.close()
     for listener in listeners:
         await listener.server.stop(grace=1.0)
     if node.peers is not None:

@@ -37,6 +37,7 @@ from kvxfer_client._errors import (
     InvalidRequestError,
     KvxferError,
     NotFoundError,
+    PermissionDeniedError,
     UnavailableError,
     error_from_rpc,
 )
@@ -50,7 +51,7 @@ from ._faults import Faults
 from ._log import log_event
 from ._metrics import Metrics, NodeState
 from ._offers import Offer, OfferTable
-from ._sessions import Session
+from ._sessions import Session, check_owner
 from ._transfers import TransferRecord, TransferTable
 from .control.peers import Peer, PeerDirectory
 from .dataplane.aligned import aligned_empty
@@ -215,18 +216,21 @@ class Node:
     # -- sessions, pools, offers -------------------------------------------------------------
 
     def open_session(self, engine_name: str) -> Session:
+        if self.draining:
+            raise UnavailableError("kvxferd is draining: no new engine sessions")
         session = Session(engine_name[:256])
         self.sessions[session.session_id] = session
-        log_event("session.open", session_id=session.session_id, engine=session.engine_name)
+        log_event("session.open", session=session.label, engine=session.engine_name)
         return session
 
     def close_session(self, session: Session) -> None:
         """The engine went away: drop its pools (and their offers) before its memory goes."""
         session.closed = True
         self.sessions.pop(session.session_id, None)
+        session.close_fds()
         for pool_id in list(session.pools):
             self.deregister_pool(pool_id, common_pb2.RELEASE_REASON_POOL_GONE)
-        log_event("session.close", session_id=session.session_id, engine=session.engine_name)
+        log_event("session.close", session=session.label, engine=session.engine_name)
 
     def session(self, session_id: str) -> Session:
         session = self.sessions.get(session_id)
@@ -236,17 +240,23 @@ class Node:
 
     def register_pool(self, req: engine_pb2.RegisterPoolRequest) -> Pool:
         session = self.session(req.session_id)
-        pool = self.pools.register(session.session_id, req.buffers, req.layout, req.name)
+        pool = self.pools.register(session, req.buffers, req.layout, req.name)
         session.pools.add(pool.pool_id)
         log_event(
             "pool.register",
             pool_id=pool.pool_id,
-            session_id=session.session_id,
+            session=session.label,
             bytes=pool.nbytes,
             num_blocks=pool.layout.num_blocks,
             regions=len(pool.layout.regions),
             fingerprint=pool.fingerprint,
         )
+        return pool
+
+    def owned_pool(self, pool_id: str, session_id: str) -> Pool:
+        """The pool, if the calling session owns it (NOT_FOUND, PERMISSION_DENIED)."""
+        pool = self.pools.get(pool_id)
+        check_owner(pool.session_id, session_id, f"pool {pool_id!r}")
         return pool
 
     def deregister_pool(
@@ -284,7 +294,7 @@ class Node:
     def offer(self, req: engine_pb2.OfferRequest) -> tuple[Offer, Ticket]:
         if self.draining:
             raise UnavailableError("kvxferd is draining: no new offers")
-        pool = self.pools.get(req.pool_id)
+        pool = self.owned_pool(req.pool_id, req.session_id)
         ids = check_block_ids(req.block_ids, pool.layout.num_blocks, "offer")
         lease = req.lease_s or self.settings.default_lease_s
         if not 0 < lease <= self.settings.max_lease_s:
@@ -333,10 +343,11 @@ class Node:
         self.lease_expiries += 1
         self.release_offer(offer, common_pb2.RELEASE_REASON_EXPIRED, "lease ended before any pull")
 
-    def withdraw(self, offer_id: str) -> None:
+    def withdraw(self, offer_id: str, session_id: str) -> None:
         offer = self.offers.offers.get(offer_id)
         if offer is None:
             raise NotFoundError(f"no offer {offer_id!r}")
+        check_owner(offer.pool.session_id, session_id, f"offer {offer_id!r}")
         if offer.state != "offered":
             raise IncompatibleError(f"offer {offer_id!r} is being pulled; cancel the transfer instead")
         self.release_offer(offer, common_pb2.RELEASE_REASON_CANCELLED, "withdrawn by the engine")
@@ -389,15 +400,21 @@ class Node:
         except TimeoutError:
             return False
 
-    async def cancel_transfer(self, transfer_id: str) -> tuple[bool, bool]:
+    async def cancel_transfer(self, transfer_id: str, session_id: str | None = None) -> tuple[bool, bool]:
         """Cancel every running transfer with this id (our pull, or a peer's pull of our
         offer: the peer then sees its pull fail). Returns ``(cancelled, may_still_write)``
-        once the transfers have unwound, or after ``peer_timeout_s`` if they have not."""
+        once the transfers have unwound, or after ``peer_timeout_s`` if they have not.
+        ``session_id``: an engine may cancel only transfers touching its own pools (None: an
+        operator, through AdminService)."""
         if not 1 <= len(transfer_id) <= 128:
             raise InvalidRequestError("transfer_id must be 1..128 characters")
         # A transfer whose bytes the receiver already confirmed is finishing, not cancellable:
         # the pull succeeds and the offer is released as pulled.
         records = [r for r in self.transfers.find(transfer_id) if not r.committed]
+        if session_id is not None and records:
+            owners = {self.pools.pools[p].session_id for r in records for p in r.pools if p in self.pools.pools}
+            if not any(owner == session_id for owner in owners) or not session_id:
+                raise PermissionDeniedError(f"transfer {transfer_id!r} touches no pool of this engine session")
         tasks = [r.task for r in records if r.task is not None and not r.task.done()]
         unconfirmed = self._unconfirmed_receives()
         for r in records:
@@ -449,7 +466,7 @@ class Node:
         if self.draining:
             raise UnavailableError("kvxferd is draining: no new pulls")
         ticket = _checked_ticket(req.ticket)
-        pool = self.pools.get(req.pool_id)
+        pool = self.owned_pool(req.pool_id, req.session_id)
         ids = check_block_ids(req.block_ids, pool.layout.num_blocks, "pull destination")
         if len(ids) != ticket.num_blocks:
             raise InvalidRequestError(f"ticket holds {ticket.num_blocks} blocks, {len(ids)} destination ids given")

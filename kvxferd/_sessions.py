@@ -1,26 +1,67 @@
-"""Engine sessions: one per connected engine, holding its event queue and pools."""
+"""Engine sessions: one per connected engine, holding its event queue, pools and passed fds.
+
+A session's id is the engine's capability: every request that acts on a pool or an offer
+carries it, and only the session that created them may (DESIGN §2, "Ownership"). It is never
+shown to operators; kvxferctl shows :attr:`Session.label` instead.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import hmac
+import os
 import secrets
 import time
 from dataclasses import dataclass, field
 
+from kvxfer_client._errors import PermissionDeniedError, ResourceExhaustedError
 from kvxfer_client._proto import engine_pb2
 
-__all__ = ["Session"]
+__all__ = ["MAX_PENDING_FDS", "Session", "check_owner"]
+
+#: File descriptors an engine may have passed and not yet used in a registration.
+MAX_PENDING_FDS = 8192
 
 
 @dataclass
 class Session:
     engine_name: str
-    session_id: str = field(default_factory=lambda: "sess-" + secrets.token_hex(6))
+    session_id: str = field(default_factory=lambda: "sess-" + secrets.token_hex(16))
+    #: What logs and kvxferctl show (the id itself is the engine's secret).
+    label: str = field(default_factory=lambda: "s-" + secrets.token_hex(4))
     started: float = field(default_factory=time.time)
     events: asyncio.Queue[engine_pb2.EngineEvent] = field(default_factory=asyncio.Queue)
     pools: set[str] = field(default_factory=set)
+    #: Descriptors passed over the fd socket, by handle, until a registration maps them.
+    fds: dict[str, int] = field(default_factory=dict)
     closed: bool = False
 
     def emit(self, event: engine_pb2.EngineEvent) -> None:
         if not self.closed:
             self.events.put_nowait(event)
+
+    def deposit_fds(self, fds: list[int]) -> list[str]:
+        """Keep passed descriptors under fresh handles (the caller closes them on refusal)."""
+        if len(self.fds) + len(fds) > MAX_PENDING_FDS:
+            raise ResourceExhaustedError(f"more than {MAX_PENDING_FDS} passed descriptors not yet registered")
+        handles = ["fd-" + secrets.token_hex(8) for _ in fds]
+        self.fds.update(zip(handles, fds, strict=True))
+        return handles
+
+    def take_fd(self, handle: str) -> int | None:
+        return self.fds.pop(handle, None)
+
+    def close_fds(self) -> None:
+        fds, self.fds = self.fds, {}
+        for fd in fds.values():
+            os.close(fd)
+
+
+def check_owner(owner_session_id: str, caller_session_id: str, what: str) -> None:
+    """PERMISSION_DENIED unless the caller is the session that owns ``what``."""
+    if not caller_session_id:
+        raise PermissionDeniedError(
+            f"{what}: the request names no session (send the session id from WatchEvents; kvxfer_client does)"
+        )
+    if not hmac.compare_digest(owner_session_id.encode(), caller_session_id.encode()):
+        raise PermissionDeniedError(f"{what} belongs to another engine session")

@@ -69,7 +69,7 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
                 admin_pb2.PoolInfo(
                     pool_id=p.pool_id,
                     name=p.name,
-                    session_id=p.session_id,
+                    session_id=session.label if session else "",
                     engine_name=session.engine_name if session else "",
                     kind=p.kind,  # type: ignore[arg-type]
                     buffers=len(p.layout.buffer_sizes()),

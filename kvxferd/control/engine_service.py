@@ -44,6 +44,7 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
     async def DeregisterPool(  # noqa: N802
         self, request: engine_pb2.DeregisterPoolRequest, context: Ctx
     ) -> engine_pb2.DeregisterPoolResponse:
+        self.node.owned_pool(request.pool_id, request.session_id)
         return engine_pb2.DeregisterPoolResponse(released_offers=self.node.deregister_pool(request.pool_id))
 
     async def _offer(self, request: engine_pb2.OfferRequest) -> engine_pb2.OfferResponse:
@@ -65,12 +66,12 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
 
     @rpc_method
     async def Release(self, request: engine_pb2.ReleaseRequest, context: Ctx) -> engine_pb2.ReleaseResponse:  # noqa: N802
-        self.node.withdraw(request.offer_id)
+        self.node.withdraw(request.offer_id, request.session_id)
         return engine_pb2.ReleaseResponse()
 
     @rpc_method
     async def Cancel(self, request: engine_pb2.CancelRequest, context: Ctx) -> engine_pb2.CancelResponse:  # noqa: N802
-        cancelled, may_still_write = await self.node.cancel_transfer(request.transfer_id)
+        cancelled, may_still_write = await self.node.cancel_transfer(request.transfer_id, request.session_id)
         return engine_pb2.CancelResponse(cancelled=cancelled, may_still_write=may_still_write)
 
     @rpc_method

@@ -8,6 +8,7 @@ sizes at registration, so no offset a plan computes can leave its buffer.
 from __future__ import annotations
 
 import functools
+import os
 import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from kvxfer_client._layout import Layout
 from kvxfer_client._memory import HostBuffer
 from kvxfer_client._proto import common_pb2
 
+from .._sessions import Session
 from ..dataplane.plan import RegionTable
 
 __all__ = ["Pool", "PoolRegistry", "check_block_ids"]
@@ -124,7 +126,7 @@ class PoolRegistry:
         return self._gpu_unsupported
 
     def register(
-        self, session_id: str, buffers: Sequence[common_pb2.BufferSpec], layout_msg: common_pb2.Layout, name: str
+        self, session: Session, buffers: Sequence[common_pb2.BufferSpec], layout_msg: common_pb2.Layout, name: str
     ) -> Pool:
         if not buffers or len(buffers) > MAX_BUFFERS:
             raise InvalidRequestError(f"a pool needs 1..{MAX_BUFFERS} buffers")
@@ -140,7 +142,7 @@ class PoolRegistry:
             (r.buffer_index, r.offset, r.block_stride, r.block_bytes) for r in layout.regions
         )
         if kind == common_pb2.MEMORY_KIND_HOST_SHM:
-            arrays, closers, device, uuid = self._map_host(buffers)
+            arrays, closers, device, uuid = self._map_host(buffers, session)
             base = np.array([a.ctypes.data for a in arrays], dtype=np.int64)
         elif kind == common_pb2.MEMORY_KIND_CUDA_IPC:
             arrays, closers, device, uuid, base = self._map_gpu(buffers)
@@ -149,7 +151,7 @@ class PoolRegistry:
         pool = Pool(
             pool_id="pool-" + secrets.token_hex(6),
             name=name,
-            session_id=session_id,
+            session_id=session.session_id,
             layout=layout,
             kind=kind,
             arrays=arrays,
@@ -166,16 +168,33 @@ class PoolRegistry:
 
     @staticmethod
     def _map_host(
-        buffers: Sequence[common_pb2.BufferSpec],
+        buffers: Sequence[common_pb2.BufferSpec], session: Session
     ) -> tuple[list[Any], list[Callable[[], None]], None, str]:
+        """Map each buffer from the descriptor the engine passed (never by name: the daemon
+        must not open memory the engine could not open itself)."""
+        if any(spec.shm_name for spec in buffers):
+            raise InvalidRequestError(
+                "host buffers are registered by passed file descriptor, not by name "
+                "(upgrade kvxfer_client: it passes them over <engine socket>.fds)"
+            )
+        fds = [session.take_fd(spec.fd_handle) for spec in buffers]
         mappings: list[HostBuffer] = []
         try:
-            for spec in buffers:
-                mappings.append(HostBuffer.attach(spec.shm_name, spec.size))
+            for i, (spec, fd) in enumerate(zip(buffers, fds, strict=True)):
+                if fd is None:
+                    raise InvalidRequestError(
+                        f"buffer {i}: unknown fd_handle {spec.fd_handle[:40]!r} (pass the descriptor on the fd "
+                        "socket first, in this session; each handle registers once)"
+                    )
+                mappings.append(HostBuffer.map_fd(fd, spec.size, f"buffer {i}"))
         except BaseException:
             for m in mappings:
                 m.close()
             raise
+        finally:
+            for fd in fds:
+                if fd is not None:
+                    os.close(fd)  # the mappings keep the memory
         return [m.array() for m in mappings], [m.close for m in mappings], None, ""
 
     def _map_gpu(

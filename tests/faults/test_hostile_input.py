@@ -72,7 +72,7 @@ class Target:
             pools = stub.ListPools(admin_pb2.ListPoolsRequest(), timeout=5).pools
         honest = next(p for p in pools if p.engine_name == "honest-prefill")
         self.pool_id = honest.pool_id
-        self.session_id = honest.session_id
+        self.session_id = self.prefill.session_id  # the engine's own (ListPools shows a label)
         self.ticket = self.prefill("offer", requests=[[1, 2]], lease_s=600)["tickets"][0]
         # Generated requests get the ids of a decoy engine (they may deregister its pool,
         # withdraw its offers); the honest pair above must be untouched by all of it.
@@ -86,7 +86,7 @@ class Target:
             )
         self.ids = [
             decoy_pool.pool_id,
-            decoy_pool.session_id,
+            decoy.session_id,
             *(t["offer_id"] for t in decoy_ticket),
             "victim",
             self.daemon.info["peer_address"],
@@ -323,6 +323,7 @@ def test_hand_written_hostile_pulls_are_refused_with_the_right_code_and_the_offe
 )
 def test_hostile_offers_are_invalid_arguments(target: Target, what: str, request_: engine_pb2.OfferRequest) -> None:
     request_.pool_id = target.pool_id
+    request_.session_id = target.session_id
     code = call("unix:" + target.daemon.socket, engine_pb2_grpc.EngineServiceStub, "Offer", request_)
     assert code == grpc.StatusCode.INVALID_ARGUMENT, what
 
@@ -333,6 +334,8 @@ def test_hostile_offers_are_invalid_arguments(target: Target, what: str, request
         ("path traversal", common_pb2.BufferSpec(kind=1, size=4096, shm_name="../../etc/passwd"), "INVALID_ARGUMENT"),
         ("missing shm", common_pb2.BufferSpec(kind=1, size=4096, shm_name="kvxfer-nope"), "INVALID_ARGUMENT"),
         ("no kind", common_pb2.BufferSpec(size=4096, shm_name="x"), "INVALID_ARGUMENT"),
+        ("unknown fd handle", common_pb2.BufferSpec(kind=1, size=4096, fd_handle="fd-0123"), "INVALID_ARGUMENT"),
+        ("no fd handle", common_pb2.BufferSpec(kind=1, size=4096), "INVALID_ARGUMENT"),
     ],
 )
 def test_hostile_pool_registrations_are_refused(target: Target, what: str, buffer: Any, code: str) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import grpc
 import pytest
 
 from bench.cluster import Cluster, Daemon
@@ -19,6 +20,7 @@ from kvxfer_client import (
     Layout,
     ReleaseReason,
 )
+from kvxfer_client._proto import admin_pb2, admin_pb2_grpc
 
 LAYOUT = Layout.paged_kv(num_layers=2, num_blocks=32, block_bytes=64 << 10)
 
@@ -32,6 +34,13 @@ async def _wait_for_log(daemon: Daemon, text: str, timeout_s: float = 20.0) -> N
     while text not in daemon.log():
         assert time.monotonic() < deadline, f"{text!r} never appeared in {daemon.name}'s log"
         await asyncio.sleep(0.02)
+
+
+async def _admin_cancel(daemon: Daemon, transfer_id: str) -> admin_pb2.AdminCancelResponse:
+    """An operator's cancel (engines may cancel only transfers touching their own pools)."""
+    async with grpc.aio.insecure_channel("unix:" + daemon.socket) as channel:
+        stub = admin_pb2_grpc.AdminServiceStub(channel)
+        return await stub.Cancel(admin_pb2.AdminCancelRequest(id=transfer_id), timeout=30)
 
 
 async def _pull(prefill: Daemon, decode: Daemon, timeout_s: float, transfer_id: str = "t-1") -> tuple[object, object]:
@@ -85,8 +94,7 @@ async def test_a_prefill_side_cancel_after_every_byte_landed_but_before_done_fai
     b = cluster.daemon("b", *_with_faults("before_done=pause:3"))
     pulling = asyncio.create_task(_pull(a, b, timeout_s=20, transfer_id="t-cancel"))
     await _wait_for_log(b, "point=before_done")
-    async with AsyncKvxferClient(a.socket, engine_name="operator") as ops:
-        assert (await ops.cancel("t-cancel")).cancelled
+    assert (await _admin_cancel(a, "t-cancel")).cancelled
     outcome, reason = await pulling
     assert isinstance(outcome, CancelledError), outcome
     assert reason is ReleaseReason.FAILED
@@ -97,8 +105,9 @@ async def test_a_decode_side_cancel_after_done_is_too_late_and_both_sides_succee
     b = cluster.daemon("b", "--peer-timeout-s", "1")
     pulling = asyncio.create_task(_pull(a, b, timeout_s=20, transfer_id="t-late"))
     await _wait_for_log(a, "point=after_done_read")
-    async with AsyncKvxferClient(b.socket, engine_name="operator") as ops:
-        assert not (await ops.cancel("t-late")).cancelled
+    with pytest.raises(grpc.aio.AioRpcError) as nothing:  # committed: not a cancellable transfer
+        await _admin_cancel(b, "t-late")
+    assert nothing.value.code() == grpc.StatusCode.NOT_FOUND
     outcome, reason = await pulling
     assert not isinstance(outcome, Exception), outcome
     assert reason is ReleaseReason.PULLED

@@ -9,11 +9,13 @@ from kvxfer_client import IncompatibleError
 from kvxfer_client._proto import peer_pb2
 from kvxferd.control.peers import check_compatible
 
-OURS = peer_pb2.PeerIdentity(daemon_id="a", version="0.1.0", protocol_version=1, ucx_worker_address=b"w")
+#: Shaped like a UCX worker address (version byte, then payload); real ones are ~200 bytes.
+WORKER = b"\x20" + bytes(range(1, 64))
+OURS = peer_pb2.PeerIdentity(daemon_id="a", version="0.1.0", protocol_version=1, ucx_worker_address=WORKER)
 
 
 def theirs(**changes: object) -> peer_pb2.PeerIdentity:
-    msg = peer_pb2.PeerIdentity(daemon_id="b", version="0.1.0", protocol_version=1, ucx_worker_address=b"w")
+    msg = peer_pb2.PeerIdentity(daemon_id="b", version="0.1.0", protocol_version=1, ucx_worker_address=WORKER)
     for k, v in changes.items():
         setattr(msg, k, v)
     return msg
@@ -33,6 +35,11 @@ def test_a_compatible_peer_passes() -> None:
         ({"daemon_id": "a"}, "equals ours"),
         ({"daemon_id": ""}, "is empty"),
         ({"ucx_worker_address": b""}, "has no UCX worker"),
+        (
+            {"ucx_worker_address": b"\x2b" + bytes(range(1, 64))},
+            "malformed UCX worker address: unknown address version",
+        ),
+        ({"ucx_worker_address": b"\x20\x01"}, "malformed UCX worker address: 2 bytes"),
     ],
 )
 def test_an_incompatible_peer_is_refused_naming_the_mismatch(changes: dict[str, object], named: str) -> None:

@@ -43,7 +43,7 @@ def test_buffers_sit_on_huge_pages_on_both_sides_when_dev_shm_allows_them() -> N
     """Copies between processes walk both sides' pages: 2 MiB pages make that walk short."""
     buf = HostBuffer.create(8 * TWO_MIB)
     try:
-        peer = HostBuffer.attach(buf.name)
+        peer = HostBuffer.map_fd(buf.fd, buf.size, "peer")
         try:
             assert _pmd_mapped_kib(_address(buf)) >= 4 * 2048
             assert _pmd_mapped_kib(_address(peer)) >= 4 * 2048
@@ -59,7 +59,7 @@ def test_buffers_are_zero_filled_and_shared_between_mappings() -> None:
         arr = buf.array()
         assert not arr.any()
         arr[-1] = 7
-        peer = HostBuffer.attach(buf.name)
+        peer = HostBuffer.map_fd(buf.fd, buf.size, "peer")
         try:
             assert peer.array()[-1] == 7
         finally:

@@ -148,6 +148,7 @@ class PoolInfo(_message.Message):
     pool_id: _builtins.str
     name: _builtins.str
     session_id: _builtins.str
+    """The owning session's public label (never its id, which is the engine's capability)."""
     engine_name: _builtins.str
     kind: _common_pb2.MemoryKind.ValueType
     buffers: _builtins.int

@@ -121,17 +121,26 @@ class BufferSpec(_message.Message):
     CUDA_IPC_HANDLE_FIELD_NUMBER: _builtins.int
     CUDA_ALLOC_OFFSET_FIELD_NUMBER: _builtins.int
     GPU_UUID_FIELD_NUMBER: _builtins.int
+    FD_HANDLE_FIELD_NUMBER: _builtins.int
     kind: Global___MemoryKind.ValueType
     size: _builtins.int
     """Usable bytes of this buffer, starting at the tensor's first byte."""
     shm_name: _builtins.str
-    """HOST_SHM: the name under /dev/shm (no slashes)."""
+    """Retired: the daemon no longer opens memory by name (it could open what the engine could
+    not); a request that sets it is refused. Use fd_handle.
+    """
     cuda_ipc_handle: _builtins.bytes
     """CUDA_IPC: the 64-byte IPC handle of the allocation holding the tensor."""
     cuda_alloc_offset: _builtins.int
     """CUDA_IPC: the tensor's byte offset inside that allocation."""
     gpu_uuid: _builtins.str
     """CUDA_IPC: the GPU's UUID ("GPU-...")."""
+    fd_handle: _builtins.str
+    """HOST_SHM: the handle the daemon gave for the engine's open file descriptor of the memory,
+    passed with SCM_RIGHTS on the fd socket (<engine socket>.fds). The kernel checked the
+    engine's own permission when it opened the file, so the daemon maps only what the engine
+    itself can open. One use; handles die with the session.
+    """
     def __init__(
         self,
         *,
@@ -141,10 +150,11 @@ class BufferSpec(_message.Message):
         cuda_ipc_handle: _builtins.bytes = ...,
         cuda_alloc_offset: _builtins.int = ...,
         gpu_uuid: _builtins.str = ...,
+        fd_handle: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cuda_alloc_offset", b"cuda_alloc_offset", "cuda_ipc_handle", b"cuda_ipc_handle", "gpu_uuid", b"gpu_uuid", "kind", b"kind", "shm_name", b"shm_name", "size", b"size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cuda_alloc_offset", b"cuda_alloc_offset", "cuda_ipc_handle", b"cuda_ipc_handle", "fd_handle", b"fd_handle", "gpu_uuid", b"gpu_uuid", "kind", b"kind", "shm_name", b"shm_name", "size", b"size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

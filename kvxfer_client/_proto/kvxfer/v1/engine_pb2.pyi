@@ -171,6 +171,9 @@ class SessionStarted(_message.Message):
     SESSION_ID_FIELD_NUMBER: _builtins.int
     DAEMON_ID_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
+    """The session's capability: every request acting on its pools and offers carries it. Secret
+    to the engine: kvxferctl shows a separate label.
+    """
     daemon_id: _builtins.str
     def __init__(
         self,
@@ -298,15 +301,21 @@ class DeregisterPoolRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     POOL_ID_FIELD_NUMBER: _builtins.int
+    SESSION_ID_FIELD_NUMBER: _builtins.int
     pool_id: _builtins.str
+    session_id: _builtins.str
+    """The session (from SessionStarted) that owns the pool or offer: only it may act on them
+    (PERMISSION_DENIED otherwise; operators use AdminService).
+    """
     def __init__(
         self,
         *,
         pool_id: _builtins.str = ...,
+        session_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["pool_id", b"pool_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["pool_id", b"pool_id", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -339,9 +348,14 @@ class OfferRequest(_message.Message):
     POOL_ID_FIELD_NUMBER: _builtins.int
     BLOCK_IDS_FIELD_NUMBER: _builtins.int
     LEASE_S_FIELD_NUMBER: _builtins.int
+    SESSION_ID_FIELD_NUMBER: _builtins.int
     pool_id: _builtins.str
     lease_s: _builtins.float
     """Seconds the blocks stay pinned if nobody pulls them; 0 means the daemon's default."""
+    session_id: _builtins.str
+    """The session (from SessionStarted) that owns the pool or offer: only it may act on them
+    (PERMISSION_DENIED otherwise; operators use AdminService).
+    """
     @_builtins.property
     def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
@@ -350,10 +364,11 @@ class OfferRequest(_message.Message):
         pool_id: _builtins.str = ...,
         block_ids: _abc.Iterable[_builtins.int] | None = ...,
         lease_s: _builtins.float = ...,
+        session_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "lease_s", b"lease_s", "pool_id", b"pool_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "lease_s", b"lease_s", "pool_id", b"pool_id", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -391,11 +406,14 @@ class PullRequest(_message.Message):
     BLOCK_IDS_FIELD_NUMBER: _builtins.int
     TRANSFER_ID_FIELD_NUMBER: _builtins.int
     TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    SESSION_ID_FIELD_NUMBER: _builtins.int
     pool_id: _builtins.str
     transfer_id: _builtins.str
     """Caller-chosen id (for retries and cancel); the daemon generates one when empty."""
     timeout_s: _builtins.float
     """Seconds the whole pull may take; 0 means the daemon's default."""
+    session_id: _builtins.str
+    """The session owning the destination pool."""
     @_builtins.property
     def ticket(self) -> _common_pb2.Ticket: ...
     @_builtins.property
@@ -408,10 +426,11 @@ class PullRequest(_message.Message):
         block_ids: _abc.Iterable[_builtins.int] | None = ...,
         transfer_id: _builtins.str = ...,
         timeout_s: _builtins.float = ...,
+        session_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["ticket", b"ticket"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "pool_id", b"pool_id", "ticket", b"ticket", "timeout_s", b"timeout_s", "transfer_id", b"transfer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "pool_id", b"pool_id", "session_id", b"session_id", "ticket", b"ticket", "timeout_s", b"timeout_s", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -465,15 +484,21 @@ class ReleaseRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     OFFER_ID_FIELD_NUMBER: _builtins.int
+    SESSION_ID_FIELD_NUMBER: _builtins.int
     offer_id: _builtins.str
+    session_id: _builtins.str
+    """The session (from SessionStarted) that owns the pool or offer: only it may act on them
+    (PERMISSION_DENIED otherwise; operators use AdminService).
+    """
     def __init__(
         self,
         *,
         offer_id: _builtins.str = ...,
+        session_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["offer_id", b"offer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["offer_id", b"offer_id", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -499,15 +524,19 @@ class CancelRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     TRANSFER_ID_FIELD_NUMBER: _builtins.int
+    SESSION_ID_FIELD_NUMBER: _builtins.int
     transfer_id: _builtins.str
+    session_id: _builtins.str
+    """The session owning a pool the transfer reads or writes."""
     def __init__(
         self,
         *,
         transfer_id: _builtins.str = ...,
+        session_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["transfer_id", b"transfer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["session_id", b"session_id", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
