@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,6 +36,8 @@ __all__ = ["main", "serve"]
 
 ENGINE_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
 PEER_SERVICE = "kvxfer.v1.PeerService"
+#: Seconds past ``drain_grace_s`` that the rest of a shutdown may take before it is forced.
+SHUTDOWN_EXTRA_S = 5.0
 ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name
 
 
@@ -146,6 +149,9 @@ async def serve(settings: Settings) -> int:
 
     await stop.wait()
     systemd.notify("STOPPING=1\nSTATUS=draining")
+    # Whatever peers and UCX do from here (a frozen peer can block a channel or endpoint close
+    # for as long as it stays frozen), the process is gone by this deadline.
+    _exit_by(settings.drain_grace_s + SHUTDOWN_EXTRA_S)
 
     # Drain: health says NOT_SERVING, no new offers or pulls, running transfers get the grace
     # period, then whatever is left is cancelled and every offer released.
@@ -173,6 +179,19 @@ async def serve(settings: Settings) -> int:
     if settings.ready_file and os.path.exists(settings.ready_file):
         os.unlink(settings.ready_file)
     return 0
+
+
+def _exit_by(seconds: float) -> None:
+    """Arm a timer thread that ends the process if shutdown has not finished in ``seconds``."""
+
+    def force() -> None:
+        log_event("daemon.exit_forced", logging.ERROR, after_s=seconds, detail="shutdown did not finish in time")
+        logging.shutdown()
+        os._exit(1)
+
+    timer = threading.Timer(seconds, force)
+    timer.daemon = True
+    timer.start()
 
 
 def _dump_tasks() -> None:
@@ -218,7 +237,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     log_event("daemon.config", **settings.as_dict())
     profile_to = os.environ.get("KVXFERD_PROFILE")
     if not profile_to:
-        raise SystemExit(uvloop.run(serve(settings)))
+        code = uvloop.run(serve(settings))
+        # Leave without the interpreter's teardown: UCXX closes endpoints there, and one to a
+        # dead or frozen peer blocks for as long as the peer stays so. Everything the daemon
+        # owes anyone (released offers, closed listeners, the log) is done by now.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     # Developers: cProfile the whole run, stats written to $KVXFERD_PROFILE.<pid> at exit.
     import cProfile
 

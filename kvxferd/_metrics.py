@@ -14,12 +14,16 @@ True
 
 from __future__ import annotations
 
+import http.server
+import socket
+import socketserver
+import threading
 from collections import Counter as Tally
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, start_http_server
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -134,10 +138,72 @@ class Metrics:
         return generate_latest(self.registry)
 
 
+#: Scrapes served at once; more connections are closed at once (a scrape takes milliseconds).
+MAX_SCRAPES = 16
+#: Seconds a metrics connection may sit idle before it is closed.
+SCRAPE_IDLE_S = 5.0
+
+
+class _MetricsServer(socketserver.ThreadingMixIn, http.server.HTTPServer):
+    """HTTP server with a bounded number of connection threads, each with an idle timeout
+    (prometheus_client's own server starts one unbounded thread per idle connection)."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self._slots = threading.BoundedSemaphore(MAX_SCRAPES)
+        super().__init__(address, _MetricsHandler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
+class _MetricsServer6(_MetricsServer):
+    address_family = socket.AF_INET6
+
+
+class _MetricsHandler(http.server.BaseHTTPRequestHandler):
+    timeout = SCRAPE_IDLE_S
+    server: _MetricsServer
+
+    def do_GET(self) -> None:
+        if self.path.split("?")[0] not in ("/metrics", "/"):
+            self.send_error(404)
+            return
+        body = generate_latest(self.server.registry)
+        self.send_response(200)
+        self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # scrapes are not events
+
+
 def serve_metrics(metrics: Metrics, address: str) -> tuple[Any, str]:
-    """Serve ``/metrics`` on ``host:port`` from a background thread; returns (server, bound address)."""
+    """Serve ``/metrics`` on ``host:port`` from a background thread; returns (server, bound address).
+    At most :data:`MAX_SCRAPES` connections are served at once, each closed after
+    :data:`SCRAPE_IDLE_S` idle."""
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
         raise OSError(f"metrics_listen must be host:port, got {address!r}")
-    server, _thread = start_http_server(int(port), addr=host.strip("[]"), registry=metrics.registry)
+    bind = host.strip("[]")
+    server_type = _MetricsServer6 if ":" in bind else _MetricsServer
+    server = server_type((bind, int(port)), metrics.registry)
+    threading.Thread(target=server.serve_forever, name="kvxfer-metrics", daemon=True).start()
     return server, f"{host}:{server.server_port}"

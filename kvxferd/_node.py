@@ -474,6 +474,12 @@ class Node:
             raise IncompatibleError(
                 f"layout fingerprint mismatch: offer {ticket.fingerprint}, destination pool {pool.fingerprint}"
             )
+        # Same fingerprint, same bytes per block: a ticket's byte count is derived, never trusted.
+        if ticket.total_bytes != ticket.num_blocks * pool.layout.bytes_per_block:
+            raise InvalidRequestError(
+                f"malformed ticket: total_bytes {ticket.total_bytes} is not {ticket.num_blocks} blocks of "
+                f"{pool.layout.bytes_per_block} bytes"
+            )
         timeout = req.timeout_s or self.settings.pull_timeout_s
         if not 0 < timeout <= 3600:
             raise InvalidRequestError("timeout_s must be in (0, 3600]")

@@ -228,7 +228,7 @@ def test_generated_call_stream_requests_get_client_errors_and_never_crash_the_da
 
 
 def test_calls_naming_no_call_are_refused_and_unknown_abandons_ignored(target: Target) -> None:
-    offer = engine_pb2.OfferRequest(pool_id=target.pool_id, block_ids=[30])
+    offer = engine_pb2.OfferRequest(pool_id=target.pool_id, block_ids=[30], session_id=target.session_id)
     answers = call_stream(
         target,
         [
@@ -274,7 +274,9 @@ def hostile_pulls(t: Target) -> list[tuple[str, engine_pb2.PullRequest]]:
         ticket.CopyFrom(good)
         for k, v in ticket_changes.items():
             setattr(ticket, k, v)
-        return engine_pb2.PullRequest(ticket=ticket, pool_id=t.pool_id, block_ids=ids, timeout_s=5)
+        return engine_pb2.PullRequest(
+            ticket=ticket, pool_id=t.pool_id, block_ids=ids, timeout_s=5, session_id=t.session_id
+        )
 
     return [
         ("block id out of range", pull([1, 64])),

@@ -12,7 +12,15 @@ import grpc
 import pytest
 
 from bench.cluster import Cluster, Daemon
-from kvxfer_client import AsyncKvxferClient, HostBuffer, Layout, PermissionDeniedError, ReleaseReason
+from kvxfer_client import (
+    AsyncKvxferClient,
+    HostBuffer,
+    InvalidRequestError,
+    Layout,
+    PermissionDeniedError,
+    ReleaseReason,
+    Ticket,
+)
 from kvxfer_client._proto import admin_pb2, admin_pb2_grpc, common_pb2, engine_pb2, engine_pb2_grpc
 
 LAYOUT = Layout.contiguous(num_blocks=16, block_bytes=4096)
@@ -98,3 +106,17 @@ async def test_requests_without_a_session_are_refused_and_operators_see_labels_n
             listed = await admin_pb2_grpc.AdminServiceStub(channel).ListPools(admin_pb2.ListPoolsRequest())
         shown = next(p for p in listed.pools if p.pool_id == pool.pool_id)
         assert shown.session_id and shown.session_id != owner.session_id
+
+
+async def test_a_ticket_whose_byte_count_disagrees_with_its_blocks_is_refused(daemon: Daemon) -> None:
+    async with (
+        AsyncKvxferClient(daemon.socket, engine_name="p") as p,
+        AsyncKvxferClient(daemon.socket, engine_name="d") as d,
+    ):
+        src, dst = await _pool(p, fill=3), await _pool(d)
+        ticket = await p.offer(src, [1, 2], lease_s=60)
+        tampered = Ticket(**{**ticket.__dict__, "total_bytes": 1})
+        with pytest.raises(InvalidRequestError, match="total_bytes 1"):
+            await d.pull(tampered, dst, [5, 6])
+        await d.pull(ticket, dst, [5, 6])  # the offer was not touched
+        assert (await p.wait_released(ticket.offer_id, 5)).reason is ReleaseReason.PULLED

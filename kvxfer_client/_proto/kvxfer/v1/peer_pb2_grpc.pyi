@@ -41,6 +41,19 @@ class PeerServiceStub:
     accepted, sends the bytes over UCX and then says sent; the client says done once every byte
     has landed (it need not have read sent yet), and the offering daemon answers closed after
     releasing the offer. The pull succeeds only on closed.
+
+    Outcomes. Both sides report the same outcome in every interleaving; the offering side
+    decides once done is on its way (tests/faults/test_outcomes.py hits each row through the
+    daemons' fault-injection points):
+      before done: any failure, cancel or deadline on either side -> both fail (the offer is
+        released as failed; a puller that leaves before the claim leaves it pullable);
+      done sent, offering side cancelled before reading it -> both fail (cancelled);
+      done sent, cancel on the pulling side -> too late, not cancelled; both succeed;
+      done read with >= 1 s of the stream's deadline left -> released as pulled, closed;
+        the puller waits for closed up to the stream's deadline (pull timeout_s +
+        peer_timeout_s), with no step deadline, so a late closed is still success;
+      done read with < 1 s of that deadline left -> both fail (deadline exceeded);
+      the stream's deadline passes before closed -> both fail, the error naming that deadline.
     """
     ExtendLease: _grpc.UnaryUnaryMultiCallable[_peer_pb2.PeerExtendLeaseRequest, _peer_pb2.PeerExtendLeaseResponse]
     """Extends the lease of an offer of the called daemon (checked against the offer's token)."""
@@ -55,6 +68,19 @@ class PeerServiceAsyncStub(PeerServiceStub):
     accepted, sends the bytes over UCX and then says sent; the client says done once every byte
     has landed (it need not have read sent yet), and the offering daemon answers closed after
     releasing the offer. The pull succeeds only on closed.
+
+    Outcomes. Both sides report the same outcome in every interleaving; the offering side
+    decides once done is on its way (tests/faults/test_outcomes.py hits each row through the
+    daemons' fault-injection points):
+      before done: any failure, cancel or deadline on either side -> both fail (the offer is
+        released as failed; a puller that leaves before the claim leaves it pullable);
+      done sent, offering side cancelled before reading it -> both fail (cancelled);
+      done sent, cancel on the pulling side -> too late, not cancelled; both succeed;
+      done read with >= 1 s of the stream's deadline left -> released as pulled, closed;
+        the puller waits for closed up to the stream's deadline (pull timeout_s +
+        peer_timeout_s), with no step deadline, so a late closed is still success;
+      done read with < 1 s of that deadline left -> both fail (deadline exceeded);
+      the stream's deadline passes before closed -> both fail, the error naming that deadline.
     """
     ExtendLease: _aio.UnaryUnaryMultiCallable[_peer_pb2.PeerExtendLeaseRequest, _peer_pb2.PeerExtendLeaseResponse]  # type: ignore[assignment]
     """Extends the lease of an offer of the called daemon (checked against the offer's token)."""
@@ -78,6 +104,19 @@ class PeerServiceServicer(metaclass=_abc_1.ABCMeta):
         accepted, sends the bytes over UCX and then says sent; the client says done once every byte
         has landed (it need not have read sent yet), and the offering daemon answers closed after
         releasing the offer. The pull succeeds only on closed.
+
+        Outcomes. Both sides report the same outcome in every interleaving; the offering side
+        decides once done is on its way (tests/faults/test_outcomes.py hits each row through the
+        daemons' fault-injection points):
+          before done: any failure, cancel or deadline on either side -> both fail (the offer is
+            released as failed; a puller that leaves before the claim leaves it pullable);
+          done sent, offering side cancelled before reading it -> both fail (cancelled);
+          done sent, cancel on the pulling side -> too late, not cancelled; both succeed;
+          done read with >= 1 s of the stream's deadline left -> released as pulled, closed;
+            the puller waits for closed up to the stream's deadline (pull timeout_s +
+            peer_timeout_s), with no step deadline, so a late closed is still success;
+          done read with < 1 s of that deadline left -> both fail (deadline exceeded);
+          the stream's deadline passes before closed -> both fail, the error naming that deadline.
         """
 
     @_abc_1.abstractmethod
