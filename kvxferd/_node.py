@@ -787,6 +787,8 @@ class Node:
         """The peer at the ticket's address. When it is not the daemon the ticket names, another
         daemon may have restarted on that address since our Hello: say Hello again (once)."""
         assert self.peers is not None
+        if self.ucx is not None:
+            self.ucx.address_probe.start()  # warms while the Hello runs (once)
         peer = await self.peers.dial(ticket.peer_address)
         if peer.daemon_id != ticket.daemon_id:
             self._drop_peer(peer)

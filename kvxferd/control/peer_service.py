@@ -23,6 +23,8 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
         if self.node.peers is None:
             raise UnavailableError("daemon is starting")
         self.node.peers.accept_hello(request.identity)
+        if self.node.ucx is not None:
+            self.node.ucx.address_probe.start()  # warm before this peer's first Transfer
         log_event(
             "peer.hello",
             peer_daemon_id=request.identity.daemon_id,

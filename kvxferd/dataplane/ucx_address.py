@@ -79,7 +79,10 @@ class AddressProbe:
         self.crashes = 0
 
     def start(self) -> None:
-        """Spawn the child now, so the first peer does not wait for it."""
+        """Spawn the child now (unless it is already starting or up), so a peer's first
+        endpoint does not wait for it."""
+        if self._proc is not None and self._proc.returncode is None:
+            return
         if self._starting is None or self._starting.done():
             self._starting = asyncio.get_running_loop().create_task(self._spawn(), name="ucx-address-probe")
 
@@ -131,8 +134,7 @@ class AddressProbe:
             self._proc = await self._starting
         return self._proc
 
-    @staticmethod
-    async def _spawn() -> asyncio.subprocess.Process:
+    async def _spawn(self) -> asyncio.subprocess.Process:
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
@@ -149,6 +151,7 @@ class AddressProbe:
             proc.kill()
             await proc.wait()
             raise
+        self._proc = proc
         return proc
 
     async def close(self) -> None:
