@@ -35,7 +35,6 @@ def _buffer(nbytes: int, memory: str) -> Any:
     from kvxfer_client import HostBuffer
 
     buf = HostBuffer.create(nbytes, prefix="kvxfer-baseline")
-    buf.unlink()  # mapped already; nothing stays in /dev/shm
     arr = buf.array()
     arr.fill(0)
     return arr

@@ -413,7 +413,7 @@ class Node:
         records = [r for r in self.transfers.find(transfer_id) if not r.committed]
         if session_id is not None and records:
             owners = {self.pools.pools[p].session_id for r in records for p in r.pools if p in self.pools.pools}
-            if not any(owner == session_id for owner in owners) or not session_id:
+            if session_id not in owners:
                 raise PermissionDeniedError(f"transfer {transfer_id!r} touches no pool of this engine session")
         tasks = [r.task for r in records if r.task is not None and not r.task.done()]
         unconfirmed = self._unconfirmed_receives()
@@ -809,10 +809,14 @@ class Node:
         """The UCX endpoint to ``peer`` (made from its worker address on first use)."""
         assert self.ucx is not None
         await self.faults.hit("peer_endpoint", peer=peer.daemon_id)
+        ep = self.ucx.open_endpoint(peer.daemon_id)
+        if ep is not None:
+            return ep  # its address was probed when it was made
+        address, error_handling = peer.identity.ucx_worker_address, self._error_handling(peer)
         # Bounded by the probe's own deadline: its first use may wait for the child to start.
-        await self.ucx.address_probe.check(peer.identity.ucx_worker_address, self._error_handling(peer), peer.daemon_id)
+        await self.ucx.address_probe.check(address, error_handling, peer.daemon_id)
         return await _within(
-            self.ucx.endpoint(peer.daemon_id, peer.identity.ucx_worker_address, self._error_handling(peer)),
+            self.ucx.endpoint(peer.daemon_id, address, error_handling),
             self.settings.peer_timeout_s,
             f"the UCX endpoint to {peer.daemon_id}",
         )
@@ -963,15 +967,16 @@ class Node:
                 released = True
                 await context.write(peer_pb2.TransferServerMessage(closed=peer_pb2.TransferClosed(released=True)))
         except BaseException as exc:
+            # This handler's own deadline (a step's deadline is a DeadlineExceededError already).
+            own_deadline = isinstance(exc, TimeoutError) and not isinstance(exc, KvxferError)
             if released:
                 # The receiver confirmed every byte; only the closing message was interrupted.
                 self._end(record, common_pb2.TRANSFER_STATE_SUCCEEDED)
             else:
-                own_deadline = isinstance(exc, TimeoutError) and not isinstance(exc, KvxferError)
                 detail = "deadline exceeded" if own_deadline else str(exc) or repr(exc)
                 self.release_offer(offer, common_pb2.RELEASE_REASON_FAILED, detail, record.transfer_id)
                 self._end(record, common_pb2.TRANSFER_STATE_FAILED, detail)
-            if isinstance(exc, TimeoutError) and not isinstance(exc, KvxferError):
+            if own_deadline:
                 raise DeadlineExceededError(f"transfer {record.transfer_id} exceeded its deadline") from None
             if isinstance(exc, asyncio.CancelledError) and record.abort_detail:
                 # Cancelled here (an engine or operator aborted it), not by the peer hanging

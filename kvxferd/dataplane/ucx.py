@@ -227,6 +227,11 @@ class UcxTransport:
             self._endpoints[peer_id] = ep
             return ep
 
+    def open_endpoint(self, peer_id: str) -> Any | None:
+        """The cached endpoint to ``peer_id`` if it is open, else None (no waiting)."""
+        ep = self._endpoints.get(peer_id)
+        return ep if ep is not None and not ep.closed else None
+
     @property
     def sends_pending(self) -> int:
         return len(self._sends)

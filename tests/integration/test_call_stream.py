@@ -114,12 +114,19 @@ async def test_answers_come_back_in_completion_order_not_request_order(engines: 
     async with grpc.aio.insecure_channel("unix:" + engines.daemon.socket) as channel:
         calls = engine_pb2_grpc.EngineServiceStub(channel).Calls()
         pull = engine_pb2.PullRequest(
-            ticket=pull_ticket.to_proto(), pool_id=engines.dst.pool_id, block_ids=list(range(1, 64, 2)), timeout_s=30
+            ticket=pull_ticket.to_proto(),
+            pool_id=engines.dst.pool_id,
+            block_ids=list(range(1, 64, 2)),
+            timeout_s=30,
+            session_id=engines.decode.session_id,
         )
         await calls.write(engine_pb2.CallRequest(call_id=41, pull=pull))
         await calls.write(
             engine_pb2.CallRequest(
-                call_id=42, offer=engine_pb2.OfferRequest(pool_id=engines.src.pool_id, block_ids=[1])
+                call_id=42,
+                offer=engine_pb2.OfferRequest(
+                    pool_id=engines.src.pool_id, block_ids=[1], session_id=engines.prefill.session_id
+                ),
             )
         )
         first, second = await calls.read(), await calls.read()
@@ -151,16 +158,18 @@ async def test_callers_cancelled_midway_do_not_disturb_the_other_calls_on_the_st
 async def test_a_client_deadline_abandons_the_call_and_the_stream_stays_usable(engines: Engines) -> None:
     client = AsyncKvxferClient(engines.daemon.socket, engine_name="impatient", timeout_s=0.5)
     await client.connect()
+    # Its own pool over the same memory (a session offers only its own pools).
+    src = await client.register_pool(engines.src_buffers, LAYOUT)
     assert engines.daemon.proc is not None
     os.kill(engines.daemon.proc.pid, signal.SIGSTOP)  # nothing answers now
     try:
         t0 = time.monotonic()
         with pytest.raises(DeadlineExceededError, match=r"did not answer the offer within 0\.5s"):
-            await client.offer(engines.src, [3])
+            await client.offer(src, [3])
         assert time.monotonic() - t0 < 2.0
     finally:
         os.kill(engines.daemon.proc.pid, signal.SIGCONT)
-    ticket = await client.offer(engines.src, [4])  # same stream; the late answer went nowhere
+    ticket = await client.offer(src, [4])  # same stream; the late answer went nowhere
     await engines.decode.pull(ticket, engines.dst, [4])
     assert _blocks(engines.dst_buffers, [4]) == _blocks(engines.src_buffers, [4])
     await client.close()
