@@ -45,6 +45,16 @@ def fill_random(buffers: list[npt.NDArray[np.uint8]], seed: int) -> None:
         buf[words.nbytes :] = rng.integers(0, 256, size=buf.nbytes - words.nbytes, dtype=np.uint8)
 
 
+def blocks_of(layout: Layout, buffers: list[HostBuffer], ids: list[int]) -> list[bytes]:
+    """The bytes of blocks ``ids`` of a pool: every region's segment of each, in order."""
+    arrays = [buf.array() for buf in buffers]
+    return [
+        arrays[r.buffer_index][r.offset + i * r.block_stride :][: r.block_bytes].tobytes()
+        for r in layout.regions
+        for i in ids
+    ]
+
+
 def kv_view(buf: npt.NDArray[np.uint8], blocks: int, block_bytes: int) -> npt.NDArray[np.uint8]:
     """A per-layer buffer as [K/V, block, bytes]."""
     return buf.reshape(2, blocks, block_bytes)

@@ -53,15 +53,20 @@ _RELEASED_MEMORY = 100_000  # released events kept for late wait_released() call
 PULL_ANSWER_MARGIN_S = 10.0
 
 
-@dataclass(frozen=True)
+@dataclass
 class Pool:
-    """A registered pool: its id, layout and the buffers the engine keeps alive."""
+    """A registered pool: its id, layout and the buffers the engine keeps alive.
+
+    :meth:`AsyncKvxferClient.reconnect` registers the pool again with a restarted daemon and
+    updates ``pool_id`` in place, so the engine keeps using the same object.
+    """
 
     pool_id: str
     layout: Layout
     #: The :class:`HostBuffer` objects or GPU tensors, kept alive with the pool.
     buffers: tuple[Any, ...]
     fingerprint: str
+    name: str = ""
 
 
 @dataclass(frozen=True)
@@ -123,6 +128,12 @@ class AsyncKvxferClient:
     (default: ``$KVXFER_CALL_STREAM``, on) sends :meth:`offer` and :meth:`pull` on one
     long-lived gRPC stream instead of as unary calls, which halves their gRPC cost; the
     results and errors are the same either way.
+
+    When the daemon restarts, the session ends: calls raise :class:`UnavailableError` until
+    :meth:`reconnect`, which opens a new session and registers the client's pools again
+    (same memory, same :class:`Pool` objects). With ``auto_reconnect`` the next call does
+    that itself, retrying with backoff for up to ``timeout_s``. Offers and tickets of the old
+    daemon died with it: a pull of one raises :class:`NotFoundError`.
     """
 
     def __init__(
@@ -132,8 +143,10 @@ class AsyncKvxferClient:
         engine_name: str = "",
         timeout_s: float = 30.0,
         call_stream: bool | None = None,
+        auto_reconnect: bool = False,
     ) -> None:
         self.socket_path = socket_path or default_socket_path()
+        self.auto_reconnect = auto_reconnect
         self.engine_name = engine_name
         self.timeout_s = timeout_s
         self.call_stream = call_stream_enabled() if call_stream is None else call_stream
@@ -147,6 +160,8 @@ class AsyncKvxferClient:
         self._waiters: dict[str, asyncio.Future[OfferReleased]] = {}
         self._reader: asyncio.Task[None] | None = None
         self._session_lost: KvxferError | None = None
+        #: Registered pools, registered again by :meth:`reconnect`.
+        self._pools: list[Pool] = []
 
     async def connect(self) -> AsyncKvxferClient:
         """Open the channel and the event stream (the session); idempotent."""
@@ -170,8 +185,40 @@ class AsyncKvxferClient:
             raise UnavailableError("kvxferd did not start a session")
         self.session_id = first.session_started.session_id
         self.daemon_id = first.session_started.daemon_id
+        self._session_lost = None
         self._reader = asyncio.create_task(self._read_events(stream))
         return self
+
+    @property
+    def connected(self) -> bool:
+        """True while this client holds a live session with the daemon."""
+        return self._stub is not None and self._session_lost is None
+
+    async def reconnect(self) -> AsyncKvxferClient:
+        """Open a new session (after the daemon restarted, say) and register every pool of
+        this client again from the memory it already has; each :class:`Pool` keeps working."""
+        await self.close()
+        await self.connect()
+        for pool in self._pools:
+            fresh = await self._register(list(pool.buffers), pool.layout, pool.name)
+            pool.pool_id, pool.fingerprint = fresh.pool_id, fresh.fingerprint
+        return self
+
+    async def _ready(self) -> None:
+        """Connect on first use; after a lost session, reconnect when ``auto_reconnect``."""
+        if self._stub is None:
+            await self.connect()
+        elif self._session_lost is not None and self.auto_reconnect:
+            delay, deadline = 0.05, asyncio.get_running_loop().time() + self.timeout_s
+            while True:
+                try:
+                    await self.reconnect()
+                    return
+                except (UnavailableError, DeadlineExceededError):
+                    if asyncio.get_running_loop().time() + delay > deadline:
+                        raise
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 2.0)
 
     async def _read_events(self, stream: Any) -> None:
         try:
@@ -227,8 +274,7 @@ class AsyncKvxferClient:
         await self.close()
 
     async def _call(self, method: Any, request: Any, timeout_s: float | None = None) -> Any:
-        if self._stub is None:
-            await self.connect()
+        await self._ready()
         if self._session_lost is not None:
             raise self._session_lost
         try:
@@ -238,8 +284,7 @@ class AsyncKvxferClient:
 
     async def _hot_call(self, kind: str, unary: Any, request: Any, timeout_s: float | None = None) -> Any:
         """Offer and Pull: on the call stream while the daemon has one, else a unary call."""
-        if self._stub is None:
-            await self.connect()
+        await self._ready()
         if self._calls is not None and not self._calls.unsupported:
             if self._session_lost is not None:
                 raise self._session_lost
@@ -268,11 +313,16 @@ class AsyncKvxferClient:
         maps only memory this engine can open; the same buffers may be registered again, e.g.
         after the daemon restarted.
         """
+        await self._ready()
+        pool = await self._register(buffers, layout, name)
+        self._pools.append(pool)
+        return pool
+
+    async def _register(self, buffers: Sequence[Any], layout: Layout, name: str) -> Pool:
         if not buffers:
             raise InvalidRequestError("a pool needs at least one buffer")
         specs = [_buffer_spec(b) for b in buffers]
         layout.validate([s.size for s in specs])
-        await self.connect()
         host = [i for i, b in enumerate(buffers) if isinstance(b, HostBuffer)]
         if host:
             fds = [buffers[i].fd for i in host]
@@ -285,11 +335,13 @@ class AsyncKvxferClient:
             session_id=self.session_id, buffers=specs, layout=layout.to_proto(), name=name
         )
         resp = await self._call(self._engine.RegisterPool, req)
-        return Pool(resp.pool_id, layout, tuple(buffers), resp.fingerprint)
+        return Pool(resp.pool_id, layout, tuple(buffers), resp.fingerprint, name)
 
     async def deregister_pool(self, pool: Pool | str) -> int:
         """Deregister a pool; returns how many of its offers were released."""
+        await self._ready()
         pool_id = pool.pool_id if isinstance(pool, Pool) else pool
+        self._pools = [p for p in self._pools if p.pool_id != pool_id]
         req = engine_pb2.DeregisterPoolRequest(pool_id=pool_id, session_id=self.session_id)
         resp = await self._call(self._engine.DeregisterPool, req)
         return int(resp.released_offers)
@@ -298,8 +350,8 @@ class AsyncKvxferClient:
         self, pool: Pool | str, block_ids: Sequence[int] | np.ndarray[Any, Any], *, lease_s: float = 0.0
     ) -> Ticket:
         """Pin blocks for a decode engine and return the ticket to hand it."""
+        await self._ready()
         pool_id = pool.pool_id if isinstance(pool, Pool) else pool
-        await self.connect()
         req = engine_pb2.OfferRequest(
             pool_id=pool_id, block_ids=_block_ids(block_ids, "block_ids"), lease_s=lease_s, session_id=self.session_id
         )
@@ -322,11 +374,11 @@ class AsyncKvxferClient:
         and sets ``may_still_write`` on the error when it could not.
         """
         ticket = _as_ticket(ticket)
-        pool_id = pool.pool_id if isinstance(pool, Pool) else pool
         ids = _block_ids(block_ids, "dst block_ids")
         if len(ids) != ticket.num_blocks:
             raise InvalidRequestError(f"the ticket holds {ticket.num_blocks} blocks, {len(ids)} destination ids given")
-        await self.connect()
+        await self._ready()
+        pool_id = pool.pool_id if isinstance(pool, Pool) else pool
         req = engine_pb2.PullRequest(
             ticket=ticket.to_proto(),
             pool_id=pool_id,
@@ -409,12 +461,17 @@ class KvxferClient:
         engine_name: str = "",
         timeout_s: float = 30.0,
         call_stream: bool | None = None,
+        auto_reconnect: bool = False,
     ) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kvxfer-client", daemon=True)
         self._thread.start()
         self._async = AsyncKvxferClient(
-            socket_path, engine_name=engine_name, timeout_s=timeout_s, call_stream=call_stream
+            socket_path,
+            engine_name=engine_name,
+            timeout_s=timeout_s,
+            call_stream=call_stream,
+            auto_reconnect=auto_reconnect,
         )
         try:
             self._run(self._async.connect())
@@ -435,6 +492,10 @@ class KvxferClient:
             return await coro
 
         return asyncio.run_coroutine_threadsafe(wrap(), self._loop).result()
+
+    def reconnect(self) -> KvxferClient:
+        self._run(self._async.reconnect())
+        return self
 
     def register_pool(self, buffers: Sequence[Any], layout: Layout, *, name: str = "") -> Pool:
         return self._run(self._async.register_pool(buffers, layout, name=name))

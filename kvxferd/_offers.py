@@ -74,7 +74,9 @@ class OfferTable:
     def _checked(self, offer_id: str, token: bytes) -> Offer:
         offer = self.offers.get(offer_id)
         if offer is None:
-            raise NotFoundError(f"no offer {offer_id!r} (never made, already pulled, released or expired)")
+            raise NotFoundError(
+                f"no offer {offer_id!r} (never made, already pulled, released, expired, or its daemon restarted)"
+            )
         if not hmac.compare_digest(offer.token, token):
             raise PermissionDeniedError(f"wrong token for offer {offer_id!r}")
         return offer

@@ -22,9 +22,13 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
     async def Hello(self, request: peer_pb2.HelloRequest, context: Ctx) -> peer_pb2.HelloResponse:  # noqa: N802
         if self.node.peers is None:
             raise UnavailableError("daemon is starting")
+        known = self.node.peers.by_id.get(request.identity.daemon_id)
+        old_address = known.identity.ucx_worker_address if known is not None else None
         self.node.peers.accept_hello(request.identity)
         if self.node.ucx is not None:
             self.node.ucx.address_probe.start()  # warm before this peer's first Transfer
+            if old_address is not None and old_address != request.identity.ucx_worker_address:
+                self.node.ucx.forget(request.identity.daemon_id)  # ours points at its old worker
         log_event(
             "peer.hello",
             peer_daemon_id=request.identity.daemon_id,

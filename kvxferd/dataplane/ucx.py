@@ -29,8 +29,10 @@ failure is then detected by the control plane's deadlines instead.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import os
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from concurrent.futures import Executor
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -40,6 +42,7 @@ import numpy.typing as npt
 
 from kvxfer_client._errors import UnavailableError
 
+from .._log import log_event
 from .gpucopy import GpuCopier, UploadedSide, settle
 from .hostcopy import chunk_view, gather_chunk, scatter_chunk
 from .plan import ChunkPlan, SidePlan
@@ -253,6 +256,20 @@ class UcxTransport:
             except Exception:  # noqa: BLE001 - an endpoint already torn down is fine
                 pass
 
+    @contextlib.contextmanager
+    def _retired_on_failure(self, ep: Any) -> Iterator[None]:
+        """A send that failed on the data plane retires its endpoint: the next transfer to that
+        peer makes a new one instead of reusing one that may keep failing (a peer that froze
+        for a while left one that failed every send after it)."""
+        try:
+            yield
+        except UnavailableError:
+            for peer_id, cached in list(self._endpoints.items()):
+                if cached is ep:
+                    log_event("ucx.endpoint_retired", logging.WARNING, peer=peer_id, detail="a send failed on it")
+                    self.forget(peer_id)
+            raise
+
     async def _send_tracked(self, send: Awaitable[None]) -> None:
         """Run a send in its own task, shielded: when the transfer is cancelled, UCX may still
         read the send's memory (a view of the pool or of staging), so the task keeps it
@@ -311,7 +328,7 @@ class UcxTransport:
             if after_chunk is not None:
                 await after_chunk(chunk.index)
 
-        with self._busy():
+        with self._busy(), self._retired_on_failure(ep):
             await _pipeline(plan, lease, window, move, pack, stage=iov is None)
 
     async def receive(
@@ -389,7 +406,7 @@ class UcxTransport:
             if mark is not None and chunk.index == 0:
                 mark("sent0")
 
-        with self._busy():
+        with self._busy(), self._retired_on_failure(ep):
             await _pipeline(plan, lease, window, move, pack, zero_copy=False)
 
     async def receive_gpu(

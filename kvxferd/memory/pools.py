@@ -225,7 +225,10 @@ class PoolRegistry:
     def get(self, pool_id: str) -> Pool:
         pool = self.pools.get(pool_id)
         if pool is None:
-            raise NotFoundError(f"no pool {pool_id!r} on this daemon")
+            raise NotFoundError(
+                f"no pool {pool_id!r} on this daemon (pools die with their session and with a daemon restart: "
+                "reconnect() registers a client's pools again)"
+            )
         return pool
 
     def remove(self, pool_id: str) -> Pool:

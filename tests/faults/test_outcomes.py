@@ -19,6 +19,7 @@ from kvxfer_client import (
     KvxferError,
     Layout,
     ReleaseReason,
+    UnavailableError,
 )
 from kvxfer_client._proto import admin_pb2, admin_pb2_grpc
 
@@ -111,3 +112,21 @@ async def test_a_decode_side_cancel_after_done_is_too_late_and_both_sides_succee
     outcome, reason = await pulling
     assert not isinstance(outcome, Exception), outcome
     assert reason is ReleaseReason.PULLED
+
+
+async def test_a_peer_whose_sends_keep_failing_gets_a_new_endpoint_and_pulls_recover(cluster: Cluster) -> None:
+    # Three sends in a row fail on the offering side's data plane, then the plane is healthy.
+    a = cluster.daemon("a", *_with_faults("after_chunk_sent:0=fail:3"))
+    b = cluster.daemon("b", "--peer-timeout-s", "1")
+    for attempt in range(3):
+        outcome, reason = await _pull(a, b, timeout_s=20, transfer_id=f"t-fail-{attempt}")
+        assert isinstance(outcome, UnavailableError), outcome
+        assert reason is ReleaseReason.FAILED
+    # Each failure retired the offerer's endpoint, and the puller says Hello again before
+    # each next pull (the first Hello and two after failures so far).
+    assert a.log().count("ucx.endpoint_retired") == 3
+    assert a.log().count("peer.hello") == 3
+    outcome, reason = await _pull(a, b, timeout_s=20, transfer_id="t-after")
+    assert not isinstance(outcome, Exception), outcome
+    assert reason is ReleaseReason.PULLED
+    assert a.log().count("peer.hello") == 4

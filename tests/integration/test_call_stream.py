@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from bench.cluster import Cluster, Daemon
+from bench.engine import blocks_of
 from kvxfer_client import (
     AsyncKvxferClient,
     DeadlineExceededError,
@@ -65,13 +66,7 @@ async def engines(two_daemons: Cluster) -> AsyncIterator[Engines]:
 
 
 def _blocks(buffers: list[HostBuffer], ids: list[int]) -> list[bytes]:
-    """The bytes of blocks ``ids``, every region's segment of each."""
-    arrays = [buf.array() for buf in buffers]
-    return [
-        arrays[r.buffer_index][r.offset + i * r.block_stride :][: r.block_bytes].tobytes()
-        for r in LAYOUT.regions
-        for i in ids
-    ]
+    return blocks_of(LAYOUT, buffers, ids)
 
 
 def _transfer_state(daemon: Daemon, transfer_id: str) -> str:
