@@ -553,6 +553,9 @@ class KvxferClient:
         return self._run(self._async.wait_released(offer_id, timeout_s))
 
     def _stop_loop(self) -> None:
+        # gRPC leaves tasks of its own on the loop (a call's status handler); end them here,
+        # as asyncio.run does, or they are reported destroyed while pending at exit.
+        self._run(_finish_tasks())
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
         self._loop.close()
@@ -568,6 +571,15 @@ class KvxferClient:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+async def _finish_tasks() -> None:
+    """Cancel and await every other task of the running loop, then its async generators."""
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await asyncio.get_running_loop().shutdown_asyncgens()
 
 
 def _buffer_spec(buf: Any) -> common_pb2.BufferSpec:
