@@ -17,6 +17,7 @@ False
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import mmap
 import os
@@ -84,6 +85,21 @@ def _map(fd: int, size: int) -> mmap.mmap:
     return mapping
 
 
+_PROT_READ_WRITE = 0x1 | 0x2
+_MAP_PRIVATE_ANONYMOUS_FIXED = 0x02 | 0x20 | 0x10
+
+
+def _detach(address: int, size: int) -> None:
+    """Replace ``size`` bytes of mapping at ``address`` with private anonymous memory
+    (``mmap(MAP_FIXED)``): same addresses, none of the old pages."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    got = libc.mmap(address, size, _PROT_READ_WRITE, _MAP_PRIVATE_ANONYMOUS_FIXED, -1, 0)
+    if got != address:
+        raise OSError(ctypes.get_errno(), f"could not detach {size} bytes of shared memory")
+
+
 class HostBuffer:
     """A POSIX shared-memory buffer, mapped read-write in this process.
 
@@ -95,6 +111,7 @@ class HostBuffer:
         self.name = name
         self.size = size
         self._mmap: mmap.mmap | None = mapping
+        self._address = int(np.frombuffer(mapping, dtype=np.uint8, count=1).ctypes.data)
         self._owner = owner
         #: The open descriptor (buffers made by :meth:`create`), passed to the daemon at
         #: registration; -1 for mappings made from a name or a passed descriptor.
@@ -180,9 +197,14 @@ class HostBuffer:
         except FileNotFoundError:
             pass
 
-    def close(self) -> None:
+    def close(self, *, detach: bool = False) -> None:
         """Unmap (once no numpy view is alive), close the descriptor and, for the creator of
-        a named buffer, unlink the name."""
+        a named buffer, unlink the name.
+
+        ``detach`` (the daemon, for a deregistered pool): if views are still alive (a UCX
+        receive that was never confirmed cancelled holds one), put private zero pages in
+        place of the shared memory now. The shared memory is released at once; a late write
+        lands in memory nobody reads instead of in the engine's (or a fault)."""
         if self._owner:
             self.unlink()
             self._owner = False
@@ -194,7 +216,9 @@ class HostBuffer:
             try:
                 mapping.close()
             except BufferError:
-                pass  # numpy views are alive; the mapping goes when the last one does
+                # numpy views are alive; the mapping goes when the last one does.
+                if detach:
+                    _detach(self._address, self.size)
 
     def __enter__(self) -> HostBuffer:
         return self

@@ -87,6 +87,9 @@ class TransferTable:
         record.state = state
         record.detail = detail
         record.duration_s = time.monotonic() - record.started_mono
+        # A finished record outlives its task in the history; the task (and an exception's
+        # traceback with it) would keep the frames, and so the pools' memory, alive.
+        record.task = None
         self.active.pop((record.role, record.transfer_id), None)
         self.finished.append(record)
         if state == common_pb2.TRANSFER_STATE_SUCCEEDED:

@@ -226,7 +226,10 @@ class UcxTransport:
             if ep is not None and not ep.closed:
                 return ep
             addr = self._address_cls.create_from_buffer(address)
-            ep = await self._ucxx.create_endpoint_from_worker_address(addr, endpoint_error_handling=error_handling)
+            try:
+                ep = await self._ucxx.create_endpoint_from_worker_address(addr, endpoint_error_handling=error_handling)
+            except self._ucxx.exceptions.UCXError as exc:  # e.g. a dead peer's shared memory is gone
+                raise UnavailableError(f"cannot make a UCX endpoint to {peer_id}: {exc!r}") from None
             self._endpoints[peer_id] = ep
             return ep
 

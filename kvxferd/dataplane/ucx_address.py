@@ -26,6 +26,7 @@ kvxfer_client._errors.IncompatibleError: peer peer-1 sent a malformed UCX worker
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import os
@@ -46,6 +47,7 @@ _KNOWN_VERSIONS = (0, 1)
 #: Seconds one probe may take before the child is killed and the address refused.
 PROBE_TIMEOUT_S = 10.0
 _VERDICTS_KEPT = 4096
+_CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ucx_probe_child.py")
 
 
 def check_worker_address(address: bytes, peer: str) -> None:
@@ -135,10 +137,12 @@ class AddressProbe:
         return self._proc
 
     async def _spawn(self) -> asyncio.subprocess.Process:
+        # Run by path with -P: the child imports UCX and the standard library only (not this
+        # package, which imports gRPC; a gRPC in the child crashed it in gRPC's poller).
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
-            "-m",
-            "kvxferd.dataplane.ucx_address",
+            "-P",
+            _CHILD,
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.DEVNULL,
@@ -148,8 +152,7 @@ class AddressProbe:
             if await proc.stdout.readexactly(1) != b"R":
                 raise ConnectionError("the probe process did not start")
         except BaseException:
-            proc.kill()
-            await proc.wait()
+            await _stop(proc)
             raise
         self._proc = proc
         return proc
@@ -161,47 +164,11 @@ class AddressProbe:
             starting.cancel()
             await asyncio.wait({starting})
         proc, self._proc = self._proc, None
-        if proc is not None and proc.returncode is None:
-            proc.kill()
-            await proc.wait()
+        if proc is not None:
+            await _stop(proc)
 
 
-def _serve_probes() -> None:
-    """The child: read ``>IB`` length + error-handling flag + address, answer one byte."""
-    # Answers go out on a private copy of stdout: UCX prints its own messages (an assertion
-    # among them) to fd 1, which from here on is stderr.
-    answers = os.fdopen(os.dup(1), "wb", buffering=0)
-    os.dup2(2, 1)
-    from .ucx import apply_ucx_defaults
-
-    apply_ucx_defaults()
-    os.environ["UCXPY_PROGRESS_MODE"] = "thread"  # the child has no event loop of its own to drive
-    import ucxx
-    from ucxx._lib.libucxx import UCXAddress
-
-    async def run() -> None:
-        stdin = sys.stdin.buffer
-        ucxx.get_worker_address()  # the context and worker exist before we say ready
-        answers.write(b"R")
-        while True:
-            header = stdin.read(5)
-            if len(header) < 5:
-                return
-            size, error_handling = struct.unpack(">IB", header)
-            address = stdin.read(size)
-            try:
-                ep = await ucxx.create_endpoint_from_worker_address(
-                    UCXAddress.create_from_buffer(address), endpoint_error_handling=bool(error_handling)
-                )
-                ep.abort()
-                answer = b"1"
-            except Exception:  # noqa: BLE001 - UCX said no without crashing: that is an answer
-                answer = b"1"
-            answers.write(answer)
-
-    asyncio.run(run())
-    os._exit(0)  # skip UCXX's teardown at interpreter exit (nothing left to flush)
-
-
-if __name__ == "__main__":
-    _serve_probes()
+async def _stop(proc: asyncio.subprocess.Process) -> None:
+    with contextlib.suppress(ProcessLookupError):  # it may have died (a probe crash) unreaped
+        proc.kill()
+    await proc.wait()

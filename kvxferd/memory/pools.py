@@ -195,7 +195,8 @@ class PoolRegistry:
             for fd in fds:
                 if fd is not None:
                     os.close(fd)  # the mappings keep the memory
-        return [m.array() for m in mappings], [m.close for m in mappings], None, ""
+        closers: list[Callable[[], None]] = [functools.partial(m.close, detach=True) for m in mappings]
+        return [m.array() for m in mappings], closers, None, ""
 
     def _map_gpu(
         self, buffers: Sequence[common_pb2.BufferSpec]

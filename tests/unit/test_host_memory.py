@@ -66,3 +66,25 @@ def test_buffers_are_zero_filled_and_shared_between_mappings() -> None:
             peer.close()
     finally:
         buf.close()
+
+
+def _mappings_of(name: str) -> int:
+    with open("/proc/self/maps") as fh:
+        return sum(1 for line in fh if line.rstrip().endswith("/dev/shm/" + name))
+
+
+def test_detaching_a_mapping_with_live_views_releases_the_shared_memory_and_keeps_the_views_safe() -> None:
+    """What the daemon does to a deregistered pool that a UCX receive still points into."""
+    buf = HostBuffer.create(TWO_MIB, named=True)
+    try:
+        buf.array()[:] = 5
+        daemon_side = HostBuffer.map_fd(buf.fd, buf.size, "pool")
+        view = daemon_side.array()  # held, as an unconfirmed receive holds the pool's views
+        assert _mappings_of(buf.name) == 2
+        daemon_side.close(detach=True)
+        assert _mappings_of(buf.name) == 1  # only the engine's own mapping is left
+        assert view[0] == 0  # private zero pages now, not the engine's memory
+        view[:] = 9  # a late write lands there, not in the engine's memory (and does not fault)
+        assert buf.array().max() == 5
+    finally:
+        buf.close()
