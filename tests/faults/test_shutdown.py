@@ -12,7 +12,7 @@ import time
 import pytest
 
 from bench.cluster import Cluster
-from kvxfer_client import AsyncKvxferClient, HostBuffer, Layout
+from kvxfer_client import AsyncKvxferClient, HostBuffer, Layout, UnavailableError
 
 LAYOUT = Layout.paged_kv(num_layers=4, num_blocks=64, block_bytes=256 << 10)  # 64 MiB per pool
 GRACE_S = 1.0
@@ -79,3 +79,30 @@ def test_idle_connections_to_the_metrics_port_are_capped_and_scrapes_still_answe
     finally:
         for s in idle:
             s.close()
+
+
+async def test_a_draining_daemon_refuses_new_engine_sessions(cluster: Cluster) -> None:
+    # A pull held at the offerer keeps the daemon draining while a new engine tries to connect.
+    a = cluster.daemon("a", "--fault-injection", "--faults", "after_accepted=pause:5", "--drain-grace-s", "10")
+    b = cluster.daemon("b")
+    assert a.proc is not None
+    async with (
+        AsyncKvxferClient(a.socket, engine_name="p") as p,
+        AsyncKvxferClient(b.socket, engine_name="d") as d,
+    ):
+        src = await p.register_pool([HostBuffer.create(s) for s in LAYOUT.buffer_sizes()], LAYOUT)
+        dst = await d.register_pool([HostBuffer.create(s) for s in LAYOUT.buffer_sizes()], LAYOUT)
+        ticket = await p.offer(src, [1], lease_s=60)
+        pulling = asyncio.create_task(d.pull(ticket, dst, [2], timeout_s=30))
+        deadline = time.monotonic() + 30
+        while "fault.hit" not in a.log():
+            assert time.monotonic() < deadline, a.log()
+            await asyncio.sleep(0.02)
+        a.proc.send_signal(signal.SIGTERM)
+        while "daemon.drain" not in a.log():
+            assert time.monotonic() < deadline, a.log()
+            await asyncio.sleep(0.02)
+        with pytest.raises(UnavailableError, match="draining"):
+            await AsyncKvxferClient(a.socket, engine_name="late").connect()
+        await pulling  # the running pull still finishes within the grace period
+    assert await asyncio.to_thread(a.proc.wait, 30) == 0
