@@ -717,6 +717,14 @@ class Node:
                     # The offerer already ended the stream (a cancel or failure on its side):
                     # reading it raises its status, which says why.
                     await _read(call, "closed", self.settings.peer_timeout_s)
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() != grpc.StatusCode.INTERNAL:
+                        raise
+                    # gRPC core refused the write as the offerer's status arrived; its reason
+                    # is lost with it. The pull fails on both sides all the same.
+                    raise UnavailableError(
+                        f"peer {ticket.peer_address} ended the transfer before it read done ({exc.details()})"
+                    ) from None
                 # From here the offerer decides (peer.proto, "Outcomes"): closed is success, an
                 # error status is failure. Neither the pull's own deadline nor a step deadline
                 # may decide instead, or a late closed would fail this side only; the stream's
@@ -788,7 +796,7 @@ class Node:
         daemon may have restarted on that address since our Hello: say Hello again (once)."""
         assert self.peers is not None
         if self.ucx is not None:
-            self.ucx.address_probe.start()  # warms while the Hello runs (once)
+            self.ucx.address_probe.start()  # again, if its child died since
         peer = await self.peers.dial(ticket.peer_address)
         if peer.daemon_id != ticket.daemon_id:
             self._drop_peer(peer)

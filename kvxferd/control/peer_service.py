@@ -26,7 +26,7 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
         old_address = known.identity.ucx_worker_address if known is not None else None
         self.node.peers.accept_hello(request.identity)
         if self.node.ucx is not None:
-            self.node.ucx.address_probe.start()  # warm before this peer's first Transfer
+            self.node.ucx.address_probe.start()  # again, if its child died since
             if old_address is not None and old_address != request.identity.ucx_worker_address:
                 self.node.ucx.forget(request.identity.daemon_id)  # ours points at its old worker
         log_event(

@@ -210,9 +210,10 @@ class UcxTransport:
         self.gather_send = iov_send and self.iov is not None
         self._connecting: dict[str, asyncio.Lock] = {}
         #: Unpacks each new peer worker address in a child process before our UCX sees it.
-        #: Started at the first Hello either way (a daemon serving only local pulls never
-        #: pays for the child's UCX import).
+        #: Started now, in the background (its UCX import takes about a second of CPU): a
+        #: peer's first transfer must not wait for it under a step deadline.
         self.address_probe = AddressProbe()
+        self.address_probe.start()
         self._drains: set[asyncio.Task[None]] = set()
         #: Sends UCX has not finished, including those of cancelled transfers (see send()).
         self._sends: set[asyncio.Future[Any]] = set()
