@@ -224,6 +224,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Console entry point of ``kvxferd``."""
     # A fatal signal (a native library touching unmapped memory) leaves a traceback in the log.
     faulthandler.enable()
+    # SIGUSR2: every thread's Python stack, written at once even when the event loop is stuck
+    # (SIGUSR1's task dump needs a running loop).
+    faulthandler.register(signal.SIGUSR2, all_threads=True)
     try:
         settings = load_settings(sys.argv[1:] if argv is None else argv)
     except (ValueError, OSError) as exc:

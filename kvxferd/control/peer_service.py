@@ -28,7 +28,7 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
         if self.node.ucx is not None:
             self.node.ucx.address_probe.start()  # again, if its child died since
             if old_address is not None and old_address != request.identity.ucx_worker_address:
-                self.node.ucx.forget(request.identity.daemon_id)  # ours points at its old worker
+                self.node.ucx.retire(request.identity.daemon_id, "the peer came back with a new worker")
         log_event(
             "peer.hello",
             peer_daemon_id=request.identity.daemon_id,

@@ -209,6 +209,7 @@ class UcxTransport:
         #: Send fragmented chunks straight from their segments (else: pack into staging).
         self.gather_send = iov_send and self.iov is not None
         self._connecting: dict[str, asyncio.Lock] = {}
+        self._retired: list[Any] = []  # see retire()
         #: Unpacks each new peer worker address in a child process before our UCX sees it.
         #: Started now, in the background (its UCX import takes about a second of CPU): a
         #: peer's first transfer must not wait for it under a step deadline.
@@ -260,6 +261,17 @@ class UcxTransport:
             except Exception:  # noqa: BLE001 - an endpoint already torn down is fine
                 pass
 
+    def retire(self, peer_id: str, why: str) -> None:
+        """Stop using the endpoint to ``peer_id`` without closing it: the next transfer makes a
+        new one. Closing is what must not happen here: UCXX closes by progressing the worker
+        until the close completes, on this thread, and towards a dead peer's worker that never
+        happens (a survivor stopped answering for as long). Retired endpoints are kept, not
+        freed, for the same reason (freeing one closes it); there is one per peer failure."""
+        ep = self._endpoints.pop(peer_id, None)
+        if ep is not None:
+            self._retired.append(ep)
+            log_event("ucx.endpoint_retired", logging.WARNING, peer=peer_id, detail=why)
+
     @contextlib.contextmanager
     def _retired_on_failure(self, ep: Any) -> Iterator[None]:
         """A send that failed on the data plane retires its endpoint: the next transfer to that
@@ -270,8 +282,7 @@ class UcxTransport:
         except UnavailableError:
             for peer_id, cached in list(self._endpoints.items()):
                 if cached is ep:
-                    log_event("ucx.endpoint_retired", logging.WARNING, peer=peer_id, detail="a send failed on it")
-                    self.forget(peer_id)
+                    self.retire(peer_id, "a send failed on it")
             raise
 
     async def _send_tracked(self, send: Awaitable[None]) -> None:
