@@ -12,7 +12,10 @@ Points (where the daemon calls :meth:`Faults.hit`):
 * ``before_done`` — pulling side, every byte landed, before it writes ``done``;
 * ``after_done_read`` — offering side, after it read ``done``, before it releases and closes;
 * ``before_closed_read`` — pulling side, after ``done`` went out, before it reads ``closed``;
-* ``peer_endpoint`` — both sides, before an endpoint to a peer is made from its worker address.
+* ``peer_endpoint`` — both sides, before an endpoint to a peer is made from its worker address;
+* ``endpoint_broken`` — offering side, before it sends: a failing hit breaks the endpoint for
+  good (every later send over it fails, as over the endpoint a frozen peer once left behind),
+  so a test sees whether the daemon makes a new one.
 
 Actions: ``pause:S`` (sleep S seconds, the event loop keeps running), ``fail`` (raise
 :class:`~kvxfer_client.UnavailableError`, as a broken data plane would), and ``fail:K`` (fail
@@ -40,7 +43,14 @@ from ._log import log_event
 
 __all__ = ["Faults"]
 
-POINTS = ("after_accepted", "after_done_read", "before_closed_read", "before_done", "peer_endpoint")
+POINTS = (
+    "after_accepted",
+    "after_done_read",
+    "before_closed_read",
+    "before_done",
+    "endpoint_broken",
+    "peer_endpoint",
+)
 _CHUNK_POINT = re.compile(r"^after_chunk_sent:(\d{1,9})$")
 _ACTION = re.compile(r"^(pause:(\d+(\.\d+)?)|fail(:(\d{1,9}))?)$")
 

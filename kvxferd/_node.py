@@ -180,14 +180,31 @@ class Node:
             ucx_worker_address=self.ucx.worker_address if self.ucx else b"",
             ucx_transports=self.ucx.transports if self.ucx else [],
             peer_address=self.peer_address,
+            ucx_error_handling=self.settings.ucx_error_handling,
         )
 
     def start_peers(self, credentials: grpc.ChannelCredentials | None = None) -> None:
         self.peers = PeerDirectory(self.identity(), self.settings.peer_timeout_s, credentials)
 
     def _error_handling(self, peer: Peer) -> bool:
-        mode = self.settings.ucx_error_handling
-        return mode == "on" or (mode == "auto" and not peer.same_host)
+        """Whether endpoints to ``peer`` use UCX peer-failure handling (this side's setting)."""
+        return _resolve_error_handling(self.settings.ucx_error_handling, peer.same_host)
+
+    def _check_error_handling(self, peer: Peer) -> bool:
+        """This side's error handling towards ``peer``, once both ends are known to agree: UCX
+        fails an endpoint whose ends differ only when the first message arrives, and the
+        transfer then waits for its deadline."""
+        mine = self._error_handling(peer)
+        theirs_setting = peer.identity.ucx_error_handling or "auto"
+        if theirs_setting not in ("auto", "on", "off"):
+            raise IncompatibleError(f"peer {peer.daemon_id} sent ucx_error_handling={theirs_setting[:16]!r}")
+        if _resolve_error_handling(theirs_setting, peer.same_host) != mine:
+            raise IncompatibleError(
+                f"UCX error handling towards {peer.daemon_id} is {'on' if mine else 'off'} here and "
+                f"{'off' if mine else 'on'} there (ucx_error_handling {self.settings.ucx_error_handling!r} here, "
+                f"{theirs_setting!r} there): give both daemons the same ucx_error_handling"
+            )
+        return mine
 
     def _transport(self, peer: Peer, pool: Pool | None = None) -> str:
         assert self.ucx is not None
@@ -820,7 +837,7 @@ class Node:
         ep = self.ucx.open_endpoint(peer.daemon_id)
         if ep is not None:
             return ep  # its address was probed when it was made
-        address, error_handling = peer.identity.ucx_worker_address, self._error_handling(peer)
+        address, error_handling = peer.identity.ucx_worker_address, self._check_error_handling(peer)
         # Bounded by the probe's own deadline: its first use may wait for the child to start.
         await self.ucx.address_probe.check(address, error_handling, peer.daemon_id)
         return await _within(
@@ -909,6 +926,10 @@ class Node:
                 elif not self.ucx.gather_send:
                     plan = build_plan(pool.regions, offer.block_ids, chunk)  # staging depends on it
                 ep = await self._endpoint(peer)
+                try:
+                    await self.faults.hit("endpoint_broken", transfer_id=record.transfer_id, peer=peer.daemon_id)
+                except UnavailableError:
+                    self.ucx.break_endpoint(ep)  # the send below fails, and so would every later one
                 staging, need = self._staging_for(pool, plan, "send")
                 async with staging.lease(need) as lease:
                     record.mark("staging")
@@ -998,6 +1019,10 @@ class Node:
 
 
 _ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]{1,253}):[0-9]{1,5}$")
+
+
+def _resolve_error_handling(setting: str, same_host: bool) -> bool:
+    return setting == "on" or (setting == "auto" and not same_host)
 
 
 def _checked_ticket(msg: common_pb2.Ticket) -> Ticket:

@@ -210,6 +210,7 @@ class UcxTransport:
         self.gather_send = iov_send and self.iov is not None
         self._connecting: dict[str, asyncio.Lock] = {}
         self._retired: list[Any] = []  # see retire()
+        self._broken: list[Any] = []  # see break_endpoint()
         #: Unpacks each new peer worker address in a child process before our UCX sees it.
         #: Started now, in the background (its UCX import takes about a second of CPU): a
         #: peer's first transfer must not wait for it under a step deadline.
@@ -272,12 +273,18 @@ class UcxTransport:
             self._retired.append(ep)
             log_event("ucx.endpoint_retired", logging.WARNING, peer=peer_id, detail=why)
 
+    def break_endpoint(self, ep: Any) -> None:
+        """Fault injection only (point ``endpoint_broken``): every later send over ``ep`` fails."""
+        self._broken.append(ep)
+
     @contextlib.contextmanager
     def _retired_on_failure(self, ep: Any) -> Iterator[None]:
         """A send that failed on the data plane retires its endpoint: the next transfer to that
         peer makes a new one instead of reusing one that may keep failing (a peer that froze
         for a while left one that failed every send after it)."""
         try:
+            if any(ep is broken for broken in self._broken):
+                raise UnavailableError("UCX send failed: the endpoint was broken by fault injection")
             yield
         except UnavailableError:
             for peer_id, cached in list(self._endpoints.items()):

@@ -7,14 +7,17 @@ with no pool registered). Windows are hit through the offering daemon's fault po
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import time
 from collections.abc import Callable
 
 import grpc
+import pytest
 
 from bench.cluster import Cluster, Daemon
+from kvxfer_client import AsyncKvxferClient, HostBuffer, KvxferError, Layout
 from kvxfer_client._proto import admin_pb2, admin_pb2_grpc
 
 SHAPE = {"layers": 32, "blocks": 32, "block_bytes": 32 << 10}  # 64 MiB per pool
@@ -74,3 +77,32 @@ def test_each_decode_engine_killed_mid_pull_leaves_no_mapping_behind(cluster: Cl
         print(f"round {round_}: unmapped {took:.2f}s after the kill, rss {_rss_mib(b):.0f} MiB")
         assert _unconfirmed(b) == 0
     assert _rss_mib(b) < baseline_rss + 32, (baseline_rss, _rss_mib(b))
+
+
+async def test_receives_from_a_killed_prefill_daemon_are_confirmed_and_the_pool_unmapped(cluster: Cluster) -> None:
+    # With UCX peer-failure handling (the default between hosts; asked for here, on one
+    # host), UCX completes the receives a dead sender left matched: the count goes back to 0
+    # and, once the engine deregisters, nothing of its pool stays mapped. Without it (one
+    # host, ``auto``), UCX keeps them for good: see README, "Peer failures".
+    layout = Layout.paged_kv(num_layers=4, num_blocks=64, block_bytes=256 << 10)
+    on = ("--ucx-error-handling", "on")
+    b = cluster.daemon("b", "--chunk-bytes", str(1 << 20), *on)
+    async with AsyncKvxferClient(b.socket, engine_name="d") as decode:
+        dst = await decode.register_pool([HostBuffer.create(s) for s in layout.buffer_sizes()], layout)
+        for round_ in range(2):
+            a = cluster.daemon(f"a{round_}", *on, "--fault-injection", "--faults", "after_chunk_sent:0=pause:60")
+            async with AsyncKvxferClient(a.socket, engine_name="p") as prefill:
+                src = await prefill.register_pool([HostBuffer.create(s) for s in layout.buffer_sizes()], layout)
+                ticket = await prefill.offer(src, list(range(32)), lease_s=600)
+                pull = asyncio.create_task(decode.pull(ticket, dst, list(range(32)), timeout_s=60))
+                started = time.monotonic()
+                while "fault.hit" not in a.log():  # a chunk is sent, the rest are posted receives
+                    assert time.monotonic() - started < BOUND_S, a.log()[-3000:] + b.log()[-3000:]
+                    await asyncio.sleep(0.02)
+                a.kill()
+                with pytest.raises(KvxferError):
+                    await pull
+            took = await asyncio.to_thread(_wait_until, lambda: _unconfirmed(b) == 0, "the receives confirmed")
+            print(f"round {round_}: unconfirmed receives back to 0 {took:.2f}s after the pull failed")
+        await decode.deregister_pool(dst)
+        await asyncio.to_thread(_wait_until, lambda: _shm_mappings(b) == 0, "the pool unmapped")

@@ -5,6 +5,7 @@ under test are real processes."""
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -12,7 +13,15 @@ import numpy as np
 import pytest
 
 from bench.cluster import Cluster, Daemon
-from kvxfer_client import AsyncKvxferClient, HostBuffer, IncompatibleError, Layout, ReleaseReason, Ticket
+from kvxfer_client import (
+    AsyncKvxferClient,
+    HostBuffer,
+    IncompatibleError,
+    Layout,
+    ReleaseReason,
+    Ticket,
+    UnavailableError,
+)
 from kvxfer_client._proto import common_pb2, peer_pb2, peer_pb2_grpc
 from kvxfer_client._version import PROTOCOL_VERSION
 from kvxferd.dataplane.ucx_address import AddressProbe
@@ -161,3 +170,42 @@ async def test_the_address_probe_contains_a_ucx_abort_and_keeps_serving() -> Non
         await probe.check(own, True, "self")  # a fresh child answers the next one
     finally:
         await probe.close()
+
+
+async def test_an_endpoint_that_keeps_failing_is_replaced_and_later_pulls_succeed(cluster: Cluster) -> None:
+    # A field run saw ~1,000 pulls in a row fail over the endpoint a frozen peer left behind.
+    # The fault point breaks the offerer's endpoint for good: every send over it fails, so
+    # only a new endpoint (and the puller's new Hello) lets later pulls through.
+    a = cluster.daemon("a", "--fault-injection", "--faults", "endpoint_broken=fail:1")
+    b = cluster.daemon("b")
+    async with (
+        AsyncKvxferClient(a.socket, engine_name="p") as prefill,
+        AsyncKvxferClient(b.socket, engine_name="d") as decode,
+    ):
+        src = await prefill.register_pool([HostBuffer.create(s) for s in LAYOUT.buffer_sizes()], LAYOUT)
+        dst = await decode.register_pool([HostBuffer.create(s) for s in LAYOUT.buffer_sizes()], LAYOUT)
+        first = await prefill.offer(src, [0, 1])
+        with pytest.raises(UnavailableError, match="broken by fault injection"):
+            await decode.pull(first, dst, [0, 1], timeout_s=20)
+        for i in range(3):
+            ticket = await prefill.offer(src, [2 + i])
+            await decode.pull(ticket, dst, [2 + i], timeout_s=20)
+        assert "ucx.endpoint_retired" in a.log()
+        assert a.log().count("peer.hello") >= 2, "the puller did not say Hello again"
+
+
+async def test_daemons_that_differ_in_ucx_error_handling_fail_at_once_naming_the_setting(cluster: Cluster) -> None:
+    # UCX refuses such an endpoint only when data arrives; the pull used to wait for its deadline.
+    a = cluster.daemon("a", "--ucx-error-handling", "on")
+    b = cluster.daemon("b")
+    async with (
+        AsyncKvxferClient(a.socket, engine_name="p") as prefill,
+        AsyncKvxferClient(b.socket, engine_name="d") as decode,
+    ):
+        src = await prefill.register_pool([HostBuffer.create(s) for s in LAYOUT.buffer_sizes()], LAYOUT)
+        dst = await decode.register_pool([HostBuffer.create(s) for s in LAYOUT.buffer_sizes()], LAYOUT)
+        ticket = await prefill.offer(src, [0])
+        started = time.monotonic()
+        with pytest.raises(IncompatibleError, match="give both daemons the same ucx_error_handling"):
+            await decode.pull(ticket, dst, [0], timeout_s=30)
+        assert time.monotonic() - started < 10

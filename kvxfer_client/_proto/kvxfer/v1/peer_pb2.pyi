@@ -77,6 +77,7 @@ class PeerIdentity(_message.Message):
     UCX_WORKER_ADDRESS_FIELD_NUMBER: _builtins.int
     UCX_TRANSPORTS_FIELD_NUMBER: _builtins.int
     PEER_ADDRESS_FIELD_NUMBER: _builtins.int
+    UCX_ERROR_HANDLING_FIELD_NUMBER: _builtins.int
     daemon_id: _builtins.str
     version: _builtins.str
     """kvxfer version and the wire protocol version; protocol versions must match."""
@@ -86,6 +87,11 @@ class PeerIdentity(_message.Message):
     """Opaque UCX worker address; endpoints are created from it."""
     peer_address: _builtins.str
     """host:port of this daemon's PeerService, as other daemons should dial it."""
+    ucx_error_handling: _builtins.str
+    """This daemon's ucx_error_handling setting: "auto", "on" or "off" (empty: "auto"). UCX
+    refuses an endpoint whose two ends differ in peer-failure handling, so each side checks
+    that the peer resolves it as it does before making one.
+    """
     @_builtins.property
     def ucx_transports(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Transports the UCX context activated ("tcp", "cma", ...)."""
@@ -100,10 +106,11 @@ class PeerIdentity(_message.Message):
         ucx_worker_address: _builtins.bytes = ...,
         ucx_transports: _abc.Iterable[_builtins.str] | None = ...,
         peer_address: _builtins.str = ...,
+        ucx_error_handling: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["daemon_id", b"daemon_id", "hostname", b"hostname", "peer_address", b"peer_address", "protocol_version", b"protocol_version", "ucx_transports", b"ucx_transports", "ucx_worker_address", b"ucx_worker_address", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["daemon_id", b"daemon_id", "hostname", b"hostname", "peer_address", b"peer_address", "protocol_version", b"protocol_version", "ucx_error_handling", b"ucx_error_handling", "ucx_transports", b"ucx_transports", "ucx_worker_address", b"ucx_worker_address", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
