@@ -104,10 +104,19 @@ class EngineProcess:
     """An engine process attached to one daemon, driven by JSON lines on its stdin.
 
     ``module`` is ``bench.engine`` (the benchmark engine) unless another engine is named; it
-    gets ``--socket <daemon socket>`` and then ``args``.
+    gets ``--socket <daemon socket>`` and then ``args``. ``popen`` goes to
+    :class:`subprocess.Popen` (``user``, ``group``, ``extra_groups``, ``umask``: an engine run
+    as another user).
     """
 
-    def __init__(self, daemon: Daemon, name: str, module: str = "bench.engine", args: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        daemon: Daemon,
+        name: str,
+        module: str = "bench.engine",
+        args: list[str] | None = None,
+        popen: dict[str, Any] | None = None,
+    ) -> None:
         self.name = name
         extra = ["--name", name] if args is None else args
         self.proc = subprocess.Popen(
@@ -116,6 +125,7 @@ class EngineProcess:
             stdout=subprocess.PIPE,
             env=_env(),
             cwd=ROOT,
+            **(popen or {}),
         )
         hello = self._read()
         if not hello.get("ready"):
@@ -178,9 +188,14 @@ class Cluster:
         return d
 
     def engine(
-        self, daemon: Daemon, name: str, module: str = "bench.engine", args: list[str] | None = None
+        self,
+        daemon: Daemon,
+        name: str,
+        module: str = "bench.engine",
+        args: list[str] | None = None,
+        popen: dict[str, Any] | None = None,
     ) -> EngineProcess:
-        e = EngineProcess(daemon, name, module, args)
+        e = EngineProcess(daemon, name, module, args, popen)
         self.engines.append(e)
         return e
 
