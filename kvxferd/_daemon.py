@@ -158,11 +158,10 @@ async def serve(settings: Settings) -> int:
     health_watch.cancel()
     for listener in listeners:
         await listener.set_serving(False)
-    finished = await node.wait_idle(settings.drain_grace_s)
+    finished = await node.transfers.wait_idle(settings.drain_grace_s)
     if not finished:
-        for record in list(node.transfers.active.values()):
-            node.abort(record, f"daemon {node.daemon_id} is shutting down (drain grace over)")
-        await node.wait_idle(2.0)
+        node.transfers.abort_all(f"daemon {node.daemon_id} is shutting down (drain grace over)")
+        await node.transfers.wait_idle(2.0)
     node.shutdown()
     fd_socket.close()
     for listener in listeners:

@@ -2,9 +2,9 @@
 
 Events (a transfer ends, a lease expires, an offer is released) update counters and the
 duration histogram as they happen; state (offers, transfers, pools, peers, staging) is read
-from the node at scrape time, so it can never drift from what ``kvxferctl`` shows. Label values
-are bounded sets (path, transport, result, reason, memory kind, device, peer state): never a
-request, offer or transfer id.
+at scrape time from a snapshot the event loop hands over, so it can never drift from what
+``kvxferctl`` shows. Label values are bounded sets (path, transport, result, reason, memory
+kind, device, peer state): never a request, offer or transfer id.
 
 >>> m = Metrics()
 >>> m.transfer_finished("local", "local-copy", "succeeded", 4096, 0.002)
@@ -18,9 +18,7 @@ import http.server
 import socket
 import socketserver
 import threading
-from collections import Counter as Tally
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
@@ -29,37 +27,32 @@ from prometheus_client.registry import Collector
 
 from kvxfer_client._version import PROTOCOL_VERSION, __version__
 
-__all__ = ["Metrics", "NodeState", "serve_metrics"]
+from ._snapshot import NodeSnapshot
+
+__all__ = ["Metrics", "serve_metrics"]
 
 #: Seconds: from sub-millisecond local copies to a minute-long pull of tens of GB.
 DURATION_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
-@dataclass
-class NodeState:
-    """What the scrape-time collector reads; the daemon fills it with callables."""
-
-    offers: Callable[[], int] = lambda: 0
-    transfers: Callable[[], Tally[str]] = Tally
-    #: ``(memory_kind, device) -> bytes`` of registered pools.
-    pool_bytes: Callable[[], dict[tuple[str, str], int]] = dict
-    #: peer state -> number of peers in it.
-    peers: Callable[[], Tally[str]] = Tally
-    #: direction -> (buffers in use, buffers allocated, buffers allowed, bytes per buffer).
-    staging: Callable[[], dict[str, tuple[int, int, int, int]]] = dict
-    serving: Callable[[], bool] = lambda: True
-
-
 class _StateCollector(Collector):
-    def __init__(self, state: NodeState) -> None:
-        self._state = state
+    """Gauges of the daemon's state, from one snapshot per scrape (None: no daemon, zeros)."""
+
+    def __init__(self, snapshot: Callable[[], NodeSnapshot | None]) -> None:
+        self._snapshot = snapshot
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # registered before the daemon's state exists: nothing to read yet
 
     def collect(self) -> Iterable[Metric]:
-        s = self._state
-        yield GaugeMetricFamily("kvxfer_offers_active", "Offers holding blocks, waiting for a pull", value=s.offers())
+        s = self._snapshot() or NodeSnapshot(daemon_id="", draining=False)
+        yield GaugeMetricFamily(
+            "kvxfer_offers_active", "Offers holding blocks, waiting for a pull", value=s.offer_count
+        )
         active = GaugeMetricFamily("kvxfer_transfers_active", "Transfers running now, by role", labels=["role"])
+        by_role = s.transfers_by_role()
         for role in ("decode", "prefill"):
-            active.add_metric([role], s.transfers().get(role, 0))
+            active.add_metric([role], by_role.get(role, 0))
         yield active
         pools = GaugeMetricFamily(
             "kvxfer_pool_registered_bytes", "Bytes of registered KV pools", labels=["memory_kind", "device"]
@@ -68,7 +61,7 @@ class _StateCollector(Collector):
             pools.add_metric([kind, device], nbytes)
         yield pools
         peers = GaugeMetricFamily("kvxfer_peers", "Peer daemons known, by connection state", labels=["state"])
-        counts = s.peers()
+        counts = s.peers_by_state()
         for state in ("connected", "failed"):
             peers.add_metric([state], counts.get(state, 0))
         yield peers
@@ -81,14 +74,14 @@ class _StateCollector(Collector):
             labels=["direction"],
         )
         cap = GaugeMetricFamily("kvxfer_staging_bytes_limit", "Staging buffer bytes allowed", labels=["direction"])
-        for direction, (in_use, allocated, limit, size) in sorted(s.staging().items()):
-            used.add_metric([direction], in_use * size)
-            made.add_metric([direction], allocated * size)
-            cap.add_metric([direction], limit * size)
+        for direction, st in sorted(s.staging.items()):
+            used.add_metric([direction], st.in_use * st.buffer_bytes)
+            made.add_metric([direction], st.allocated * st.buffer_bytes)
+            cap.add_metric([direction], st.limit * st.buffer_bytes)
         yield used
         yield made
         yield cap
-        yield GaugeMetricFamily("kvxfer_serving", "1 while accepting work, 0 while draining", value=s.serving())
+        yield GaugeMetricFamily("kvxfer_serving", "1 while accepting work, 0 while draining", value=not s.draining)
         info = InfoMetricFamily("kvxfer_build", "Version of this daemon")
         info.add_metric([], {"version": __version__, "protocol_version": str(PROTOCOL_VERSION)})
         yield info
@@ -97,7 +90,7 @@ class _StateCollector(Collector):
 class Metrics:
     """The daemon's metrics in their own registry (several daemons may share a process in tests)."""
 
-    def __init__(self, state: NodeState | None = None) -> None:
+    def __init__(self, snapshot: Callable[[], NodeSnapshot | None] = lambda: None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         labels = ["path", "transport", "result"]
         self.transfer_seconds = Histogram(
@@ -117,8 +110,7 @@ class Metrics:
         self.offers_released = Counter(
             "kvxfer_offers_released", "Offers released, by reason", ["reason"], registry=self.registry
         )
-        self.state = state or NodeState()
-        self.registry.register(_StateCollector(self.state))
+        self.registry.register(_StateCollector(snapshot))
 
     def transfer_finished(self, path: str, transport: str, result: str, nbytes: int, seconds: float) -> None:
         """Record one ended transfer (``result``: succeeded, failed or cancelled)."""

@@ -1,4 +1,9 @@
-"""Offers: blocks pinned for a decode engine, with a lease and a capability token."""
+"""Offers: blocks pinned for a decode engine, with a lease and a capability token.
+
+Every way an offer ends goes through :meth:`OfferTable.release` with a reason (pulled, failed,
+expired, cancelled, pool gone, shutdown), which calls the table's release sink once: the daemon
+tells the owning engine and counts it there.
+"""
 
 from __future__ import annotations
 
@@ -13,10 +18,12 @@ import numpy as np
 import numpy.typing as npt
 
 from kvxfer_client._errors import IncompatibleError, NotFoundError, PermissionDeniedError, ResourceExhaustedError
+from kvxfer_client._proto import common_pb2
 
+from ._sessions import check_owner
 from .memory.pools import Pool
 
-__all__ = ["Offer", "OfferTable"]
+__all__ = ["Offer", "OfferTable", "ReleaseSink"]
 
 OFFERED = "offered"
 PULLING = "pulling"
@@ -34,13 +41,19 @@ class Offer:
     timer: asyncio.TimerHandle | None = None
 
 
-class OfferTable:
-    """Live offers by id. ``on_expire`` is called (on the loop) when a lease ends unpulled."""
+#: Called once per released offer: ``(offer, reason, detail, transfer_id)``.
+ReleaseSink = Callable[["Offer", "common_pb2.ReleaseReason.ValueType", str, str], None]
 
-    def __init__(self, max_offers: int, on_expire: Callable[[Offer], None]) -> None:
+
+class OfferTable:
+    """Live offers by id; ``on_release`` hears of each one that ends, whatever the reason."""
+
+    def __init__(self, max_offers: int, on_release: ReleaseSink) -> None:
         self.max_offers = max_offers
         self.offers: dict[str, Offer] = {}
-        self._on_expire = on_expire
+        self._on_release = on_release
+        #: Offers whose lease ended before any pull.
+        self.expiries = 0
 
     def create(self, pool: Pool, block_ids: npt.NDArray[np.int64], lease_s: float) -> Offer:
         if len(self.offers) >= self.max_offers:
@@ -84,7 +97,8 @@ class OfferTable:
     def _expire(self, offer_id: str) -> None:
         offer = self.offers.get(offer_id)
         if offer is not None and offer.state == OFFERED:
-            self._on_expire(offer)
+            self.expiries += 1
+            self.release(offer, common_pb2.RELEASE_REASON_EXPIRED, "lease ended before any pull")
 
     def claim(self, offer_id: str, token: bytes) -> Offer:
         """Check the token and mark the offer as being pulled (one pull at a time)."""
@@ -101,10 +115,35 @@ class OfferTable:
             offer.state = OFFERED
             self._arm(offer)
 
-    def remove(self, offer_id: str) -> Offer | None:
-        offer = self.offers.pop(offer_id, None)
-        if offer is not None:
-            if offer.timer is not None:
-                offer.timer.cancel()
-            offer.pool.offers.discard(offer_id)
+    def release(
+        self, offer: Offer, reason: common_pb2.ReleaseReason.ValueType, detail: str = "", transfer_id: str = ""
+    ) -> None:
+        """End ``offer`` (nothing when it has ended already) and tell the release sink."""
+        if self.offers.pop(offer.offer_id, None) is None:
+            return
+        if offer.timer is not None:
+            offer.timer.cancel()
+        offer.pool.offers.discard(offer.offer_id)
+        self._on_release(offer, reason, detail, transfer_id)
+
+    def release_unpulled(
+        self, offer_id: str, reason: common_pb2.ReleaseReason.ValueType, detail: str, owner: str | None = None
+    ) -> Offer:
+        """Release an offer nobody is pulling (an engine's or an operator's act). ``owner``:
+        the caller's session, which must own the offer's pool (None: an operator)."""
+        offer = self.offers.get(offer_id)
+        if offer is None:
+            raise NotFoundError(f"no offer {offer_id!r}")
+        if owner is not None:
+            check_owner(offer.pool.session_id, owner, f"offer {offer_id!r}")
+        if offer.state != OFFERED:
+            raise IncompatibleError(f"offer {offer_id!r} is being pulled; cancel the transfer instead")
+        self.release(offer, reason, detail)
         return offer
+
+    def release_all(self, reason: common_pb2.ReleaseReason.ValueType, detail: str, pool_id: str | None = None) -> int:
+        """Release every offer (of ``pool_id`` only, when given); returns how many."""
+        ended = [o for o in self.offers.values() if pool_id is None or o.pool.pool_id == pool_id]
+        for offer in ended:
+            self.release(offer, reason, detail)
+        return len(ended)

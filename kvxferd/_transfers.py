@@ -1,16 +1,33 @@
-"""Transfer records: what is moving now, and a ring of what moved recently."""
+"""Transfer records: what is moving now, and a ring of what moved recently.
+
+A handoff path calls :meth:`TransferTable.begin` in the task that moves the bytes and
+:meth:`TransferTable.end` once it is over (metrics and the ``transfer.done``/``failed`` log
+line happen there); :meth:`TransferTable.abort` cancels one from this side, and
+:meth:`TransferTable.wait_idle` is what a draining daemon waits on.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvxfer_client._errors import AlreadyExistsError
 from kvxfer_client._proto import admin_pb2, common_pb2
 
+from ._log import log_event
+from ._metrics import Metrics
+
 __all__ = ["TransferRecord", "TransferTable"]
+
+_PATH_NAMES = {common_pb2.TRANSFER_PATH_LOCAL: "local", common_pb2.TRANSFER_PATH_REMOTE: "remote"}
+_RESULT_NAMES = {
+    common_pb2.TRANSFER_STATE_SUCCEEDED: "succeeded",
+    common_pb2.TRANSFER_STATE_CANCELLED: "cancelled",
+}
 
 
 @dataclass
@@ -67,23 +84,90 @@ class TransferRecord:
 
 
 class TransferTable:
-    def __init__(self, history: int) -> None:
+    def __init__(self, history: int, metrics: Metrics | None = None) -> None:
         self.active: dict[tuple[str, str], TransferRecord] = {}
         self.finished: deque[TransferRecord] = deque(maxlen=history)
         self._pulled: OrderedDict[str, TransferRecord] = OrderedDict()
         self._history = history
+        self._metrics = metrics
         self.succeeded = 0
         self.failed = 0
         self.bytes_moved = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
 
-    def start(self, record: TransferRecord) -> TransferRecord:
+    def begin(self, record: TransferRecord) -> TransferRecord:
+        """Start ``record`` in the current task (which :meth:`abort` cancels)."""
         key = (record.role, record.transfer_id)
         if key in self.active:
             raise AlreadyExistsError(f"transfer {record.transfer_id!r} is already running")
         self.active[key] = record
+        record.task = asyncio.current_task()
+        self._idle.clear()
         return record
 
-    def finish(self, record: TransferRecord, state: common_pb2.TransferState.ValueType, detail: str = "") -> None:
+    def end(self, record: TransferRecord, state: common_pb2.TransferState.ValueType, detail: str = "") -> None:
+        """``record`` is over: into the history, the metrics and the log."""
+        self._finish(record, state, detail)
+        if self._metrics is not None:
+            self._metrics.transfer_finished(
+                _PATH_NAMES.get(record.path, "unknown"),
+                record.transport,
+                _RESULT_NAMES.get(state, "failed"),
+                record.nbytes,
+                record.duration_s,
+            )
+        if not self.active:
+            self._idle.set()
+        fields: dict[str, Any] = {
+            "transfer_id": record.transfer_id,
+            "role": record.role,
+            "offer_id": record.offer_id,
+            "transport": record.transport or "-",
+            "bytes": record.nbytes,
+            "duration_s": round(record.duration_s, 6),
+        }
+        if record.phases:
+            fields["phases_ms"] = ",".join(f"{name}={t * 1e3:.2f}" for name, t in record.phases)
+        if state == common_pb2.TRANSFER_STATE_SUCCEEDED:
+            log_event("transfer.done", **fields)
+        else:
+            log_event("transfer.failed", detail=detail, **fields)
+
+    def abort(self, record: TransferRecord, detail: str) -> None:
+        """Cancel a running transfer from this side; the peer is told ``detail`` (a cancelled
+        stream handler alone would leave it waiting for its deadline). A committed transfer
+        (every byte confirmed) is left to finish."""
+        if record.committed:
+            return
+        record.abort_detail = record.abort_detail or detail
+        if record.task is not None and not record.task.done():
+            record.task.cancel()
+
+    def abort_all(self, detail: str, where: Callable[[TransferRecord], bool] = lambda _: True) -> None:
+        for record in list(self.active.values()):
+            if where(record):
+                self.abort(record, detail)
+
+    async def cancel(self, records: list[TransferRecord], detail: str, timeout_s: float) -> bool:
+        """Abort ``records`` and wait (up to ``timeout_s``) until they have unwound; True when
+        one has not (it may still be writing)."""
+        tasks = [r.task for r in records if r.task is not None and not r.task.done()]
+        for r in records:
+            self.abort(r, detail)
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout_s)
+        return any(not t.done() for t in tasks)
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no transfer runs; False when ``timeout_s`` passed first."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            return True
+        except TimeoutError:
+            return False
+
+    def _finish(self, record: TransferRecord, state: common_pb2.TransferState.ValueType, detail: str = "") -> None:
         record.state = state
         record.detail = detail
         record.duration_s = time.monotonic() - record.started_mono
@@ -107,4 +191,6 @@ class TransferTable:
         return self._pulled.get(transfer_id)
 
     def find(self, transfer_id: str) -> list[TransferRecord]:
-        return [r for (_, tid), r in self.active.items() if tid == transfer_id]
+        """Running, cancellable transfers with this id (one per role at most). A transfer whose
+        bytes the receiver already confirmed is finishing, not cancellable."""
+        return [r for (_, tid), r in self.active.items() if tid == transfer_id and not r.committed]

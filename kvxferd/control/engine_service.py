@@ -8,6 +8,7 @@ from typing import Any
 from kvxfer_client._proto import engine_pb2, engine_pb2_grpc
 
 from .._node import Node
+from . import wire
 from ._rpc import rpc_method
 from .call_stream import serve_calls
 
@@ -37,7 +38,7 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
     async def RegisterPool(  # noqa: N802
         self, request: engine_pb2.RegisterPoolRequest, context: Ctx
     ) -> engine_pb2.RegisterPoolResponse:
-        pool = self.node.register_pool(request)
+        pool = self.node.register_pool(request.session_id, request.buffers, request.layout, request.name)
         return engine_pb2.RegisterPoolResponse(pool_id=pool.pool_id, fingerprint=pool.fingerprint)
 
     @rpc_method
@@ -48,8 +49,27 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
         return engine_pb2.DeregisterPoolResponse(released_offers=self.node.deregister_pool(request.pool_id))
 
     async def _offer(self, request: engine_pb2.OfferRequest) -> engine_pb2.OfferResponse:
-        offer, ticket = self.node.offer(request)
+        s = self.node.settings
+        lease = wire.lease_s(request.lease_s, s.default_lease_s, s.max_lease_s)
+        offer, ticket = self.node.offer(request.session_id, request.pool_id, request.block_ids, lease)
         return engine_pb2.OfferResponse(ticket=ticket.to_proto(), lease_deadline_unix=offer.deadline)
+
+    async def _pull(self, request: engine_pb2.PullRequest) -> engine_pb2.PullResponse:
+        ticket = wire.ticket(request.ticket)
+        timeout = wire.pull_timeout_s(request.timeout_s, self.node.settings.pull_timeout_s)
+        transfer_id = wire.transfer_id(request.transfer_id)
+        record = await self.node.pull(
+            request.session_id, request.pool_id, ticket, request.block_ids, timeout, transfer_id
+        )
+        return engine_pb2.PullResponse(
+            transfer_id=record.transfer_id,
+            bytes=record.nbytes,
+            path=record.path,
+            transport=record.transport,
+            duration_s=record.duration_s,
+            data_plane_s=record.data_plane_s,
+            device_s=record.device_s,
+        )
 
     @rpc_method
     async def Offer(self, request: engine_pb2.OfferRequest, context: Ctx) -> engine_pb2.OfferResponse:  # noqa: N802
@@ -57,26 +77,28 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
 
     @rpc_method
     async def Pull(self, request: engine_pb2.PullRequest, context: Ctx) -> engine_pb2.PullResponse:  # noqa: N802
-        return await self.node.pull(request)
+        return await self._pull(request)
 
     @rpc_method
     # Served with context.read()/write(): answers go out in completion order, not request order.
     async def Calls(self, request_iterator: Any, context: Ctx) -> None:  # type: ignore[override]  # noqa: N802
-        await serve_calls(context, {"offer": self._offer, "pull": self.node.pull})
+        await serve_calls(context, {"offer": self._offer, "pull": self._pull})
 
     @rpc_method
     async def Release(self, request: engine_pb2.ReleaseRequest, context: Ctx) -> engine_pb2.ReleaseResponse:  # noqa: N802
-        self.node.withdraw(request.offer_id, request.session_id)
+        self.node.release(request.offer_id, request.session_id)
         return engine_pb2.ReleaseResponse()
 
     @rpc_method
     async def Cancel(self, request: engine_pb2.CancelRequest, context: Ctx) -> engine_pb2.CancelResponse:  # noqa: N802
-        cancelled, may_still_write = await self.node.cancel_transfer(request.transfer_id, request.session_id)
-        return engine_pb2.CancelResponse(cancelled=cancelled, may_still_write=may_still_write)
+        outcome = await self.node.cancel(wire.transfer_id(request.transfer_id, required=True), request.session_id)
+        return engine_pb2.CancelResponse(cancelled=outcome.cancelled, may_still_write=outcome.may_still_write)
 
     @rpc_method
     async def ExtendLease(  # noqa: N802
         self, request: engine_pb2.ExtendLeaseRequest, context: Ctx
     ) -> engine_pb2.ExtendLeaseResponse:
-        remaining = await self.node.extend_lease(request.ticket, request.lease_s)
+        ticket = wire.ticket(request.ticket)
+        lease = wire.lease_s(request.lease_s, None, self.node.settings.max_lease_s)
+        remaining = await self.node.extend_lease(ticket, lease)
         return engine_pb2.ExtendLeaseResponse(lease_remaining_s=remaining)

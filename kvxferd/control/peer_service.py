@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from kvxfer_client._errors import InvalidRequestError, UnavailableError
+import grpc
+
+from kvxfer_client._errors import InvalidRequestError
 from kvxfer_client._proto import peer_pb2, peer_pb2_grpc
 
 from .._log import log_event
 from .._node import Node
+from ..handoff.steps import within
+from . import wire
 from ._rpc import rpc_method
 
 Ctx = Any  # grpc.aio.ServicerContext
@@ -20,15 +25,7 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
 
     @rpc_method
     async def Hello(self, request: peer_pb2.HelloRequest, context: Ctx) -> peer_pb2.HelloResponse:  # noqa: N802
-        if self.node.peers is None:
-            raise UnavailableError("daemon is starting")
-        known = self.node.peers.by_id.get(request.identity.daemon_id)
-        old_address = known.identity.ucx_worker_address if known is not None else None
-        self.node.peers.accept_hello(request.identity)
-        if self.node.ucx is not None:
-            self.node.ucx.address_probe.start()  # again, if its child died since
-            if old_address is not None and old_address != request.identity.ucx_worker_address:
-                self.node.ucx.retire(request.identity.daemon_id, "the peer came back with a new worker")
+        self.node.accept_hello(request.identity)
         log_event(
             "peer.hello",
             peer_daemon_id=request.identity.daemon_id,
@@ -41,14 +38,54 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
     # Served with context.read()/write() rather than as a generator: the exchange is a
     # fixed sequence of steps (see peer.proto), not a stream of like messages.
     async def Transfer(self, request_iterator: Any, context: Ctx) -> None:  # type: ignore[override]  # noqa: N802
-        await self.node.serve_transfer(context)
+        settings = self.node.settings
+        first = await within(context.read(), settings.peer_timeout_s, "the puller's 'start'")
+        if first is grpc.aio.EOF or first.WhichOneof("msg") != "start":
+            raise InvalidRequestError("a Transfer stream must begin with start")
+        start = wire.serve_request(first.start, settings.pull_timeout_s)
+        await self.node.serve(start, _OffererStream(context))
 
     @rpc_method
     async def ExtendLease(  # noqa: N802
         self, request: peer_pb2.PeerExtendLeaseRequest, context: Ctx
     ) -> peer_pb2.PeerExtendLeaseResponse:
-        max_lease = self.node.settings.max_lease_s
-        if not 0 < request.lease_s <= max_lease:
-            raise InvalidRequestError(f"lease_s must be in (0, {max_lease}]")
-        remaining = self.node.offers.extend(request.offer_id, bytes(request.token), request.lease_s)
+        lease = wire.lease_s(request.lease_s, None, self.node.settings.max_lease_s)
+        remaining = self.node.offers.extend(request.offer_id, bytes(request.token), lease)
         return peer_pb2.PeerExtendLeaseResponse(lease_remaining_s=remaining)
+
+
+class _OffererStream:
+    """The gRPC ``Transfer`` stream as the offering side's handoff sees it (OffererStream)."""
+
+    def __init__(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        self._context = context
+
+    def puller_gone(self) -> bool:
+        return bool(self._context.done())
+
+    def on_puller_gone(self, callback: Callable[[], None]) -> None:
+        self._context.add_done_callback(lambda _: callback())
+
+    def time_remaining(self) -> float | None:
+        left = self._context.time_remaining()
+        return None if left is None else float(left)
+
+    async def send_headers(self) -> None:
+        await self._context.send_initial_metadata(())
+
+    async def accepted(self, total_bytes: int, num_chunks: int, chunk_bytes: int) -> None:
+        msg = peer_pb2.TransferAccepted(total_bytes=total_bytes, num_chunks=num_chunks, chunk_bytes=chunk_bytes)
+        await self._context.write(peer_pb2.TransferServerMessage(accepted=msg))
+
+    async def sent(self, nbytes: int, transport: str) -> None:
+        msg = peer_pb2.TransferSent(bytes=nbytes, transport=transport)
+        await self._context.write(peer_pb2.TransferServerMessage(sent=msg))
+
+    async def read_done(self) -> tuple[bool, str] | None:
+        msg = await self._context.read()
+        if msg is grpc.aio.EOF or msg.WhichOneof("msg") != "done":
+            return None
+        return bool(msg.done.ok), str(msg.done.detail)
+
+    async def closed(self) -> None:
+        await self._context.write(peer_pb2.TransferServerMessage(closed=peer_pb2.TransferClosed(released=True)))

@@ -246,6 +246,11 @@ class UcxTransport:
         return len(self._sends)
 
     @property
+    def receives_unconfirmed(self) -> int:
+        """Cancelled receives UCX has not confirmed: their memory may still be written."""
+        return self.iov.unconfirmed if self.iov is not None else 0
+
+    @property
     def healthy(self) -> bool:
         return self.progress is None or self.progress.alive
 

@@ -7,10 +7,11 @@ sizes at registration, so no offset a plan computes can leave its buffer.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,6 +88,25 @@ class Pool:
                 unregister_host(ptr)
 
         self._closers.insert(0, unpin)  # before the host mappings go
+
+    @contextlib.contextmanager
+    def in_use(self) -> Iterator[Pool]:
+        """A transfer reads or writes this pool's memory inside this block: a deregistration
+        meanwhile unmaps it only when the last such block ends (UCX or a copy thread writing
+        into unmapped memory would crash the daemon)."""
+        self.busy += 1
+        try:
+            yield self
+        finally:
+            self.busy -= 1
+            if self.closing and self.busy == 0:
+                self.close()
+
+    def close_when_idle(self) -> None:
+        """Deregistered: unmap now, or when the last transfer using the pool ends."""
+        self.closing = True
+        if self.busy == 0:
+            self.close()
 
     def close(self) -> None:
         self.arrays.clear()

@@ -7,7 +7,7 @@ import pytest
 
 from kvxfer_client import IncompatibleError
 from kvxfer_client._proto import peer_pb2
-from kvxferd.control.peers import check_compatible
+from kvxferd.handoff.peers import check_compatible
 
 #: Shaped like a UCX worker address (version byte, then payload); real ones are ~200 bytes.
 WORKER = b"\x20" + bytes(range(1, 64))

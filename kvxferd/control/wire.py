@@ -1,0 +1,85 @@
+"""Wire values checked once, where they enter: tickets, transfer ids, leases, timeouts.
+
+Every service converts a request's fields through these before the core sees them, so each
+rule is written (and its error worded) in one place.
+
+>>> lease_s(0, default=30.0, maximum=3600.0)
+30.0
+>>> lease_s(7200, default=30.0, maximum=3600.0)
+Traceback (most recent call last):
+...
+kvxfer_client._errors.InvalidRequestError: lease_s must be in (0, 3600.0], got 7200
+"""
+
+from __future__ import annotations
+
+import re
+
+from kvxfer_client._errors import InvalidRequestError
+from kvxfer_client._proto import common_pb2, peer_pb2
+from kvxfer_client._ticket import Ticket
+
+from ..handoff.serve import ServeRequest
+from ..handoff.steps import MAX_CHUNK, MIN_CHUNK
+
+__all__ = ["lease_s", "pull_timeout_s", "serve_request", "ticket", "transfer_id"]
+
+#: Longest pull (and Transfer stream) a request may ask for.
+MAX_PULL_TIMEOUT_S = 3600.0
+_ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9.-]{1,253}):[0-9]{1,5}$")
+
+
+def ticket(msg: common_pb2.Ticket) -> Ticket:
+    """A ticket from a request, refused (INVALID_ARGUMENT) unless it is well formed."""
+    t = Ticket.from_proto(msg)
+    if not t.offer_id or len(t.offer_id) > 128 or len(t.token) != 16:
+        raise InvalidRequestError("malformed ticket (offer id or 16-byte token missing)")
+    if not t.daemon_id or len(t.daemon_id) > 256:
+        raise InvalidRequestError("malformed ticket (daemon id missing)")
+    if not _ADDRESS.match(t.peer_address) or not 0 < int(t.peer_address.rsplit(":", 1)[1]) < 65536:
+        raise InvalidRequestError(f"malformed ticket: peer address {t.peer_address[:100]!r} is not host:port")
+    return t
+
+
+def transfer_id(value: str, required: bool = False) -> str:
+    """A transfer id of 1..128 characters (empty allowed unless ``required``)."""
+    if (required or value) and not 1 <= len(value) <= 128:
+        raise InvalidRequestError("transfer_id must be 1..128 characters")
+    return value
+
+
+def lease_s(value: float, default: float | None, maximum: float) -> float:
+    """A lease in (0, maximum]; 0 means ``default`` where one applies."""
+    lease = value or default or 0.0
+    if not 0 < lease <= maximum:
+        raise InvalidRequestError(f"lease_s must be in (0, {maximum}], got {value}")
+    return lease
+
+
+def pull_timeout_s(value: float, default: float) -> float:
+    """A pull's deadline in (0, 3600] seconds; 0 means ``default``."""
+    timeout = value or default
+    if not 0 < timeout <= MAX_PULL_TIMEOUT_S:
+        raise InvalidRequestError(f"timeout_s must be in (0, {MAX_PULL_TIMEOUT_S:.0f}], got {value}")
+    return timeout
+
+
+def serve_request(msg: peer_pb2.TransferStart, default_timeout_s: float) -> ServeRequest:
+    """A peer's ``start``: chunk size and ids in range (the offer and token are checked when
+    the offer is claimed)."""
+    if not MIN_CHUNK <= msg.chunk_bytes <= MAX_CHUNK:
+        raise InvalidRequestError(f"chunk_bytes must be in {MIN_CHUNK}..{MAX_CHUNK}")
+    transfer_id(msg.transfer_id, required=True)
+    if len(msg.offer_id) > 128 or len(msg.receiver_daemon_id) > 256:
+        raise InvalidRequestError("offer_id or receiver_daemon_id too long")
+    return ServeRequest(
+        transfer_id=msg.transfer_id,
+        offer_id=msg.offer_id,
+        token=bytes(msg.token),
+        receiver_daemon_id=msg.receiver_daemon_id,
+        receiver_signature=msg.receiver_signature,
+        num_blocks=msg.num_blocks,
+        tag_base=msg.tag_base,
+        chunk_bytes=msg.chunk_bytes,
+        timeout_s=min(msg.timeout_s or default_timeout_s, MAX_PULL_TIMEOUT_S),
+    )

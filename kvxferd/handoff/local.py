@@ -1,0 +1,155 @@
+"""The local handoff: the offer and the destination are both on this daemon, so the bytes are
+copied here, without UCX: host to host by the copy threads (one ``process_vm_readv`` per chunk,
+or two passes through scratch where the kernel refuses it), anything touching a GPU by one
+kernel launch over every segment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
+from typing import Any
+
+import numpy as np
+
+from kvxfer_client._errors import IncompatibleError
+from kvxfer_client._layout import signature_mismatch
+from kvxfer_client._proto import common_pb2
+from kvxfer_client._ticket import Ticket
+
+from .._offers import OfferTable
+from .._transfers import TransferRecord
+from ..dataplane.aligned import aligned_empty
+from ..dataplane.gpucopy import BlockSide, GpuDevices
+from ..dataplane.hostcopy import copy_chunk
+from ..dataplane.plan import SidePlan, build_plan
+from ..memory.pools import Pool
+
+__all__ = ["INLINE_COPY_BYTES", "LocalHandoff"]
+
+#: Local host handoffs up to this size are copied on the event loop (about 10 us at memory
+#: speed); larger ones go to the copy threads.
+INLINE_COPY_BYTES = 128 << 10
+
+
+class LocalHandoff:
+    def __init__(
+        self,
+        offers: OfferTable,
+        chunk_bytes: int,
+        copy_threads: int,
+        executor: Executor,
+        single_pass: bool,
+        gpu: Callable[[], GpuDevices],
+    ) -> None:
+        self.offers = offers
+        self.chunk_bytes = chunk_bytes
+        self.copy_threads = copy_threads
+        self.executor = executor
+        self.single_pass = single_pass
+        self._gpu = gpu
+
+    async def pull(self, record: TransferRecord, ticket: Ticket, dst: Pool, dst_ids: np.ndarray[Any, Any]) -> None:
+        """Claim the ticket's offer, copy its blocks into ``dst_ids`` of ``dst``, release the
+        offer as pulled (as failed when the copy did not finish)."""
+        offer = self.offers.claim(ticket.offer_id, ticket.token)
+        record.transport = "local-copy"
+        src = offer.pool
+        mismatch = signature_mismatch(src.layout.signature(), dst.layout.signature())
+        if mismatch:
+            self.offers.unclaim(offer)
+            raise IncompatibleError(f"incompatible layouts: {mismatch}")
+        try:
+            started = time.perf_counter()
+            if src.on_gpu or dst.on_gpu:
+                with src.in_use():
+                    record.transport, record.device_s = await self._copy_gpu(src, offer.block_ids, dst, dst_ids)
+                record.nbytes = int(ticket.total_bytes)
+            else:
+                src_plan = build_plan(src.regions, offer.block_ids, self.chunk_bytes)
+                dst_plan = build_plan(dst.regions, dst_ids, self.chunk_bytes)
+                record.nbytes = src_plan.total_bytes
+                with src.in_use():
+                    await self._copy_host(src, src_plan, dst, dst_plan)
+            record.data_plane_s = time.perf_counter() - started
+        except BaseException as exc:
+            detail = f"local pull failed: {exc!r}"
+            self.offers.release(offer, common_pb2.RELEASE_REASON_FAILED, detail, record.transfer_id)
+            raise
+        self.offers.release(offer, common_pb2.RELEASE_REASON_PULLED, "", record.transfer_id)
+
+    async def _copy_host(self, src: Pool, src_plan: SidePlan, dst: Pool, dst_plan: SidePlan) -> None:
+        """Inline when small, else the chunks dealt round-robin to the copy threads (a lone
+        handoff uses them all)."""
+        if src_plan.total_bytes <= INLINE_COPY_BYTES:
+            # Microseconds of copying: the hop to a copy thread and back would cost more.
+            copy_plan(src.arrays, src_plan, dst.arrays, dst_plan, self.single_pass)
+            return
+        stop = threading.Event()
+        parts = min(self.copy_threads, len(src_plan.chunks))
+        loop = asyncio.get_running_loop()
+        copying = [
+            loop.run_in_executor(
+                self.executor, copy_plan, src.arrays, src_plan, dst.arrays, dst_plan, self.single_pass, stop, k, parts
+            )
+            for k in range(parts)
+        ]
+        try:
+            await asyncio.shield(asyncio.gather(*copying))
+        except BaseException:
+            # Every copy thread stops at its next chunk; wait for them all, so that nobody
+            # hears "failed" or "cancelled" (and reuses the destination) while one can still
+            # write there.
+            stop.set()
+            await asyncio.wait(copying)
+            raise
+
+    async def _copy_gpu(
+        self, src: Pool, src_ids: np.ndarray[Any, Any], dst: Pool, dst_ids: np.ndarray[Any, Any]
+    ) -> tuple[str, float]:
+        """One kernel launch over every segment (a host side is pinned and read over PCIe);
+        returns the transport and the copy's GPU time."""
+        device = dst.device if dst.device is not None else src.device
+        assert device is not None
+        for pool in (src, dst):
+            pool.pin_for_gpu()
+        src_dev = src.device if src.device is not None else device
+        return await self._gpu().copy_local(
+            BlockSide.of(src_dev, src.base, src.regions, src_ids),
+            BlockSide.of(device, dst.base, dst.regions, dst_ids),
+        )
+
+
+def copy_plan(
+    src_arrays: Sequence[Any],
+    src: SidePlan,
+    dst_arrays: Sequence[Any],
+    dst: SidePlan,
+    single_pass: bool,
+    stop: threading.Event | None = None,
+    part: int = 0,
+    parts: int = 1,
+) -> None:
+    """Copy chunks ``part``, ``part + parts``, ... of the plan (one copy thread's share),
+    until ``stop`` is set."""
+    scratch = None if single_pass else _scratch(src.chunk_bytes)
+    for a, b in zip(src.chunks[part::parts], dst.chunks[part::parts], strict=True):
+        if stop is not None and stop.is_set():
+            return
+        copy_chunk(src_arrays, a, dst_arrays, b, scratch, single_pass)
+
+
+_SCRATCH: dict[tuple[int, int], Any] = {}
+
+
+def _scratch(nbytes: int) -> Any:
+    """One reusable scratch buffer per copy thread (runs inside the executor)."""
+    key = (threading.get_ident(), nbytes)
+    buf = _SCRATCH.get(key)
+    if buf is None:
+        buf = _SCRATCH[key] = aligned_empty(nbytes)
+        buf.fill(0)
+    return buf

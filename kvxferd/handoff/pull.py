@@ -1,0 +1,131 @@
+"""A decode engine's pull: check the ticket against the destination, then run it as a local
+copy (the ticket names this daemon) or a remote pull (it names another), under one deadline,
+as one transfer record.
+
+A pull retried with the id of one that already landed (its answer was lost) is answered again
+from the record and moves nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import secrets
+from typing import Any
+
+import numpy as np
+
+from kvxfer_client._errors import (
+    MAY_STILL_WRITE,
+    AlreadyExistsError,
+    CancelledError,
+    DeadlineExceededError,
+    IncompatibleError,
+    InvalidRequestError,
+    KvxferError,
+    UnavailableError,
+)
+from kvxfer_client._proto import common_pb2
+from kvxfer_client._ticket import Ticket
+
+from .._transfers import TransferRecord, TransferTable
+from ..memory.pools import Pool
+from .local import LocalHandoff
+from .remote_pull import RemotePull
+
+__all__ = ["Pulls"]
+
+
+class Pulls:
+    def __init__(
+        self, daemon_id: str, transfers: TransferTable, local: LocalHandoff, remote: RemotePull | None
+    ) -> None:
+        self.daemon_id = daemon_id
+        self.transfers = transfers
+        self.local = local
+        self.remote = remote
+
+    async def pull(
+        self, ticket: Ticket, dst: Pool, dst_ids: np.ndarray[Any, Any], timeout_s: float, transfer_id: str = ""
+    ) -> TransferRecord:
+        """Move the ticket's blocks into ``dst_ids`` of ``dst`` within ``timeout_s``; returns
+        the finished record. ``transfer_id`` names a retryable pull (empty: a fresh id)."""
+        _check_against(ticket, dst, dst_ids)
+        dst_key = _destination_key(dst.pool_id, dst_ids)
+        if transfer_id:
+            done = self.transfers.succeeded_pull(transfer_id)
+            if done is not None:
+                # A retry of a pull that already landed: answer again, move nothing. A
+                # different destination under the same id is a client bug.
+                if done.dst_key != dst_key or done.offer_id != ticket.offer_id:
+                    raise AlreadyExistsError(f"transfer {transfer_id!r} already moved another offer or destination")
+                return done
+        transfer_id = transfer_id or "xfer-" + secrets.token_hex(8)
+        local = ticket.daemon_id == self.daemon_id
+        if not local and self.remote is None:
+            raise UnavailableError("the UCX data plane is not available (install kvxfer[ucx] or a cu12/cu13 extra)")
+        record = TransferRecord(
+            transfer_id,
+            "decode",
+            common_pb2.TRANSFER_PATH_LOCAL if local else common_pb2.TRANSFER_PATH_REMOTE,
+            ticket.offer_id,
+            peer_daemon_id="" if local else ticket.daemon_id,
+            nbytes=ticket.total_bytes,
+            pools=(dst.pool_id,),
+            dst_key=dst_key,
+        )
+        self.transfers.begin(record)
+        try:
+            with dst.in_use():
+                # Only this deadline raises TimeoutError here: every step's own deadline raises
+                # DeadlineExceededError naming that step (see ``steps.within``).
+                async with asyncio.timeout(timeout_s) as deadline:
+                    if local:
+                        await self.local.pull(record, ticket, dst, dst_ids)
+                    else:
+                        assert self.remote is not None
+                        await self.remote.pull(record, ticket, dst, dst_ids, timeout_s, deadline)
+        except KvxferError as exc:  # before TimeoutError: DeadlineExceededError is one
+            self.transfers.end(record, common_pb2.TRANSFER_STATE_FAILED, str(exc))
+            if record.may_still_write:
+                raise type(exc)(str(exc) + _quarantine(record)) from None
+            raise
+        except TimeoutError:
+            self.transfers.end(record, common_pb2.TRANSFER_STATE_FAILED, f"deadline of {timeout_s}s exceeded")
+            msg = f"pull {transfer_id} did not finish within {timeout_s}s"
+            raise DeadlineExceededError(msg + _quarantine(record)) from None
+        except asyncio.CancelledError:
+            self.transfers.end(record, common_pb2.TRANSFER_STATE_CANCELLED, "cancelled")
+            raise CancelledError(f"pull {transfer_id} was cancelled" + _quarantine(record)) from None
+        except Exception as exc:
+            self.transfers.end(record, common_pb2.TRANSFER_STATE_FAILED, repr(exc))
+            raise
+        self.transfers.end(record, common_pb2.TRANSFER_STATE_SUCCEEDED)
+        return record
+
+
+def _check_against(ticket: Ticket, dst: Pool, dst_ids: np.ndarray[Any, Any]) -> None:
+    """The ticket fits the destination: block count, layout fingerprint, byte count."""
+    if len(dst_ids) != ticket.num_blocks:
+        raise InvalidRequestError(f"ticket holds {ticket.num_blocks} blocks, {len(dst_ids)} destination ids given")
+    if ticket.fingerprint != dst.fingerprint:
+        raise IncompatibleError(
+            f"layout fingerprint mismatch: offer {ticket.fingerprint}, destination pool {dst.fingerprint}"
+        )
+    # Same fingerprint, same bytes per block: a ticket's byte count is derived, never trusted.
+    if ticket.total_bytes != ticket.num_blocks * dst.layout.bytes_per_block:
+        raise InvalidRequestError(
+            f"malformed ticket: total_bytes {ticket.total_bytes} is not {ticket.num_blocks} blocks of "
+            f"{dst.layout.bytes_per_block} bytes"
+        )
+
+
+def _quarantine(record: TransferRecord) -> str:
+    """The marker the SDK turns into ``KvxferError.may_still_write``."""
+    return MAY_STILL_WRITE if record.may_still_write else ""
+
+
+def _destination_key(pool_id: str, ids: np.ndarray[Any, Any]) -> str:
+    """Identifies a pull's destination (pool and block ids) for idempotent retries."""
+    digest = hashlib.blake2b(np.ascontiguousarray(ids, dtype=np.int64).tobytes(), digest_size=16).hexdigest()
+    return pool_id + ":" + digest

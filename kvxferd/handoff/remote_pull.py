@@ -1,0 +1,202 @@
+"""The decode side of a remote handoff: pull an offer from the daemon that made it, over one
+``PeerService.Transfer`` stream for the steps and UCX tagged messages for the bytes.
+
+Steps (peer.proto): start → accepted → (chunks land) → done → closed. Every chunk is a
+receive posted ahead (``window`` at once) with tag ``tag_base | chunk``, straight into the
+pool where UCX can scatter it, else into staging and then unpacked (host) or scattered by
+one kernel per chunk (GPU).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor
+from typing import Any
+
+import numpy as np
+
+from kvxfer_client._errors import DeadlineExceededError, IncompatibleError, UnavailableError
+from kvxfer_client._ticket import Ticket
+
+from .._config import Settings
+from .._faults import Faults
+from .._transfers import TransferRecord
+from ..dataplane.gpucopy import BlockSide, GpuDevices
+from ..dataplane.plan import SidePlan, build_plan, stream_plan
+from ..dataplane.staging import StagingLease
+from ..dataplane.ucp_iov import CANCEL_CONFIRM_S
+from ..memory.pools import Pool
+from .peers import Peer
+from .remote import RemotePlane
+from .steps import MIN_CHUNK
+
+__all__ = ["RemotePull"]
+
+
+class RemotePull:
+    def __init__(
+        self,
+        daemon_id: str,
+        settings: Settings,
+        plane: RemotePlane,
+        executor: Executor,
+        gpu: Callable[[], GpuDevices],
+        faults: Faults,
+    ) -> None:
+        self.daemon_id = daemon_id
+        self.settings = settings
+        self.plane = plane
+        self.ucx = plane.ucx
+        self.executor = executor
+        self._gpu = gpu
+        self.faults = faults
+
+    async def pull(
+        self,
+        record: TransferRecord,
+        ticket: Ticket,
+        dst: Pool,
+        dst_ids: np.ndarray[Any, Any],
+        timeout: float,
+        deadline: asyncio.Timeout,
+    ) -> None:
+        """Pull the ticket's offer into ``dst_ids`` of ``dst``. ``deadline`` is the pull's own;
+        it stops applying once ``done`` is on its way (the offerer decides from there)."""
+        peer = await self.plane.dial_offerer(ticket)
+        if peer.daemon_id != ticket.daemon_id:
+            raise IncompatibleError(
+                f"the daemon at {ticket.peer_address} is {peer.daemon_id!r}, the ticket names {ticket.daemon_id!r}"
+            )
+        record.transport = self.plane.transport(peer, dst)
+        # The most this side can take per chunk; the sender picks the size (TransferAccepted).
+        max_chunk = self.settings.gpu_chunk_bytes if dst.on_gpu else self.settings.chunk_bytes
+        side = BlockSide.of(dst.device, dst.base, dst.regions, dst_ids) if dst.device is not None else None
+        async with contextlib.AsyncExitStack() as stack:
+            ep = await self.plane.endpoint(peer)
+            tag_base = secrets.randbits(40) << 24
+            # The stream's deadline (which the offerer sees too) bounds the wait for closed.
+            stream_deadline_s = timeout + self.settings.peer_timeout_s
+            call = peer.open_transfer(stream_deadline_s)
+            receiving: asyncio.Task[None] | None = None
+            sent: asyncio.Task[Any] | None = None
+            lease: StagingLease | None = None
+            try:
+                await call.start(
+                    transfer_id=record.transfer_id,
+                    offer_id=ticket.offer_id,
+                    token=ticket.token,
+                    receiver_daemon_id=self.daemon_id,
+                    receiver_signature=dst.layout.signature(),
+                    num_blocks=len(dst_ids),
+                    tag_base=tag_base,
+                    chunk_bytes=max_chunk,
+                    timeout_s=timeout,
+                )
+                record.mark("start_sent")
+                # Planned while the offerer claims and plans its side (the sender nearly
+                # always takes the offered chunk size).
+                expected = _receive_plan(dst, side, dst_ids, max_chunk)
+                chunk, total_bytes = await call.accepted(self.settings.peer_timeout_s)
+                record.mark("accepted")
+                chunk = chunk or max_chunk
+                if not MIN_CHUNK <= chunk <= max_chunk:
+                    raise IncompatibleError(f"peer chose {chunk}-byte chunks; this side takes {MIN_CHUNK}..{max_chunk}")
+                plan = expected if chunk == max_chunk else _receive_plan(dst, side, dst_ids, chunk)
+                if total_bytes != plan.total_bytes:
+                    raise IncompatibleError(f"peer sends {total_bytes} bytes, destination expects {plan.total_bytes}")
+                staging, need = self.plane.staging_for(dst, plan, "receive")
+                lease = await stack.enter_async_context(staging.lease(need))
+                record.mark("staging")
+                started = time.perf_counter()
+                receiving = asyncio.create_task(self._receive(record, ep, dst, side, plan, tag_base, lease))
+                sent = asyncio.create_task(call.sent())
+                first, _ = await asyncio.wait({receiving, sent}, return_when=asyncio.FIRST_COMPLETED)
+                if sent in first:
+                    sent.result()  # the offerer failed (or aborted) while bytes were due: end now
+                await receiving
+                record.data_plane_s = time.perf_counter() - started
+                record.mark("received")
+                # Every receive has completed, so every byte has landed (the tags are this
+                # transfer's own): say done now, while the offerer's "sent" is on its way.
+                await self.faults.hit("before_done", transfer_id=record.transfer_id)
+                record.committed = True  # the sender releases the offer as pulled on this message
+                await call.done(self.settings.peer_timeout_s)
+                # From here the offerer decides (peer.proto, "Outcomes"): closed is success, an
+                # error status is failure. Neither the pull's own deadline nor a step deadline
+                # may decide instead, or a late closed would fail this side only; the stream's
+                # deadline, which the offerer also keeps, bounds the wait.
+                deadline.reschedule(None)
+                await self.faults.hit("before_closed_read", transfer_id=record.transfer_id)
+                await sent
+                await call.closed()
+                record.mark("closed")
+            except BaseException as exc:
+                if sent is not None and not sent.done():
+                    sent.cancel()
+                if receiving is not None and not receiving.done():
+                    await self._unwind(record, receiving, peer)
+                    if lease is not None:
+                        lease.poisoned = True
+                call.cancel()
+                if record.committed and isinstance(exc, DeadlineExceededError):
+                    raise DeadlineExceededError(
+                        f"pull {record.transfer_id}: every byte landed, but {ticket.peer_address} did not close "
+                        f"the transfer within the stream's deadline of {stream_deadline_s}s: both sides fail it"
+                    ) from None
+                if isinstance(exc, UnavailableError):
+                    self.plane.drop_peer(peer)  # the next pull says Hello again and makes a new endpoint
+                raise
+
+    def _receive(
+        self,
+        record: TransferRecord,
+        ep: Any,
+        dst: Pool,
+        side: BlockSide | None,
+        plan: SidePlan,
+        tag_base: int,
+        lease: StagingLease,
+    ) -> Any:
+        """The coroutine that receives every chunk of ``plan`` into ``dst``."""
+        if side is not None:
+            copier = self._gpu().copier(side.device)
+            uploaded = copier.upload_side(side)
+            return self.ucx.receive_gpu(
+                ep, plan, uploaded, copier, tag_base, lease, self.settings.window, mark=record.mark
+            )
+        return self.ucx.receive(
+            ep,
+            plan,
+            dst.arrays,
+            tag_base,
+            lease,
+            self.executor,
+            self.settings.window,
+            on_unconfirmed=lambda: setattr(record, "may_still_write", True),
+        )
+
+    async def _unwind(self, record: TransferRecord, receiving: asyncio.Task[None], peer: Peer) -> None:
+        """Receives may still be posted into the destination: cancel them (and abort the
+        endpoint) and wait for UCX to confirm before the engine hears of the failure and
+        reuses those blocks."""
+        receiving.cancel()
+        await asyncio.wait({receiving}, timeout=CANCEL_CONFIRM_S + 1.0)
+        if not receiving.done():
+            record.may_still_write = True  # not even the cancellation finished
+        if self.ucx.iov is None:
+            self.ucx.forget(peer.daemon_id)  # UCXX receives cancel only with it
+        elif record.may_still_write:
+            # UCX would not cancel a matched receive: closing the endpoint makes it give the
+            # receive up (the next pull says Hello again).
+            self.plane.drop_peer(peer)
+
+
+def _receive_plan(dst: Pool, side: BlockSide | None, dst_ids: np.ndarray[Any, Any], chunk: int) -> SidePlan:
+    """The destination's chunks: computed on the GPU for GPU pools, planned runs for host."""
+    if side is not None:
+        return stream_plan(side.total_bytes, chunk)
+    return build_plan(dst.regions, dst_ids, chunk)

@@ -1,0 +1,243 @@
+"""The offering side of a remote handoff: answer a peer's pull of one of our offers.
+
+The control plane reads and checks the stream's ``start`` (:class:`ServeRequest`) and gives
+:meth:`TransferServer.serve` the stream as an :class:`OffererStream`; from there this module
+claims the offer, sends every chunk over UCX and decides the outcome (peer.proto, "Outcomes"):
+the offer is released as pulled only when ``done`` arrives with at least
+:data:`~.steps.COMMIT_MARGIN_S` of the stream's deadline left, and as failed otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvxfer_client._errors import (
+    CancelledError,
+    DeadlineExceededError,
+    IncompatibleError,
+    InvalidRequestError,
+    KvxferError,
+    UnavailableError,
+)
+from kvxfer_client._layout import signature_mismatch
+from kvxfer_client._proto import common_pb2
+
+from .._config import Settings
+from .._faults import Faults
+from .._offers import Offer, OfferTable
+from .._transfers import TransferRecord, TransferTable
+from ..dataplane.gpucopy import BlockSide, GpuDevices
+from ..dataplane.plan import SidePlan, build_plan, num_chunks, stream_plan
+from .remote import RemotePlane
+from .steps import COMMIT_MARGIN_S
+
+__all__ = ["OffererStream", "ServeRequest", "TransferServer"]
+
+
+@dataclass(frozen=True)
+class ServeRequest:
+    """A peer's ``TransferStart``, checked for form by the control plane."""
+
+    transfer_id: str
+    offer_id: str
+    token: bytes
+    receiver_daemon_id: str
+    receiver_signature: common_pb2.LayoutSignature
+    num_blocks: int
+    tag_base: int
+    chunk_bytes: int
+    #: The pull's deadline (the stream's is this plus ``peer_timeout_s``).
+    timeout_s: float
+
+
+class OffererStream(Protocol):
+    """The offering side's end of the Transfer stream, as the control plane adapts it."""
+
+    def puller_gone(self) -> bool:
+        """The puller hung up (or its deadline passed)."""
+
+    def on_puller_gone(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` when the puller hangs up."""
+
+    def time_remaining(self) -> float | None:
+        """Seconds left of the stream's deadline (None: no deadline)."""
+
+    async def send_headers(self) -> None: ...
+
+    async def accepted(self, total_bytes: int, num_chunks: int, chunk_bytes: int) -> None: ...
+
+    async def sent(self, nbytes: int, transport: str) -> None: ...
+
+    async def read_done(self) -> tuple[bool, str] | None:
+        """The puller's ``done`` as ``(ok, detail)``; None for the end of the stream or any
+        other message."""
+
+    async def closed(self) -> None: ...
+
+
+class TransferServer:
+    def __init__(
+        self,
+        settings: Settings,
+        plane: RemotePlane,
+        offers: OfferTable,
+        transfers: TransferTable,
+        gpu: Callable[[], GpuDevices],
+        faults: Faults,
+    ) -> None:
+        self.settings = settings
+        self.plane = plane
+        self.ucx = plane.ucx
+        self.offers = offers
+        self.transfers = transfers
+        self._gpu = gpu
+        self.faults = faults
+
+    async def serve(self, start: ServeRequest, stream: OffererStream) -> None:
+        """Serve one pull of one of our offers, from claim to ``closed`` (or a failure)."""
+        peer = self.plane.peers.known(start.receiver_daemon_id)
+        # Headers go out now, before this transfer can be aborted (``abort`` cancels this
+        # task): a cancel landing inside the first write would leave gRPC believing they were
+        # never sent, and the abort status that follows (which would resend them) is then
+        # rejected, leaving the puller waiting for its deadline.
+        await stream.send_headers()
+        offer = self.offers.claim(start.offer_id, start.token)
+        if stream.puller_gone():
+            # The puller gave up (its deadline) before this side claimed: nothing moved, so
+            # the offer stays pullable instead of being released as failed.
+            self.offers.unclaim(offer)
+            raise DeadlineExceededError("the puller left before the offer was claimed")
+        record = TransferRecord(
+            start.transfer_id,
+            "prefill",
+            common_pb2.TRANSFER_PATH_REMOTE,
+            offer.offer_id,
+            peer_daemon_id=peer.daemon_id,
+            nbytes=offer.nbytes,
+            transport=self.plane.transport(peer, offer.pool),
+            pools=(offer.pool.pool_id,),
+        )
+        try:
+            mismatch = signature_mismatch(offer.pool.layout.signature(), start.receiver_signature)
+            if mismatch:
+                raise IncompatibleError(f"incompatible layouts: {mismatch}")
+            if start.num_blocks != len(offer.block_ids):
+                raise InvalidRequestError(
+                    f"offer holds {len(offer.block_ids)} blocks, pull asks for {start.num_blocks}"
+                )
+            self.transfers.begin(record)
+        except BaseException:
+            self.offers.unclaim(offer)
+            raise
+        # The puller hanging up cancels this handler whatever step it is in, so the offer is
+        # released at once rather than at our deadline.
+        handler = asyncio.current_task()
+        serving = True
+
+        def puller_gone() -> None:
+            if serving and handler is not None:
+                handler.cancel()
+
+        stream.on_puller_gone(puller_gone)
+        try:
+            with offer.pool.in_use():
+                async with asyncio.timeout(start.timeout_s + self.settings.peer_timeout_s):
+                    await self._send_and_commit(start, offer, record, stream)
+        except BaseException as exc:
+            # This handler's own deadline (a step's deadline is a DeadlineExceededError already).
+            own_deadline = isinstance(exc, TimeoutError) and not isinstance(exc, KvxferError)
+            if record.committed:
+                # The receiver confirmed every byte and the offer went as pulled; only the
+                # closing message was interrupted.
+                self.transfers.end(record, common_pb2.TRANSFER_STATE_SUCCEEDED)
+            else:
+                detail = "deadline exceeded" if own_deadline else str(exc) or repr(exc)
+                self.offers.release(offer, common_pb2.RELEASE_REASON_FAILED, detail, record.transfer_id)
+                self.transfers.end(record, common_pb2.TRANSFER_STATE_FAILED, detail)
+            if own_deadline:
+                raise DeadlineExceededError(f"transfer {record.transfer_id} exceeded its deadline") from None
+            if isinstance(exc, asyncio.CancelledError) and record.abort_detail:
+                # Cancelled here (an engine or operator aborted it), not by the peer hanging
+                # up: end the stream with a status, or the puller would wait for its deadline.
+                raise CancelledError(record.abort_detail) from None
+            raise
+        finally:
+            serving = False
+        self.transfers.end(record, common_pb2.TRANSFER_STATE_SUCCEEDED)
+
+    async def _send_and_commit(
+        self, start: ServeRequest, offer: Offer, record: TransferRecord, stream: OffererStream
+    ) -> None:
+        """accepted → every chunk → sent → (done) → commit: release as pulled → closed."""
+        pool = offer.pool
+        peer = self.plane.peers.known(start.receiver_daemon_id)
+        # The receiver's maximum, capped by what this side stages per chunk.
+        own = self.settings.gpu_chunk_bytes if pool.on_gpu else self.settings.chunk_bytes
+        chunk = min(start.chunk_bytes, own)
+        plan: SidePlan | None = None
+        side: BlockSide | None = None
+        if pool.device is not None:
+            side = BlockSide.of(pool.device, pool.base, pool.regions, offer.block_ids)
+            plan = stream_plan(side.total_bytes, chunk)
+        elif not self.ucx.gather_send:
+            plan = build_plan(pool.regions, offer.block_ids, chunk)  # staging depends on it
+        ep = await self.plane.endpoint(peer)
+        try:
+            await self.faults.hit("endpoint_broken", transfer_id=record.transfer_id, peer=peer.daemon_id)
+        except UnavailableError:
+            self.ucx.break_endpoint(ep)  # the send below fails, and so would every later one
+        staging, need = self.plane.staging_for(pool, plan, "send")
+        async with staging.lease(need) as lease:
+            record.mark("staging")
+            await stream.accepted(offer.nbytes, num_chunks(offer.nbytes, chunk), chunk)
+            await self.faults.hit("after_accepted", transfer_id=record.transfer_id)
+            if plan is None:
+                # UCX gathers from the pool: planned while the receiver posts receives.
+                plan = build_plan(pool.regions, offer.block_ids, chunk)
+            record.mark("planned")
+            if side is not None:
+                copier = self._gpu().copier(side.device)
+                await self.ucx.send_gpu(
+                    ep,
+                    plan,
+                    copier.upload_side(side),
+                    copier,
+                    start.tag_base,
+                    lease,
+                    self.settings.window,
+                    mark=record.mark,
+                )
+            else:
+                await self.ucx.send(
+                    ep,
+                    plan,
+                    pool.arrays,
+                    start.tag_base,
+                    lease,
+                    self.settings.window,
+                    after_chunk=self.plane.chunk_fault(record.transfer_id),
+                )
+        record.mark("sent")
+        await stream.sent(plan.total_bytes, record.transport)
+        done = await stream.read_done()
+        record.mark("confirmed")
+        await self.faults.hit("after_done_read", transfer_id=record.transfer_id)
+        if done is None:
+            raise UnavailableError("receiver closed the transfer without confirming")
+        ok, detail = done
+        if not ok:
+            raise UnavailableError(f"receiver reported failure: {detail}")
+        left = stream.time_remaining()
+        if left is not None and left < COMMIT_MARGIN_S:
+            # The puller gives up at this same deadline: closed might not reach it in time, so
+            # both sides fail rather than risk a success on this side only.
+            raise DeadlineExceededError(
+                f"transfer {record.transfer_id}: done came with {max(left, 0.0):.2f}s of the stream's "
+                f"deadline left (under {COMMIT_MARGIN_S}s): too late to commit"
+            )
+        record.committed = True  # with the release below, in one step of the loop
+        self.offers.release(offer, common_pb2.RELEASE_REASON_PULLED, "", record.transfer_id)
+        await stream.closed()
