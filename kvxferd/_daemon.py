@@ -111,7 +111,7 @@ async def serve(settings: Settings) -> int:
                 socket_group=settings.engine_socket_group,
             )
         )
-        fd_socket = FdSocket(settings.engine_socket + ".fds", node.sessions.get, settings.engine_socket_group)
+        fd_socket = FdSocket(settings.engine_socket + ".fds", node.sessions.find, settings.engine_socket_group)
         fd_socket.start()
         if settings.admin_listen:
             admin_listener = await start_listener(settings.admin_listen, [tcp_admin], server_creds)
@@ -169,7 +169,7 @@ async def serve(settings: Settings) -> int:
     if node.peers is not None:
         await node.peers.close()
     if ucx is not None:
-        await ucx.address_probe.close()
+        await ucx.close()
     if metrics_server is not None:
         metrics_server.shutdown()
     systemd.stop()

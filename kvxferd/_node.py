@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from kvxfer_client._errors import NotFoundError, PermissionDeniedError, UnavailableError
-from kvxfer_client._proto import common_pb2, engine_pb2, peer_pb2
+from kvxfer_client._errors import PermissionDeniedError, UnavailableError
+from kvxfer_client._proto import common_pb2, peer_pb2
 from kvxfer_client._ticket import Ticket
 from kvxfer_client._version import PROTOCOL_VERSION, __version__
 
@@ -32,7 +32,7 @@ from ._faults import Faults
 from ._log import log_event
 from ._metrics import Metrics
 from ._offers import Offer, OfferTable
-from ._sessions import Session, check_owner
+from ._sessions import Session, SessionTable, check_owner
 from ._snapshot import NodeSnapshot, OfferView, PeerView, PoolView, SnapshotHandover, StagingView
 from ._transfers import TransferRecord, TransferTable
 from .dataplane.cma import self_copy_works
@@ -48,10 +48,6 @@ from .handoff.serve import OffererStream, ServeRequest, TransferServer
 from .memory.pools import Pool, PoolRegistry, check_block_ids
 
 __all__ = ["CancelOutcome", "Node"]
-
-_REASON_NAMES: dict[int, str] = {
-    v: k.removeprefix("RELEASE_REASON_").lower() for k, v in common_pb2.ReleaseReason.items()
-}
 
 
 @dataclass(frozen=True)
@@ -80,9 +76,9 @@ class Node:
         self.snapshots = SnapshotHandover(self.snapshot, _running_loop())
         self.metrics = Metrics(self.snapshots.take)
         self.pools = PoolRegistry()
-        self.offers = OfferTable(settings.max_offers, self._released)
-        self.sessions: dict[str, Session] = {}
-        self.transfers = TransferTable(settings.history, self.metrics)
+        self.sessions = SessionTable()
+        self.offers = OfferTable(settings.max_offers, self.sessions.tell_released, self.metrics.offer_released)
+        self.transfers = TransferTable(settings.history, self.metrics.transfer_finished)
         self.executor = ThreadPoolExecutor(settings.copy_threads, thread_name_prefix="kvxfer-copy")
         single_pass = settings.local_single_pass and self_copy_works()
         if settings.local_single_pass and not single_pass:
@@ -152,31 +148,18 @@ class Node:
     def open_session(self, engine_name: str) -> Session:
         if self.draining:
             raise UnavailableError("kvxferd is draining: no new engine sessions")
-        session = Session(engine_name[:256])
-        self.sessions[session.session_id] = session
-        log_event("session.open", session=session.label, engine=session.engine_name)
-        return session
+        return self.sessions.open(engine_name)
 
     def close_session(self, session: Session) -> None:
         """The engine went away: drop its pools (and their offers) before its memory goes."""
-        session.closed = True
-        self.sessions.pop(session.session_id, None)
-        session.close_fds()
-        for pool_id in list(session.pools):
+        for pool_id in self.sessions.close(session):
             self.deregister_pool(pool_id, common_pb2.RELEASE_REASON_POOL_GONE)
-        log_event("session.close", session=session.label, engine=session.engine_name)
-
-    def session(self, session_id: str) -> Session:
-        session = self.sessions.get(session_id)
-        if session is None:
-            raise NotFoundError(f"no session {session_id!r}: open one with WatchEvents first")
-        return session
 
     def register_pool(
         self, session_id: str, buffers: Sequence[common_pb2.BufferSpec], layout: common_pb2.Layout, name: str
     ) -> Pool:
         """Map an engine's buffers (checked against ``layout`` by the registry) as a pool."""
-        session = self.session(session_id)
+        session = self.sessions.get(session_id)
         pool = self.pools.register(session, buffers, layout, name)
         session.pools.add(pool.pool_id)
         log_event(
@@ -206,7 +189,7 @@ class Node:
             f"pool {pool_id} was deregistered on {self.daemon_id}", where=lambda r: pool_id in r.pools
         )
         self.pools.remove(pool_id)
-        session = self.sessions.get(pool.session_id)
+        session = self.sessions.find(pool.session_id)
         if session is not None:
             session.pools.discard(pool_id)
         pool.close_when_idle()
@@ -237,29 +220,6 @@ class Node:
         """The engine releases its own offer before anyone pulled it."""
         self.offers.release_unpulled(
             offer_id, common_pb2.RELEASE_REASON_CANCELLED, "released by the engine", owner=session_id
-        )
-
-    def _released(
-        self, offer: Offer, reason: common_pb2.ReleaseReason.ValueType, detail: str, transfer_id: str
-    ) -> None:
-        """The offer table's release sink: tell the owning engine, count, log."""
-        session = self.sessions.get(offer.pool.session_id)
-        if session is not None:
-            session.emit(
-                engine_pb2.EngineEvent(
-                    offer_released=engine_pb2.OfferReleased(
-                        offer_id=offer.offer_id,
-                        pool_id=offer.pool.pool_id,
-                        reason=reason,
-                        detail=detail,
-                        transfer_id=transfer_id,
-                    )
-                )
-            )
-        name = _REASON_NAMES.get(reason, "unknown")
-        self.metrics.offer_released(name)
-        log_event(
-            "offer.release", offer_id=offer.offer_id, reason=name, transfer_id=transfer_id or "-", detail=detail or "-"
         )
 
     async def extend_lease(self, ticket: Ticket, lease_s: float) -> float:
@@ -341,7 +301,7 @@ class Node:
             admin_address=self.admin_address,
             ucx_transports=tuple(self.ucx.transports) if self.ucx else (),
             sessions=len(self.sessions),
-            pools=tuple(PoolView.of(p, self.sessions.get(p.session_id)) for p in self.pools.pools.values()),
+            pools=tuple(PoolView.of(p, self.sessions.find(p.session_id)) for p in self.pools.pools.values()),
             offers=tuple(OfferView.of(o, now) for o in self.offers.offers.values()),
             transfers=tuple(copy.copy(r) for r in t.active.values()),
             finished=tuple(copy.copy(r) for r in t.finished),

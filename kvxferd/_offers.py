@@ -1,8 +1,8 @@
 """Offers: blocks pinned for a decode engine, with a lease and a capability token.
 
 Every way an offer ends goes through :meth:`OfferTable.release` with a reason (pulled, failed,
-expired, cancelled, pool gone, shutdown), which calls the table's release sink once: the daemon
-tells the owning engine and counts it there.
+expired, cancelled, pool gone, shutdown): it is logged, counted, and handed to the table's
+release sink once (the daemon tells the owning engine).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import numpy.typing as npt
 from kvxfer_client._errors import IncompatibleError, NotFoundError, PermissionDeniedError, ResourceExhaustedError
 from kvxfer_client._proto import common_pb2
 
+from ._log import log_event
 from ._sessions import check_owner
 from .memory.pools import Pool
 
@@ -27,6 +28,9 @@ __all__ = ["Offer", "OfferTable", "ReleaseSink"]
 
 OFFERED = "offered"
 PULLING = "pulling"
+_REASON_NAMES: dict[int, str] = {
+    v: k.removeprefix("RELEASE_REASON_").lower() for k, v in common_pb2.ReleaseReason.items()
+}
 
 
 @dataclass
@@ -48,10 +52,13 @@ ReleaseSink = Callable[["Offer", "common_pb2.ReleaseReason.ValueType", str, str]
 class OfferTable:
     """Live offers by id; ``on_release`` hears of each one that ends, whatever the reason."""
 
-    def __init__(self, max_offers: int, on_release: ReleaseSink) -> None:
+    def __init__(
+        self, max_offers: int, on_release: ReleaseSink, count: Callable[[str], None] = lambda reason: None
+    ) -> None:
         self.max_offers = max_offers
         self.offers: dict[str, Offer] = {}
         self._on_release = on_release
+        self._count = count  # by reason name (the metrics)
         #: Offers whose lease ended before any pull.
         self.expiries = 0
 
@@ -124,6 +131,11 @@ class OfferTable:
         if offer.timer is not None:
             offer.timer.cancel()
         offer.pool.offers.discard(offer.offer_id)
+        name = _REASON_NAMES.get(reason, "unknown")
+        self._count(name)
+        log_event(
+            "offer.release", offer_id=offer.offer_id, reason=name, transfer_id=transfer_id or "-", detail=detail or "-"
+        )
         self._on_release(offer, reason, detail, transfer_id)
 
     def release_unpulled(

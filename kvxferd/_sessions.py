@@ -13,11 +13,14 @@ import os
 import secrets
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
-from kvxfer_client._errors import PermissionDeniedError, ResourceExhaustedError
-from kvxfer_client._proto import engine_pb2
+from kvxfer_client._errors import NotFoundError, PermissionDeniedError, ResourceExhaustedError
+from kvxfer_client._proto import common_pb2, engine_pb2
 
-__all__ = ["MAX_PENDING_FDS", "Session", "check_owner"]
+from ._log import log_event
+
+__all__ = ["MAX_PENDING_FDS", "Session", "SessionTable", "check_owner"]
 
 #: File descriptors an engine may have passed and not yet used in a registration.
 MAX_PENDING_FDS = 8192
@@ -55,6 +58,54 @@ class Session:
         fds, self.fds = self.fds, {}
         for fd in fds.values():
             os.close(fd)
+
+
+class SessionTable:
+    """Live engine sessions by id."""
+
+    def __init__(self) -> None:
+        self.sessions: dict[str, Session] = {}
+
+    def __len__(self) -> int:
+        return len(self.sessions)
+
+    def open(self, engine_name: str) -> Session:
+        session = Session(engine_name[:256])
+        self.sessions[session.session_id] = session
+        log_event("session.open", session=session.label, engine=session.engine_name)
+        return session
+
+    def get(self, session_id: str) -> Session:
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise NotFoundError(f"no session {session_id!r}: open one with WatchEvents first")
+        return session
+
+    def find(self, session_id: str) -> Session | None:
+        return self.sessions.get(session_id)
+
+    def close(self, session: Session) -> list[str]:
+        """The engine went away: forget the session; returns its pools (to deregister)."""
+        session.closed = True
+        self.sessions.pop(session.session_id, None)
+        session.close_fds()
+        log_event("session.close", session=session.label, engine=session.engine_name)
+        return list(session.pools)
+
+    def tell_released(
+        self, offer: Any, reason: common_pb2.ReleaseReason.ValueType, detail: str, transfer_id: str
+    ) -> None:
+        """An offer ended: tell the engine whose pool it was (the offer table's release sink)."""
+        session = self.sessions.get(offer.pool.session_id)
+        if session is not None:
+            released = engine_pb2.OfferReleased(
+                offer_id=offer.offer_id,
+                pool_id=offer.pool.pool_id,
+                reason=reason,
+                detail=detail,
+                transfer_id=transfer_id,
+            )
+            session.emit(engine_pb2.EngineEvent(offer_released=released))
 
 
 def check_owner(owner_session_id: str, caller_session_id: str, what: str) -> None:

@@ -19,9 +19,11 @@ from kvxfer_client._errors import AlreadyExistsError
 from kvxfer_client._proto import admin_pb2, common_pb2
 
 from ._log import log_event
-from ._metrics import Metrics
 
 __all__ = ["TransferRecord", "TransferTable"]
+
+#: Told of each ended transfer: ``(path, transport, result, bytes, seconds)`` (the metrics).
+Observer = Callable[[str, str, str, int, float], None]
 
 _PATH_NAMES = {common_pb2.TRANSFER_PATH_LOCAL: "local", common_pb2.TRANSFER_PATH_REMOTE: "remote"}
 _RESULT_NAMES = {
@@ -84,12 +86,12 @@ class TransferRecord:
 
 
 class TransferTable:
-    def __init__(self, history: int, metrics: Metrics | None = None) -> None:
+    def __init__(self, history: int, observe: Observer | None = None) -> None:
         self.active: dict[tuple[str, str], TransferRecord] = {}
         self.finished: deque[TransferRecord] = deque(maxlen=history)
         self._pulled: OrderedDict[str, TransferRecord] = OrderedDict()
         self._history = history
-        self._metrics = metrics
+        self._observe = observe
         self.succeeded = 0
         self.failed = 0
         self.bytes_moved = 0
@@ -109,8 +111,8 @@ class TransferTable:
     def end(self, record: TransferRecord, state: common_pb2.TransferState.ValueType, detail: str = "") -> None:
         """``record`` is over: into the history, the metrics and the log."""
         self._finish(record, state, detail)
-        if self._metrics is not None:
-            self._metrics.transfer_finished(
+        if self._observe is not None:
+            self._observe(
                 _PATH_NAMES.get(record.path, "unknown"),
                 record.transport,
                 _RESULT_NAMES.get(state, "failed"),

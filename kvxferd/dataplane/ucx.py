@@ -222,7 +222,7 @@ class UcxTransport:
 
     async def endpoint(self, peer_id: str, address: bytes, error_handling: bool) -> Any:
         """The endpoint to ``peer_id`` (created from its worker address once, then cached).
-        The caller has passed ``address`` through :attr:`address_probe` first."""
+        The caller has passed ``address`` through :meth:`check_address` first."""
         lock = self._connecting.setdefault(peer_id, asyncio.Lock())
         async with lock:
             ep = self._endpoints.get(peer_id)
@@ -235,6 +235,21 @@ class UcxTransport:
                 raise UnavailableError(f"cannot make a UCX endpoint to {peer_id}: {exc!r}") from None
             self._endpoints[peer_id] = ep
             return ep
+
+    async def check_address(self, address: bytes, error_handling: bool, peer_id: str) -> None:
+        """Unpack a peer's worker address in the probe child first (restarted if it died):
+        an address our UCX would abort on fails there, as UnavailableError/IncompatibleError."""
+        self.address_probe.start()
+        await self.address_probe.check(address, error_handling, peer_id)
+
+    async def close(self) -> None:
+        """Stop the probe child (endpoints are left to the process's exit: see retire())."""
+        await self.address_probe.close()
+
+    @property
+    def receives_cancel_alone(self) -> bool:
+        """Whether a receive can be cancelled on its own; else only by dropping its endpoint."""
+        return self.iov is not None
 
     def open_endpoint(self, peer_id: str) -> Any | None:
         """The cached endpoint to ``peer_id`` if it is open, else None (no waiting)."""

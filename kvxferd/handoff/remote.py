@@ -72,14 +72,12 @@ class RemotePlane:
         known = self.peers.by_id.get(identity.daemon_id)
         old_address = known.identity.ucx_worker_address if known is not None else None
         self.peers.accept_hello(identity)
-        self.ucx.address_probe.start()  # again, if its child died since
         if old_address is not None and old_address != identity.ucx_worker_address:
             self.ucx.retire(identity.daemon_id, "the peer came back with a new worker")
 
     async def dial_offerer(self, ticket: Ticket) -> Peer:
         """The daemon the ticket names, at the ticket's address. When another daemon answers
         there, ours may have restarted on that address since our Hello: say Hello again (once)."""
-        self.ucx.address_probe.start()  # again, if its child died since
         peer = await self.peers.dial(ticket.peer_address)
         if peer.daemon_id != ticket.daemon_id:
             self.drop_peer(peer)
@@ -130,7 +128,7 @@ class RemotePlane:
             return ep  # its address was probed when it was made
         address, error_handling = peer.identity.ucx_worker_address, self._agreed_error_handling(peer)
         # Bounded by the probe's own deadline: its first use may wait for the child to start.
-        await self.ucx.address_probe.check(address, error_handling, peer.daemon_id)
+        await self.ucx.check_address(address, error_handling, peer.daemon_id)
         ep = await within(
             self.ucx.endpoint(peer.daemon_id, address, error_handling),
             self.settings.peer_timeout_s,

@@ -187,7 +187,7 @@ class RemotePull:
         await asyncio.wait({receiving}, timeout=CANCEL_CONFIRM_S + 1.0)
         if not receiving.done():
             record.may_still_write = True  # not even the cancellation finished
-        if self.ucx.iov is None:
+        if not self.ucx.receives_cancel_alone:
             self.ucx.forget(peer.daemon_id)  # UCXX receives cancel only with it
         elif record.may_still_write:
             # UCX would not cancel a matched receive: closing the endpoint makes it give the
