@@ -86,7 +86,14 @@ class CallStream:
             self._pending.pop(call_id, None)
         result = response.WhichOneof("result")
         if result == "error":
-            raise error_from_status(status_code(response.error.code), response.error.details)
+            e = response.error
+            raise error_from_status(
+                status_code(e.code),
+                e.details,
+                transfer_id=e.transfer_id,
+                offer_id=e.offer_id,
+                may_still_write=e.may_still_write,
+            )
         if result != kind:
             raise UnavailableError(f"kvxferd answered a {kind} call with {result!r}")
         return getattr(response, kind)

@@ -45,6 +45,9 @@ __all__ = ["AsyncKvxferClient", "CancelResult", "KvxferClient", "Pool", "PullRes
 T = TypeVar("T")
 Event = OfferReleased | TransferFailed
 _RELEASED_MEMORY = 100_000  # released events kept for late wait_released() calls
+#: Events kept for events()/next_event(); past it the oldest go (counted in events_dropped),
+#: so an engine that only calls wait_released() holds a bounded amount.
+MAX_QUEUED_EVENTS = 10_000
 #: Seconds a pull's RPC may outlast its ``timeout_s``. After the deadline the daemon cancels
 #: the receives and waits up to 5 s (``kvxferd``'s ``CANCEL_CONFIRM_S``) for UCX to confirm
 #: that nothing more will be written; its answer then carries ``may_still_write``, which the
@@ -155,7 +158,9 @@ class AsyncKvxferClient:
         self._channel: grpc.aio.Channel | None = None
         self._stub: engine_pb2_grpc.EngineServiceStub | None = None
         self._calls: CallStream | None = None
-        self._events: asyncio.Queue[Event] = asyncio.Queue()
+        self._events: asyncio.Queue[Event] = asyncio.Queue(MAX_QUEUED_EVENTS)
+        #: Events dropped, oldest first, because nobody read them (see MAX_QUEUED_EVENTS).
+        self.events_dropped = 0
         self._released: dict[str, OfferReleased] = {}
         self._waiters: dict[str, asyncio.Future[OfferReleased]] = {}
         self._reader: asyncio.Task[None] | None = None
@@ -237,6 +242,9 @@ class AsyncKvxferClient:
                         if len(self._released) >= _RELEASED_MEMORY:
                             self._released.pop(next(iter(self._released)))
                         self._released[event.offer_id] = event
+                if self._events.full():
+                    self._events.get_nowait()
+                    self.events_dropped += 1
                 self._events.put_nowait(event)
             self._session_lost = UnavailableError("kvxferd closed the session")
         except grpc.RpcError as exc:

@@ -1,13 +1,30 @@
 """The one exception hierarchy of kvxfer, and its mapping to gRPC status codes.
 
-Every error a daemon reports reaches the SDK as the same class it was raised as: the daemon
-aborts the RPC with ``error.grpc_code`` and the message, and the SDK turns the status back into
-the class with :func:`error_from_status`. This module is the only place that pairs classes
-with codes.
+::
 
->>> err = error_from_status(grpc.StatusCode.NOT_FOUND, "no offer 'x'")
->>> isinstance(err, NotFoundError), str(err)
-(True, "no offer 'x'")
+    KvxferError                      (every error kvxfer raises on purpose)
+    ├── InvalidRequestError          INVALID_ARGUMENT (also a ValueError)
+    ├── NotFoundError                NOT_FOUND (also a LookupError)
+    ├── AlreadyExistsError           ALREADY_EXISTS
+    ├── PermissionDeniedError        PERMISSION_DENIED
+    ├── IncompatibleError            FAILED_PRECONDITION
+    ├── ResourceExhaustedError       RESOURCE_EXHAUSTED
+    ├── DeadlineExceededError        DEADLINE_EXCEEDED (also a TimeoutError)
+    ├── UnavailableError             UNAVAILABLE (also a ConnectionError)
+    ├── CancelledError               CANCELLED
+    └── InternalError                INTERNAL
+
+Every error a daemon reports reaches the SDK as the same class it was raised as: the daemon
+aborts the RPC with ``error.grpc_code``, the message and the error's typed fields
+(``may_still_write``, ``transfer_id``, ``offer_id``) as trailing metadata, and the SDK turns
+the status back into the class with :func:`error_from_rpc`. This module is the only place
+that pairs classes with codes and fields with metadata keys.
+
+>>> err = error_from_status(grpc.StatusCode.NOT_FOUND, "no offer 'x'", offer_id="x")
+>>> err
+kvxfer_client.NotFoundError("no offer 'x'")
+>>> isinstance(err, NotFoundError), err.offer_id, err.may_still_write
+(True, 'x', False)
 """
 
 from __future__ import annotations
@@ -15,7 +32,6 @@ from __future__ import annotations
 import grpc
 
 __all__ = [
-    "MAY_STILL_WRITE",
     "AlreadyExistsError",
     "CancelledError",
     "DeadlineExceededError",
@@ -29,12 +45,14 @@ __all__ = [
     "UnavailableError",
     "error_from_rpc",
     "error_from_status",
+    "metadata_of",
     "status_code",
 ]
 
-
-#: Ends the details of a failed pull whose destination UCX may still write (see below).
-MAY_STILL_WRITE = " [destination quarantined: UCX may still write it]"
+#: Trailing-metadata keys of an error's typed fields.
+_KEY_MAY_STILL_WRITE = "kvxfer-may-still-write"
+_KEY_TRANSFER_ID = "kvxfer-transfer-id"
+_KEY_OFFER_ID = "kvxfer-offer-id"
 
 
 class KvxferError(Exception):
@@ -42,11 +60,22 @@ class KvxferError(Exception):
 
     ``may_still_write`` is True on a failed pull whose receives UCX did not confirm cancelled:
     the engine must keep those destination blocks out of use (quarantine) until it
-    deregisters the pool, instead of handing them to another request.
+    deregisters the pool, instead of handing them to another request. ``transfer_id`` and
+    ``offer_id`` name the transfer and offer the error concerns ("" where none).
     """
 
     grpc_code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
-    may_still_write: bool = False
+
+    def __init__(
+        self, message: str = "", *, transfer_id: str = "", offer_id: str = "", may_still_write: bool = False
+    ) -> None:
+        super().__init__(message)
+        self.transfer_id = transfer_id
+        self.offer_id = offer_id
+        self.may_still_write = may_still_write
+
+    def __repr__(self) -> str:
+        return f"kvxfer_client.{type(self).__name__}({str(self)!r})"
 
 
 class InvalidRequestError(KvxferError, ValueError):
@@ -129,12 +158,30 @@ _BY_CODE[grpc.StatusCode.ABORTED] = CancelledError
 _BY_CODE[grpc.StatusCode.UNIMPLEMENTED] = IncompatibleError
 
 
-def error_from_status(code: grpc.StatusCode | None, details: str | None) -> KvxferError:
-    """Return the kvxfer error for a gRPC status code and its details."""
+def error_from_status(
+    code: grpc.StatusCode | None,
+    details: str | None,
+    *,
+    transfer_id: str = "",
+    offer_id: str = "",
+    may_still_write: bool = False,
+) -> KvxferError:
+    """Return the kvxfer error for a gRPC status code, its details and typed fields."""
     cls = _BY_CODE.get(code, KvxferError) if code is not None else KvxferError
-    err = cls(details or (code.name if code is not None else "unknown error"))
-    err.may_still_write = bool(details and details.endswith(MAY_STILL_WRITE))
-    return err
+    message = details or (code.name if code is not None else "unknown error")
+    return cls(message, transfer_id=transfer_id, offer_id=offer_id, may_still_write=may_still_write)
+
+
+def metadata_of(err: KvxferError) -> tuple[tuple[str, str], ...]:
+    """An error's typed fields as trailing metadata (what :func:`error_from_rpc` reads)."""
+    pairs = []
+    if err.may_still_write:
+        pairs.append((_KEY_MAY_STILL_WRITE, "1"))
+    if err.transfer_id:
+        pairs.append((_KEY_TRANSFER_ID, err.transfer_id[:128]))
+    if err.offer_id:
+        pairs.append((_KEY_OFFER_ID, err.offer_id[:128]))
+    return tuple(pairs)
 
 
 _BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
@@ -153,4 +200,33 @@ def error_from_rpc(exc: grpc.RpcError) -> KvxferError:
     """Turn a failed RPC (``grpc.aio.AioRpcError`` or a sync ``grpc.RpcError``) into an error."""
     code = exc.code() if hasattr(exc, "code") else None
     details = exc.details() if hasattr(exc, "details") else str(exc)
-    return error_from_status(code, details)
+    trailing = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
+    fields = {k: v for k, v in (trailing or ()) if isinstance(v, str)}
+    return error_from_status(
+        code,
+        details,
+        transfer_id=fields.get(_KEY_TRANSFER_ID, ""),
+        offer_id=fields.get(_KEY_OFFER_ID, ""),
+        may_still_write=fields.get(_KEY_MAY_STILL_WRITE) == "1",
+    )
+
+
+def _public(*classes: type[KvxferError]) -> None:
+    """Tracebacks and reprs name the errors where users import them from."""
+    for cls in classes:
+        cls.__module__ = "kvxfer_client"
+
+
+_public(
+    KvxferError,
+    InvalidRequestError,
+    NotFoundError,
+    AlreadyExistsError,
+    PermissionDeniedError,
+    IncompatibleError,
+    ResourceExhaustedError,
+    DeadlineExceededError,
+    UnavailableError,
+    CancelledError,
+    InternalError,
+)

@@ -119,7 +119,7 @@ class Layout:
         >>> Layout.contiguous(num_blocks=4, block_bytes=10).validate([39])
         Traceback (most recent call last):
         ...
-        kvxfer_client._errors.InvalidRequestError: region 0 ends at byte 40 but buffer 0 has 39 bytes
+        kvxfer_client.InvalidRequestError: region 0 ends at byte 40 but buffer 0 has 39 bytes
         """
         if not 1 <= self.num_blocks <= MAX_BLOCKS:
             raise InvalidRequestError(f"num_blocks must be in 1..{MAX_BLOCKS}, got {self.num_blocks}")

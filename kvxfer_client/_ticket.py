@@ -11,7 +11,7 @@ True
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ._errors import InvalidRequestError
@@ -26,12 +26,17 @@ _MAX_FIELD = 256
 
 @dataclass(frozen=True)
 class Ticket:
-    """A JSON-serialisable claim on one offer."""
+    """A JSON-serialisable claim on one offer. Its repr leaves the token out (logs and
+    tracebacks must not hand the offer to whoever reads them).
+
+    >>> Ticket("d", "h:1", "off-1", b"\\x01" * 16, 2, "f", 8192)
+    Ticket(daemon_id='d', peer_address='h:1', offer_id='off-1', num_blocks=2, fingerprint='f', total_bytes=8192)
+    """
 
     daemon_id: str
     peer_address: str
     offer_id: str
-    token: bytes
+    token: bytes = field(repr=False)
     num_blocks: int
     fingerprint: str
     total_bytes: int

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from kvxfer_client._errors import KvxferError
+from kvxfer_client._errors import KvxferError, metadata_of
 
 from .._log import log_event
 
@@ -35,7 +35,10 @@ def status_of(method: str, exc: BaseException) -> tuple[grpc.StatusCode, str]:
 
 
 async def _abort(context: grpc.aio.ServicerContext[Any, Any], method: str, exc: BaseException) -> None:
-    await context.abort(*status_of(method, exc))
+    code, details = status_of(method, exc)
+    # The error's typed fields (may_still_write, ids) travel as trailing metadata.
+    trailing = metadata_of(exc) if isinstance(exc, KvxferError) else ()
+    await context.abort(code, details, trailing_metadata=trailing)
 
 
 def rpc_method(fn: F) -> F:

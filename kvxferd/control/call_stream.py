@@ -23,6 +23,7 @@ from typing import Any
 
 import grpc
 
+from kvxfer_client._errors import KvxferError
 from kvxfer_client._proto import engine_pb2
 
 from .._log import log_event
@@ -37,8 +38,14 @@ MAX_CALLS_IN_FLIGHT = 4096
 Handlers = Mapping[str, Callable[[Any], Awaitable[Any]]]
 
 
-def _error(call_id: int, code: grpc.StatusCode, details: str) -> engine_pb2.CallResponse:
+def _error(
+    call_id: int, code: grpc.StatusCode, details: str, exc: BaseException | None = None
+) -> engine_pb2.CallResponse:
     status = engine_pb2.CallStatus(code=code.value[0], details=details)
+    if isinstance(exc, KvxferError):
+        status.may_still_write = exc.may_still_write
+        status.transfer_id = exc.transfer_id[:128]
+        status.offer_id = exc.offer_id[:128]
     return engine_pb2.CallResponse(call_id=call_id, error=status)
 
 
@@ -68,7 +75,7 @@ async def serve_calls(context: Any, handlers: Handlers) -> None:
         except asyncio.CancelledError:
             response = _error(call_id, grpc.StatusCode.CANCELLED, f"call {call_id} was cancelled")
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status
-            response = _error(call_id, *status_of(kind.capitalize(), exc))
+            response = _error(call_id, *status_of(kind.capitalize(), exc), exc)
         if running.get(call_id) is not asyncio.current_task():
             return  # abandoned, or the stream is closing: nobody waits for this answer
         # Still listed while queueing (the outbox may be full): the stream must not end first.

@@ -8,7 +8,7 @@ rule is written (and its error worded) in one place.
 >>> lease_s(7200, default=30.0, maximum=3600.0)
 Traceback (most recent call last):
 ...
-kvxfer_client._errors.InvalidRequestError: lease_s must be in (0, 3600.0], got 7200
+kvxfer_client.InvalidRequestError: lease_s must be in (0, 3600.0], got 7200
 """
 
 from __future__ import annotations

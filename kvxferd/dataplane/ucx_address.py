@@ -20,7 +20,7 @@ failed, the daemon keeps serving.
 >>> check_worker_address(b"\\x2b" + bytes(199), "peer-1")
 Traceback (most recent call last):
 ...
-kvxfer_client._errors.IncompatibleError: peer peer-1 sent a malformed UCX worker address: unknown address version 11
+kvxfer_client.IncompatibleError: peer peer-1 sent a malformed UCX worker address: unknown address version 11
 """
 
 from __future__ import annotations

@@ -16,7 +16,6 @@ from typing import Any
 import numpy as np
 
 from kvxfer_client._errors import (
-    MAY_STILL_WRITE,
     AlreadyExistsError,
     CancelledError,
     DeadlineExceededError,
@@ -87,16 +86,14 @@ class Pulls:
                         await self.remote.pull(record, ticket, dst, dst_ids, timeout_s, deadline)
         except KvxferError as exc:  # before TimeoutError: DeadlineExceededError is one
             self.transfers.end(record, common_pb2.TRANSFER_STATE_FAILED, str(exc))
-            if record.may_still_write:
-                raise type(exc)(str(exc) + _quarantine(record)) from None
-            raise
+            raise _about(exc, record) from None
         except TimeoutError:
             self.transfers.end(record, common_pb2.TRANSFER_STATE_FAILED, f"deadline of {timeout_s}s exceeded")
-            msg = f"pull {transfer_id} did not finish within {timeout_s}s"
-            raise DeadlineExceededError(msg + _quarantine(record)) from None
+            late = DeadlineExceededError(f"pull {transfer_id} did not finish within {timeout_s}s")
+            raise _about(late, record) from None
         except asyncio.CancelledError:
             self.transfers.end(record, common_pb2.TRANSFER_STATE_CANCELLED, "cancelled")
-            raise CancelledError(f"pull {transfer_id} was cancelled" + _quarantine(record)) from None
+            raise _about(CancelledError(f"pull {transfer_id} was cancelled"), record) from None
         except Exception as exc:
             self.transfers.end(record, common_pb2.TRANSFER_STATE_FAILED, repr(exc))
             raise
@@ -120,9 +117,13 @@ def _check_against(ticket: Ticket, dst: Pool, dst_ids: np.ndarray[Any, Any]) -> 
         )
 
 
-def _quarantine(record: TransferRecord) -> str:
-    """The marker the SDK turns into ``KvxferError.may_still_write``."""
-    return MAY_STILL_WRITE if record.may_still_write else ""
+def _about(err: KvxferError, record: TransferRecord) -> KvxferError:
+    """``err`` naming the pull's transfer and offer, and whether UCX may still write its
+    destination (the engine must then quarantine those blocks)."""
+    err.transfer_id = record.transfer_id
+    err.offer_id = record.offer_id
+    err.may_still_write = record.may_still_write
+    return err
 
 
 def _destination_key(pool_id: str, ids: np.ndarray[Any, Any]) -> str:

@@ -31,7 +31,7 @@ async def within(aw: Awaitable[T], timeout: float | None, what: str = "a step of
     >>> asyncio.run(within(slow(), 0.01, "the peer's 'sent'"))
     Traceback (most recent call last):
     ...
-    kvxfer_client._errors.DeadlineExceededError: the peer's 'sent' did not happen within its deadline of 0.01s
+    kvxfer_client.DeadlineExceededError: the peer's 'sent' did not happen within its deadline of 0.01s
     """
     try:
         async with asyncio.timeout(timeout):

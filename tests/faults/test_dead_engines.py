@@ -106,3 +106,36 @@ async def test_receives_from_a_killed_prefill_daemon_are_confirmed_and_the_pool_
             print(f"round {round_}: unconfirmed receives back to 0 {took:.2f}s after the pull failed")
         await decode.deregister_pool(dst)
         await asyncio.to_thread(_wait_until, lambda: _shm_mappings(b) == 0, "the pool unmapped")
+
+
+@pytest.mark.parametrize("call_stream", [True, False], ids=["calls-stream", "unary"])
+async def test_a_pull_left_with_unconfirmed_receives_says_so_in_typed_fields(
+    cluster: Cluster, call_stream: bool
+) -> None:
+    # One host, ``auto``: UCX keeps the receives a killed sender left matched; the pull's error
+    # carries may_still_write and its ids as fields (tests/unit/test_error_transport.py sends
+    # a True one through both paths every time).
+    layout = Layout.paged_kv(num_layers=4, num_blocks=64, block_bytes=256 << 10)
+    b = cluster.daemon("b", "--chunk-bytes", str(1 << 20))
+    a = cluster.daemon("a", "--fault-injection", "--faults", "after_chunk_sent:0=pause:60")
+    async with (
+        AsyncKvxferClient(a.socket, engine_name="p") as prefill,
+        AsyncKvxferClient(b.socket, engine_name="d", call_stream=call_stream) as decode,
+    ):
+        src = await prefill.register_pool([HostBuffer.create(s) for s in layout.buffer_sizes()], layout)
+        dst = await decode.register_pool([HostBuffer.create(s) for s in layout.buffer_sizes()], layout)
+        ticket = await prefill.offer(src, list(range(32)), lease_s=600)
+        pull = asyncio.create_task(decode.pull(ticket, dst, list(range(32)), transfer_id="t-q", timeout_s=60))
+        started = time.monotonic()
+        while "fault.hit" not in a.log():
+            assert time.monotonic() - started < BOUND_S, a.log()[-3000:] + b.log()[-3000:]
+            await asyncio.sleep(0.02)
+        a.kill()
+        with pytest.raises(KvxferError) as failure:
+            await pull
+        err = failure.value
+        # Whether UCX had matched a receive when the sender died depends on timing; what must
+        # hold every time is that the pull says exactly what the daemon counts.
+        left = await asyncio.to_thread(_unconfirmed, b)
+    assert (err.transfer_id, err.offer_id) == ("t-q", ticket.offer_id)
+    assert err.may_still_write == (left > 0), f"{err!r} with {left} unconfirmed receives"

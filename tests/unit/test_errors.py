@@ -43,10 +43,27 @@ def test_errors_are_also_the_matching_builtin() -> None:
     assert issubclass(kx.NotFoundError, LookupError)
 
 
-def test_a_quarantine_marker_in_the_details_sets_may_still_write() -> None:
-    import grpc
+def test_typed_fields_travel_as_trailing_metadata_and_come_back_as_attributes() -> None:
+    from kvxfer_client._errors import error_from_rpc, metadata_of
 
-    from kvxfer_client._errors import MAY_STILL_WRITE, error_from_status
+    sent = kx.UnavailableError("peer gone", transfer_id="t-1", offer_id="off-2", may_still_write=True)
 
-    assert error_from_status(grpc.StatusCode.UNAVAILABLE, "peer gone" + MAY_STILL_WRITE).may_still_write
-    assert not error_from_status(grpc.StatusCode.UNAVAILABLE, "peer gone").may_still_write
+    class Status(grpc.RpcError):
+        def code(self) -> grpc.StatusCode:
+            return sent.grpc_code
+
+        def details(self) -> str:
+            return str(sent)
+
+        def trailing_metadata(self) -> tuple[tuple[str, str], ...]:
+            return metadata_of(sent)
+
+    got = error_from_rpc(Status())
+    assert type(got) is kx.UnavailableError and str(got) == "peer gone"
+    assert (got.transfer_id, got.offer_id, got.may_still_write) == ("t-1", "off-2", True)
+    assert not error_from_rpc(grpc.RpcError()).may_still_write
+
+
+def test_errors_show_under_the_public_package() -> None:
+    assert repr(kx.NotFoundError("no offer")) == "kvxfer_client.NotFoundError('no offer')"
+    assert kx.NotFoundError.__module__ == "kvxfer_client"

@@ -97,18 +97,31 @@ class CallStatus(_message.Message):
 
     CODE_FIELD_NUMBER: _builtins.int
     DETAILS_FIELD_NUMBER: _builtins.int
+    MAY_STILL_WRITE_FIELD_NUMBER: _builtins.int
+    TRANSFER_ID_FIELD_NUMBER: _builtins.int
+    OFFER_ID_FIELD_NUMBER: _builtins.int
     code: _builtins.int
     """A gRPC status code (google.rpc.Code numbering, e.g. 5 = NOT_FOUND)."""
     details: _builtins.str
+    may_still_write: _builtins.bool
+    """A failed pull whose receives UCX did not confirm cancelled: the destination blocks may
+    still be written (a unary Pull carries this as trailing metadata kvxfer-may-still-write).
+    """
+    transfer_id: _builtins.str
+    """The transfer and offer the error concerns, where it concerns one."""
+    offer_id: _builtins.str
     def __init__(
         self,
         *,
         code: _builtins.int = ...,
         details: _builtins.str = ...,
+        may_still_write: _builtins.bool = ...,
+        transfer_id: _builtins.str = ...,
+        offer_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "details", b"details"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "details", b"details", "may_still_write", b"may_still_write", "offer_id", b"offer_id", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
