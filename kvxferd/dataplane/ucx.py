@@ -68,11 +68,31 @@ _SHARED_MEMORY_TLS = {"sysv", "posix", "cma", "xpmem", "knem"}
 _RDMA_TLS = {"rc", "rc_verbs", "rc_mlx5", "dc", "dc_mlx5", "ud", "ud_verbs", "ud_mlx5"}
 
 
+_defaults_logged = False
+
+
 def apply_ucx_defaults() -> None:
     """Set :data:`UCX_DEFAULTS` that the environment leaves unset; call before importing
-    ucxx (UCX reads some variables when the library loads)."""
+    ucxx (UCX reads some variables when the library loads). The first call logs, in one
+    ``ucx.settings`` line, what it set and what the environment had set otherwise."""
+    global _defaults_logged
+    chosen, overridden = {}, {}
     for key, value in UCX_DEFAULTS.items():
-        os.environ.setdefault(key, value)
+        if key in os.environ and os.environ[key] != value:
+            overridden[key] = os.environ[key]
+        else:
+            os.environ[key] = value
+            chosen[key] = value
+    if not _defaults_logged:
+        _defaults_logged = True
+        others = {k: v for k, v in os.environ.items() if k.startswith(("UCX_", "UCXPY_")) and k not in UCX_DEFAULTS}
+        log_event(
+            "ucx.settings", set=_pairs(chosen), environment_overrode=_pairs(overridden), environment=_pairs(others)
+        )
+
+
+def _pairs(values: dict[str, str]) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(values.items())) or "-"
 
 
 def ucx_available() -> bool:

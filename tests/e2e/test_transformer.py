@@ -9,26 +9,39 @@ comparison can fail.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Iterator
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from examples.disagg_llm import __main__ as example
-from examples.disagg_llm import model as m
+if TYPE_CHECKING:
+    from examples.disagg_llm import __main__ as example
+
+
+def _example() -> ModuleType:
+    """The example's driver, imported when a test here runs: it imports torch, which took
+    ~18 s of every suite's collection on a loaded 2-core machine."""
+    return importlib.import_module("examples.disagg_llm.__main__")
+
+
+def _model() -> ModuleType:
+    return importlib.import_module("examples.disagg_llm.model")
+
 
 MAX_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
 def engines() -> Iterator[example.Engines]:
-    with example.engines() as e:
+    with _example().engines() as e:
         yield e
 
 
 @pytest.fixture(scope="module")
 def reference_model() -> Any:
-    model, _ = m.build_model()
+    model, _ = _model().build_model()
     return model
 
 
@@ -41,9 +54,9 @@ def decoder(engines: example.Engines, path: str) -> Any:
 def test_decode_from_pulled_kv_generates_the_single_process_tokens(
     engines: example.Engines, reference_model: Any, path: str, length: int
 ) -> None:
-    prompt = m.prompt_tokens(100 + length, length)
-    expected = m.generate(reference_model, prompt, MAX_TOKENS)
-    got = example.handoff(engines.prefill, decoder(engines, path), f"same-{path}-{length}", prompt, MAX_TOKENS)
+    prompt = _model().prompt_tokens(100 + length, length)
+    expected = _model().generate(reference_model, prompt, MAX_TOKENS)
+    got = _example().handoff(engines.prefill, decoder(engines, path), f"same-{path}-{length}", prompt, MAX_TOKENS)
     assert got["ok"], got
     assert got["tokens"] == expected
     assert got["release_reason"] == "pulled"
@@ -55,15 +68,15 @@ def test_decode_from_pulled_kv_generates_the_single_process_tokens(
 def test_a_flipped_block_changes_the_generated_tokens(
     engines: example.Engines, reference_model: Any, path: str
 ) -> None:
-    prompt = m.prompt_tokens(7, 37)
-    expected = m.generate(reference_model, prompt, MAX_TOKENS)
-    got = example.handoff(engines.prefill, decoder(engines, path), f"flip-{path}", prompt, MAX_TOKENS, flip=True)
+    prompt = _model().prompt_tokens(7, 37)
+    expected = _model().generate(reference_model, prompt, MAX_TOKENS)
+    got = _example().handoff(engines.prefill, decoder(engines, path), f"flip-{path}", prompt, MAX_TOKENS, flip=True)
     assert got["ok"], got
     assert got["tokens"] != expected
 
 
 def test_a_ticket_with_the_wrong_token_is_reported_as_a_failed_load(engines: example.Engines) -> None:
-    done = engines.prefill("prefill", request_id="bad-token", prompt=m.prompt_tokens(3, 20))
+    done = engines.prefill("prefill", request_id="bad-token", prompt=_model().prompt_tokens(3, 20))
     params = dict(done["kv_transfer_params"])
     ticket = dict(params["kvxfer_ticket"])
     ticket["token"] = "00" * 16
@@ -90,7 +103,7 @@ def test_a_ticket_with_the_wrong_token_is_reported_as_a_failed_load(engines: exa
 @pytest.mark.slow
 @pytest.mark.parametrize("length", [255, 500])
 def test_long_prompts_and_long_generations_match(engines: example.Engines, reference_model: Any, length: int) -> None:
-    prompt = m.prompt_tokens(length, length)
-    expected = m.generate(reference_model, prompt, 64)
-    got = example.handoff(engines.prefill, engines.decode_remote, f"long-{length}", prompt, 64)
+    prompt = _model().prompt_tokens(length, length)
+    expected = _model().generate(reference_model, prompt, 64)
+    got = _example().handoff(engines.prefill, engines.decode_remote, f"long-{length}", prompt, 64)
     assert got["tokens"] == expected

@@ -120,18 +120,33 @@ def test_bytes_cross_the_veth_over_ucx_tcp(netcluster: tuple[Cluster, Daemon, Da
 def test_a_partition_mid_transfer_fails_within_the_deadline_and_the_link_heals(
     veth: Veth, netcluster: tuple[Cluster, Daemon, Daemon]
 ) -> None:
-    cluster, a, b = netcluster
-    cut = threading.Timer(0.05, veth.link, args=(False,))
-    cut.start()
+    cluster, _, b = netcluster
+    # Its own prefill daemon, paused once its first chunk is out: the link goes down while
+    # the rest of the bytes are due, every time.
+    a = cluster.daemon(
+        "a-partition",
+        *("--ucx-error-handling", "on", "--peer-timeout-s", "2", "--chunk-bytes", str(1 << 20), "--window", "1"),
+        *("--fault-injection", "--faults", "after_chunk_sent:0=pause:1"),
+        *("--peer-listen", f"{veth.addr['a']}:0"),
+        env=UCX_TCP,
+        prefix=veth.prefix("a"),
+    )
+    outcome: dict[str, Any] = {}
+    pulling = threading.Thread(target=lambda: outcome.update(handoff(cluster, a, b, "partition", 64, DEADLINE_S)))
+    pulling.start()
     try:
-        result = handoff(cluster, a, b, "partition", 64, DEADLINE_S)
+        deadline = time.monotonic() + 30
+        while "fault.hit" not in a.log():
+            assert time.monotonic() < deadline and pulling.is_alive(), a.log()[-3000:]
+            time.sleep(0.01)
+        veth.link(False)
+        pulling.join(DEADLINE_S + 10)
     finally:
-        cut.cancel()
         veth.link(True)
-    if result["ok"]:
-        pytest.skip("the transfer finished before the partition")
-    assert result["type"] in ("DeadlineExceededError", "UnavailableError"), result
-    assert result["waited_s"] < DEADLINE_S + 2.0
+    assert not pulling.is_alive(), "the pull did not end"
+    assert not outcome["ok"], "the pull succeeded across a partition"
+    assert outcome["type"] in ("DeadlineExceededError", "UnavailableError"), outcome
+    assert outcome["waited_s"] < DEADLINE_S + 2.0
     # Once the link is back, pulls work again (a new Hello and endpoint where needed).
     deadline = time.monotonic() + 30
     while True:

@@ -204,3 +204,21 @@ def test_without_a_data_plane_the_peer_port_is_not_serving_but_local_handoffs_wo
     failed = remote("pull", pulls=[[t2, [5]]])["results"][0]
     # The Hello already tells: the peer has no UCX worker (FAILED_PRECONDITION, named).
     assert not failed["ok"] and failed["type"] == "IncompatibleError" and "UCX" in failed["error"]
+
+
+def test_the_daemon_logs_the_ucx_settings_it_chose_and_each_endpoints_transport(cluster: Cluster) -> None:
+    a = cluster.daemon("a", env={"UCX_RNDV_THRESH": "131072", "UCX_TLS": "self,sm,tcp"})
+    b = cluster.daemon("b")
+    settings = next(line for line in a.log().splitlines() if "ucx.settings" in line)
+    assert "UCXPY_PROGRESS_MODE=blocking" in settings.split("environment_overrode=")[0]  # set by the daemon
+    assert "environment_overrode=UCX_RNDV_THRESH=131072" in settings
+    assert "UCX_TLS=self,sm,tcp" in settings
+    prefill, decode = cluster.engine(a, "p"), cluster.engine(b, "d")
+    shape = {"layers": 1, "blocks": 8, "block_bytes": 65536}
+    prefill("pool", shape=shape, seed=2)
+    decode("pool", shape=shape)
+    ticket = prefill("offer", requests=[[0, 1]])["tickets"][0]
+    assert decode("pull", pulls=[[ticket, [3, 4]]])["results"][0]["ok"]
+    for daemon, peer in ((a, "b"), (b, "a")):
+        endpoint = [line for line in daemon.log().splitlines() if "ucx.endpoint " in line]
+        assert len(endpoint) == 1 and f"peer={peer}" in endpoint[0] and "transport=ucx:" in endpoint[0], endpoint
