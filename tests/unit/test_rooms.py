@@ -1,0 +1,184 @@
+"""The daemon's tables and its local handoff room, in-process: real pools mapped from real
+shared memory (through descriptors, as the daemon maps them), real copy threads, no gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvxfer_client import (
+    CancelledError,
+    HostBuffer,
+    IncompatibleError,
+    Layout,
+    NotFoundError,
+    PermissionDeniedError,
+)
+from kvxfer_client._proto import common_pb2
+from kvxferd._offers import Offer, OfferTable
+from kvxferd._sessions import Session, SessionTable
+from kvxferd._transfers import TransferRecord, TransferTable
+from kvxferd.dataplane.gpucopy import GpuDevices
+from kvxferd.handoff.local import LocalHandoff
+from kvxferd.handoff.pull import Pulls
+from kvxferd.memory.pools import Pool, PoolRegistry
+
+LAYOUT = Layout.paged_kv(num_layers=2, num_blocks=64, block_bytes=8192)
+REASONS = {v: k for k, v in common_pb2.ReleaseReason.items()}
+
+
+class Daemonless:
+    """The pieces of a daemon the local path needs, wired as the node wires them."""
+
+    def __init__(self) -> None:
+        self.released: list[tuple[str, str, str]] = []
+        self.observed: list[tuple[str, str, str, int]] = []
+        self.sessions = SessionTable()
+        self.pools = PoolRegistry()
+        self.offers = OfferTable(100, self._released)
+        self.transfers = TransferTable(
+            16, lambda path, transport, result, n, s: self.observed.append((path, transport, result, n))
+        )
+        self.executor = ThreadPoolExecutor(2)
+        local = LocalHandoff(self.offers, 64 << 10, 2, self.executor, single_pass=True, gpu=self._no_gpu)
+        self.pulls = Pulls("here", self.transfers, local, None)
+
+    @staticmethod
+    def _no_gpu() -> GpuDevices:
+        raise AssertionError("host pools never ask for a GPU")
+
+    def _released(self, offer: Offer, reason: Any, detail: str, transfer_id: str) -> None:
+        self.released.append((offer.offer_id, REASONS[reason], transfer_id))
+
+    def pool(self, session: Session, seed: int | None = None) -> tuple[Pool, list[HostBuffer]]:
+        buffers = [HostBuffer.create(size) for size in LAYOUT.buffer_sizes()]
+        if seed is not None:
+            for i, buf in enumerate(buffers):
+                buf.array()[:] = np.random.default_rng(seed + i).integers(0, 256, buf.size, dtype=np.uint8)
+        handles = session.deposit_fds([os.dup(b.fd) for b in buffers])
+        specs = [
+            common_pb2.BufferSpec(kind=common_pb2.MEMORY_KIND_HOST_SHM, size=b.size, fd_handle=h)
+            for b, h in zip(buffers, handles, strict=True)
+        ]
+        pool = self.pools.register(session, specs, LAYOUT.to_proto(), "")
+        session.pools.add(pool.pool_id)
+        return pool, buffers
+
+    def ticket_for(self, offer: Offer) -> Any:
+        from kvxfer_client._ticket import Ticket
+
+        return Ticket(
+            "here",
+            "127.0.0.1:1",
+            offer.offer_id,
+            offer.token,
+            len(offer.block_ids),
+            offer.pool.fingerprint,
+            offer.nbytes,
+        )
+
+
+@pytest.fixture
+def d() -> Iterator[Daemonless]:
+    daemon = Daemonless()
+    yield daemon
+    daemon.executor.shutdown()
+
+
+def _blocks(buffers: list[HostBuffer], ids: list[int]) -> list[bytes]:
+    arrays = [b.array() for b in buffers]
+    return [
+        arrays[r.buffer_index][r.offset + i * r.block_stride :][: r.block_bytes].tobytes()
+        for r in LAYOUT.regions
+        for i in ids
+    ]
+
+
+async def test_a_local_pull_copies_the_blocks_records_the_transfer_and_releases_the_offer(d: Daemonless) -> None:
+    p, q = d.sessions.open("p"), d.sessions.open("q")
+    src, src_bufs = d.pool(p, seed=1)
+    dst, dst_bufs = d.pool(q)
+    offer = d.offers.create(src, np.array([3, 9, 40], dtype=np.int64), 30.0)
+    record = await d.pulls.pull(d.ticket_for(offer), dst, np.array([0, 63, 7], dtype=np.int64), 10.0, "t-1")
+    assert _blocks(dst_bufs, [0, 63, 7]) == _blocks(src_bufs, [3, 9, 40])
+    assert record.state == common_pb2.TRANSFER_STATE_SUCCEEDED and record.transport == "local-copy"
+    assert d.released == [(offer.offer_id, "RELEASE_REASON_PULLED", "t-1")]
+    assert d.observed == [("local", "local-copy", "succeeded", 3 * LAYOUT.bytes_per_block)]
+    assert not d.offers.offers and not d.transfers.active
+    # Retried under its id, the pull answers from the record and moves nothing.
+    again = await d.pulls.pull(d.ticket_for(offer), dst, np.array([0, 63, 7], dtype=np.int64), 10.0, "t-1")
+    assert again is record and len(d.observed) == 1
+
+
+async def test_a_pool_in_use_is_unmapped_only_when_its_last_transfer_ends(d: Daemonless) -> None:
+    pool, _ = d.pool(d.sessions.open("p"))
+    with pool.in_use():
+        pool.close_when_idle()
+        assert pool.arrays, "unmapped while a transfer used it"
+    assert not pool.arrays
+
+
+async def test_the_offer_table_releases_once_whatever_ends_an_offer(d: Daemonless) -> None:
+    owner, other = d.sessions.open("p"), d.sessions.open("q")
+    pool, _ = d.pool(owner)
+    ids = np.array([1], dtype=np.int64)
+    kept, pulled, expiring = (d.offers.create(pool, ids, lease) for lease in (30.0, 30.0, 0.01))
+    with pytest.raises(PermissionDeniedError):
+        d.offers.release_unpulled(kept.offer_id, common_pb2.RELEASE_REASON_CANCELLED, "x", owner=other.session_id)
+    d.offers.claim(pulled.offer_id, pulled.token)
+    with pytest.raises(IncompatibleError):  # being pulled: cancel the transfer instead
+        d.offers.release_unpulled(pulled.offer_id, common_pb2.RELEASE_REASON_CANCELLED, "x", owner=owner.session_id)
+    await asyncio.sleep(0.05)
+    assert d.offers.expiries == 1
+    d.offers.release(pulled, common_pb2.RELEASE_REASON_PULLED)
+    d.offers.release(pulled, common_pb2.RELEASE_REASON_FAILED)  # ended already: nothing
+    assert d.offers.release_all(common_pb2.RELEASE_REASON_SHUTDOWN, "bye") == 1
+    reasons = {offer_id: reason for offer_id, reason, _ in d.released}
+    assert reasons == {
+        expiring.offer_id: "RELEASE_REASON_EXPIRED",
+        pulled.offer_id: "RELEASE_REASON_PULLED",
+        kept.offer_id: "RELEASE_REASON_SHUTDOWN",
+    }
+    assert len(d.released) == 3 and not pool.offers
+    with pytest.raises(NotFoundError):
+        d.offers.release_unpulled(kept.offer_id, common_pb2.RELEASE_REASON_CANCELLED, "x")
+
+
+async def test_the_transfer_table_cancels_waits_and_leaves_committed_transfers_alone(d: Daemonless) -> None:
+    started = asyncio.Event()
+
+    async def transfer(tid: str, committed: bool) -> TransferRecord:
+        record = d.transfers.begin(TransferRecord(tid, "decode", common_pb2.TRANSFER_PATH_LOCAL, "off"))
+        record.committed = committed
+        started.set()
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            d.transfers.end(record, common_pb2.TRANSFER_STATE_CANCELLED, record.abort_detail)
+            raise CancelledError(record.abort_detail) from None
+        return record
+
+    running = asyncio.create_task(transfer("t-run", committed=False))
+    finishing = asyncio.create_task(transfer("t-commit", committed=True))
+    await started.wait()
+    await asyncio.sleep(0)
+    assert [r.transfer_id for r in d.transfers.find("t-commit")] == []  # not cancellable
+    stuck = await d.transfers.cancel(d.transfers.find("t-run"), "cancelled by a test", timeout_s=5)
+    assert not stuck
+    with pytest.raises(CancelledError, match="cancelled by a test"):
+        await running
+    assert not await d.transfers.wait_idle(0.05)  # the committed one still runs
+    d.transfers.abort_all("shutting down")  # leaves it alone too
+    await asyncio.sleep(0)
+    assert not finishing.done()
+    finishing.cancel()
+    with pytest.raises(CancelledError):
+        await finishing
+    assert await d.transfers.wait_idle(1.0)
+    assert [o[2] for o in d.observed] == ["cancelled", "cancelled"]
