@@ -217,16 +217,4 @@ def _public(*classes: type[KvxferError]) -> None:
         cls.__module__ = "kvxfer_client"
 
 
-_public(
-    KvxferError,
-    InvalidRequestError,
-    NotFoundError,
-    AlreadyExistsError,
-    PermissionDeniedError,
-    IncompatibleError,
-    ResourceExhaustedError,
-    DeadlineExceededError,
-    UnavailableError,
-    CancelledError,
-    InternalError,
-)
+_public(KvxferError, *set(_BY_CODE.values()))
