@@ -97,7 +97,8 @@ def kernel_alone(name: str, config: Any = None, max_piece: int = 0, iters: int =
 
     import cupy
 
-    from kvxferd.dataplane.gpucopy import MAX_PIECE, BlockSide, GpuCopier, KernelConfig, launch_blocks
+    from kvxferd.dataplane.gpu_kernel import MAX_PIECE, BlockSide, KernelConfig
+    from kvxferd.dataplane.gpucopy import GpuCopier, launch_blocks
     from kvxferd.dataplane.plan import RegionTable
 
     config = config or KernelConfig()
@@ -149,7 +150,7 @@ def kernel_alone(name: str, config: Any = None, max_piece: int = 0, iters: int =
 
 def kernel_sweep(name: str) -> list[dict[str, Any]]:
     """Kernel launch shapes and piece sizes, fastest first."""
-    from kvxferd.dataplane.gpucopy import KernelConfig
+    from kvxferd.dataplane.gpu_kernel import KernelConfig
 
     rows = []
     for threads in (128, 256, 512, 1024):

@@ -74,7 +74,7 @@ def _serve(role: str, nbytes: int, memory: str, peer_conn: Any, cmd: Any) -> Non
     Between commands UCX is progressed at kvxferd's idle pace, so a pair kept alive next to
     the daemons takes no CPU from them; during a send or receive it is progressed tightly.
     """
-    from kvxferd.dataplane.ucx import ProgressDriver, _take_over_progress, apply_ucx_defaults
+    from kvxferd.dataplane.ucx_setup import ProgressDriver, apply_ucx_defaults, take_over_progress
 
     _cuda_first(memory)
     apply_ucx_defaults()
@@ -83,7 +83,7 @@ def _serve(role: str, nbytes: int, memory: str, peer_conn: Any, cmd: Any) -> Non
 
     async def run() -> None:
         loop = asyncio.get_running_loop()
-        driver = ProgressDriver(_take_over_progress(ucxx))
+        driver = ProgressDriver(take_over_progress(ucxx))
         peer = _swap_addresses(ucxx, peer_conn, first=role == "receiver")
         ep = await ucxx.create_endpoint_from_worker_address(
             UCXAddress.create_from_buffer(peer), endpoint_error_handling=False

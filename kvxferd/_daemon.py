@@ -29,7 +29,8 @@ from .control.engine_service import EngineService
 from .control.fd_socket import FdSocket
 from .control.peer_service import PeerService
 from .control.server import Listener, start_listener
-from .dataplane.ucx import UcxTransport, ucx_available
+from .dataplane.ucx import UcxTransport
+from .dataplane.ucx_setup import ucx_available
 from .memory.cuda_ipc import gpu_support, init_cuda
 
 __all__ = ["main", "serve"]

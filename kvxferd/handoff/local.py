@@ -23,7 +23,8 @@ from kvxfer_client._ticket import Ticket
 from .._offers import OfferTable
 from .._transfers import TransferRecord
 from ..dataplane.aligned import aligned_empty
-from ..dataplane.gpucopy import BlockSide, GpuDevices
+from ..dataplane.gpu_kernel import BlockSide
+from ..dataplane.gpucopy import GpuDevices
 from ..dataplane.hostcopy import copy_chunk
 from ..dataplane.plan import SidePlan, build_plan
 from ..memory.pools import Pool

@@ -27,7 +27,8 @@ from .._log import log_event
 from ..dataplane.gpucopy import GpuDevices
 from ..dataplane.plan import SidePlan
 from ..dataplane.staging import StagingPool
-from ..dataplane.ucx import UcxTransport, describe_transport
+from ..dataplane.ucx import UcxTransport
+from ..dataplane.ucx_setup import describe_transport
 from ..memory.pools import Pool
 from .peers import Peer, PeerDirectory
 from .steps import within

@@ -25,7 +25,8 @@ from kvxfer_client._ticket import Ticket
 from .._config import Settings
 from .._faults import Faults
 from .._transfers import TransferRecord
-from ..dataplane.gpucopy import BlockSide, GpuDevices
+from ..dataplane.gpu_kernel import BlockSide
+from ..dataplane.gpucopy import GpuDevices
 from ..dataplane.plan import SidePlan, build_plan, stream_plan
 from ..dataplane.staging import StagingLease
 from ..dataplane.ucp_iov import CANCEL_CONFIRM_S

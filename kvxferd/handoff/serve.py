@@ -29,7 +29,8 @@ from .._config import Settings
 from .._faults import Faults
 from .._offers import Offer, OfferTable
 from .._transfers import TransferRecord, TransferTable
-from ..dataplane.gpucopy import BlockSide, GpuDevices
+from ..dataplane.gpu_kernel import BlockSide
+from ..dataplane.gpucopy import GpuDevices
 from ..dataplane.plan import SidePlan, build_plan, num_chunks, stream_plan
 from .remote import RemotePlane
 from .steps import COMMIT_MARGIN_S

@@ -13,7 +13,8 @@ pytestmark = pytest.mark.gpu
 
 def test_launches_through_the_table_ring_copy_exactly_their_blocks_after_wrapping() -> None:
     cupy = pytest.importorskip("cupy")
-    from kvxferd.dataplane.gpucopy import BlockSide, GpuCopier
+    from kvxferd.dataplane.gpu_kernel import BlockSide
+    from kvxferd.dataplane.gpucopy import GpuCopier
 
     blocks, seg = 64, 4096 + 48  # a segment size that is not a multiple of 16
     regions = RegionTable.from_regions([(0, 0, seg, seg), (0, blocks * seg, seg, seg)])

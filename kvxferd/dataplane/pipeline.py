@@ -1,0 +1,72 @@
+"""The chunk pipeline both directions of a UCX transfer run: chunks in order, ``window`` in
+flight, staging buffers handed from chunk to chunk, and on the first failure every other
+chunk cancelled (the lease marked poisoned: UCX may still touch its buffers)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from kvxfer_client._errors import UnavailableError
+
+from .plan import ChunkPlan, SidePlan
+from .staging import StagingLease
+
+__all__ = ["run_pipeline"]
+
+
+async def run_pipeline(
+    plan: SidePlan,
+    lease: StagingLease,
+    window: int,
+    move: Callable[[ChunkPlan, Any], Awaitable[None]],
+    pack: Callable[[ChunkPlan, Any], Awaitable[None]] | None = None,
+    stage: bool = True,
+    zero_copy: bool = True,
+) -> None:
+    """Move the chunks of ``plan`` in order, at most ``window`` at once.
+
+    A fragmented chunk takes a staging buffer when ``stage`` (and is packed into it first when
+    ``pack`` is given); a contiguous one moves in place unless ``zero_copy`` is off. On the first
+    failure the other chunks are cancelled and the lease is marked poisoned, since UCX may still
+    touch its buffers.
+    """
+    free: asyncio.Queue[Any] = asyncio.Queue()
+    for buf in lease.buffers:
+        free.put_nowait(buf)
+    slots = asyncio.Semaphore(window)
+
+    failures: list[BaseException] = []
+
+    async def run(chunk: ChunkPlan, staged: Any) -> None:
+        try:
+            await move(chunk, staged)
+        except Exception as exc:
+            failures.append(exc)  # seen by the loop below before it starts another chunk
+            raise
+        finally:
+            if staged is not None:
+                free.put_nowait(staged)
+            slots.release()
+
+    tasks: list[asyncio.Task[None]] = []
+    try:
+        for chunk in plan.chunks:
+            await slots.acquire()
+            in_place = zero_copy and chunk.contiguous is not None
+            staged = None if in_place or not stage else await free.get()
+            if staged is not None and pack is not None:
+                await pack(chunk, staged)
+            tasks.append(asyncio.create_task(run(chunk, staged)))
+            if failures:
+                raise failures[0]
+        await asyncio.gather(*tasks)
+    except BaseException as exc:
+        lease.poisoned = True
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if isinstance(exc, asyncio.CancelledError | UnavailableError):
+            raise
+        raise UnavailableError(f"UCX transfer failed: {exc!r}") from exc
