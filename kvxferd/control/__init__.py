@@ -1,1 +1,1 @@
-"""Control plane: the gRPC services and the peer directory."""
+"""Control plane: the gRPC services, the checks of what they receive, the fd socket."""

@@ -1,11 +1,13 @@
-"""The daemon's tables and its local handoff room, in-process: real pools mapped from real
-shared memory (through descriptors, as the daemon maps them), real copy threads, no gRPC."""
+"""The daemon's tables and its handoff rooms, in-process: real pools mapped from real shared
+memory (through descriptors, as the daemon maps them), real copy threads, a real UCX worker;
+no gRPC. The offering side's Transfer stream is a recording double (the peer's end, not what
+is under test)."""
 
 from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -16,17 +18,25 @@ from kvxfer_client import (
     CancelledError,
     HostBuffer,
     IncompatibleError,
+    InvalidRequestError,
     Layout,
     NotFoundError,
     PermissionDeniedError,
 )
-from kvxfer_client._proto import common_pb2
+from kvxfer_client._proto import common_pb2, peer_pb2
+from kvxfer_client._version import PROTOCOL_VERSION
+from kvxferd._config import Settings
+from kvxferd._faults import Faults
 from kvxferd._offers import Offer, OfferTable
 from kvxferd._sessions import Session, SessionTable
 from kvxferd._transfers import TransferRecord, TransferTable
 from kvxferd.dataplane.gpucopy import GpuDevices
+from kvxferd.dataplane.staging import StagingPool
 from kvxferd.handoff.local import LocalHandoff
+from kvxferd.handoff.peers import PeerDirectory
 from kvxferd.handoff.pull import Pulls
+from kvxferd.handoff.remote import RemotePlane
+from kvxferd.handoff.serve import ServeRequest, TransferServer
 from kvxferd.memory.pools import Pool, PoolRegistry
 
 LAYOUT = Layout.paged_kv(num_layers=2, num_blocks=64, block_bytes=8192)
@@ -182,3 +192,139 @@ async def test_the_transfer_table_cancels_waits_and_leaves_committed_transfers_a
         await finishing
     assert await d.transfers.wait_idle(1.0)
     assert [o[2] for o in d.observed] == ["cancelled", "cancelled"]
+
+
+# -- the offering side (handoff/serve.py) ---------------------------------------------------
+
+
+class RecordingStream:
+    """The puller's end as the offering side sees it; records what the side wrote."""
+
+    def __init__(self, gone: bool = False) -> None:
+        self.gone = gone
+        self.written: list[str] = []
+
+    def puller_gone(self) -> bool:
+        return self.gone
+
+    def on_puller_gone(self, callback: Callable[[], None]) -> None:
+        pass
+
+    def time_remaining(self) -> float | None:
+        return None
+
+    async def send_headers(self) -> None:
+        self.written.append("headers")
+
+    async def accepted(self, total_bytes: int, num_chunks: int, chunk_bytes: int) -> None:
+        self.written.append("accepted")
+
+    async def sent(self, nbytes: int, transport: str) -> None:
+        self.written.append("sent")
+
+    async def read_done(self) -> tuple[bool, str] | None:
+        return None
+
+    async def closed(self) -> None:
+        self.written.append("closed")
+
+
+class Offerer:
+    def __init__(self) -> None:
+        from kvxferd.dataplane.ucx import UcxTransport
+
+        self.d = Daemonless()
+        self.settings = Settings()
+        self.ucx = UcxTransport()
+        me = peer_pb2.PeerIdentity(
+            daemon_id="offerer", protocol_version=PROTOCOL_VERSION, ucx_worker_address=self.ucx.worker_address
+        )
+        self.peers = PeerDirectory(me, 5.0)
+        self.peers.accept_hello(
+            peer_pb2.PeerIdentity(
+                daemon_id="puller", protocol_version=PROTOCOL_VERSION, ucx_worker_address=self.ucx.worker_address
+            )
+        )
+        staging = StagingPool(1 << 20, 1 << 20)
+        plane = RemotePlane(self.settings, self.ucx, self.peers, Faults(), staging, staging, self.d._no_gpu)
+        self.offers: OfferTable = self.d.offers
+        self.transfers: TransferTable = self.d.transfers
+        self.server = TransferServer(self.settings, plane, self.offers, self.transfers, self.d._no_gpu, Faults())
+        self.sessions: SessionTable = self.d.sessions
+
+    def request(self, offer: Any, **changes: Any) -> ServeRequest:
+        fields: dict[str, Any] = {
+            "transfer_id": "t-1",
+            "offer_id": offer.offer_id,
+            "token": offer.token,
+            "receiver_daemon_id": "puller",
+            "receiver_signature": LAYOUT.signature(),
+            "num_blocks": len(offer.block_ids),
+            "tag_base": 1 << 24,
+            "chunk_bytes": 1 << 20,
+            "timeout_s": 10.0,
+        }
+        fields.update(changes)
+        return ServeRequest(**fields)
+
+
+@pytest.fixture
+async def offerer() -> AsyncIterator[Offerer]:
+    pytest.importorskip("ucxx")
+    o = Offerer()
+    yield o
+    await o.ucx.close()
+    o.d.executor.shutdown()
+
+
+async def test_a_wrong_token_claims_nothing_and_records_no_transfer(offerer: Offerer) -> None:
+    pool, _ = offerer.d.pool(offerer.sessions.open("p"))
+    offer = offerer.offers.create(pool, np.array([1, 2], dtype=np.int64), 30.0)
+    with pytest.raises(PermissionDeniedError):
+        await offerer.server.serve(offerer.request(offer, token=b"\x00" * 16), RecordingStream())
+    assert offer.state == "offered" and not offerer.transfers.active and not offerer.d.released
+
+
+async def test_a_puller_gone_before_the_claim_leaves_the_offer_pullable(offerer: Offerer) -> None:
+    pool, _ = offerer.d.pool(offerer.sessions.open("p"))
+    offer = offerer.offers.create(pool, np.array([1, 2], dtype=np.int64), 30.0)
+    with pytest.raises(Exception, match="left before the offer was claimed"):
+        await offerer.server.serve(offerer.request(offer), RecordingStream(gone=True))
+    assert offer.state == "offered" and offer.offer_id in offerer.offers.offers
+
+
+@pytest.mark.parametrize(
+    ("changes", "error"),
+    [
+        ({"num_blocks": 3}, InvalidRequestError),
+        ({"receiver_signature": common_pb2.LayoutSignature(block_bytes=[4096])}, IncompatibleError),
+    ],
+)
+async def test_a_start_that_does_not_fit_the_offer_unclaims_it(
+    offerer: Offerer, changes: dict[str, Any], error: type[Exception]
+) -> None:
+    pool, _ = offerer.d.pool(offerer.sessions.open("p"))
+    offer = offerer.offers.create(pool, np.array([1, 2], dtype=np.int64), 30.0)
+    stream = RecordingStream()
+    with pytest.raises(error):
+        await offerer.server.serve(offerer.request(offer, **changes), stream)
+    assert offer.state == "offered" and not offerer.transfers.active
+    assert stream.written == ["headers"]
+    await asyncio.sleep(0)
+
+
+async def test_a_puller_that_never_confirms_fails_the_transfer_and_releases_the_offer(offerer: Offerer) -> None:
+    # Every chunk goes out over a real endpoint (to this process's own worker); the double
+    # then ends the stream without done: the offer goes as failed, never as pulled.
+    pool, bufs = offerer.d.pool(offerer.sessions.open("p"), seed=4)
+    offer = offerer.offers.create(pool, np.array([1, 2], dtype=np.int64), 30.0)
+    sink = np.zeros(2 * LAYOUT.bytes_per_block, dtype=np.uint8)
+    receiving = asyncio.ensure_future(offerer.ucx.iov.recv_contig(sink.ctypes.data, sink.nbytes, 1 << 24, sink))
+    stream = RecordingStream()
+    with pytest.raises(Exception, match="without confirming"):
+        await offerer.server.serve(offerer.request(offer, chunk_bytes=sink.nbytes), stream)
+    assert stream.written == ["headers", "accepted", "sent"]
+    assert offerer.d.released == [(offer.offer_id, "RELEASE_REASON_FAILED", "t-1")]
+    assert offerer.d.observed[-1][2] == "failed"
+    await asyncio.wait_for(receiving, 5)
+    assert sink.tobytes() == b"".join(_blocks(bufs, [1, 2]))  # region-major, as the stream orders them
