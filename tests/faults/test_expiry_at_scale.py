@@ -11,6 +11,7 @@ import grpc
 
 from bench.cluster import Cluster, Daemon
 from kvxfer_client import AsyncKvxferClient, HostBuffer, Layout, Pool
+from kvxfer_client._client import MAX_QUEUED_EVENTS
 from kvxfer_client._proto import admin_pb2, admin_pb2_grpc
 
 OFFERS = 10_000
@@ -69,6 +70,9 @@ async def test_ten_thousand_offers_all_end_and_memory_returns_to_its_baseline(cl
     second = await one_round(prefill, decode, src, dst)
     assert second == first
     after = rss_bytes(daemon.proc.pid)
+
+    # The prefill engine only ever called wait_released(): its event queue stayed bounded.
+    assert prefill.events_dropped == 2 * OFFERS - MAX_QUEUED_EVENTS
 
     s = status(daemon)
     assert (s.active_offers, s.active_transfers, s.lease_expiries) == (0, 0, 2 * NEVER_PULLED)
