@@ -104,9 +104,9 @@ class EngineProcess:
     """An engine process attached to one daemon, driven by JSON lines on its stdin.
 
     ``module`` is ``bench.engine`` (the benchmark engine) unless another engine is named; it
-    gets ``--socket <daemon socket>`` and then ``args``. ``popen`` goes to
-    :class:`subprocess.Popen` (``user``, ``group``, ``extra_groups``, ``umask``: an engine run
-    as another user).
+    gets ``--socket <daemon socket>`` and then ``args``. ``prefix`` comes before the command
+    (e.g. ``setpriv`` to run as another user); ``popen`` goes to :class:`subprocess.Popen`
+    (e.g. ``umask``).
     """
 
     def __init__(
@@ -116,11 +116,12 @@ class EngineProcess:
         module: str = "bench.engine",
         args: list[str] | None = None,
         popen: dict[str, Any] | None = None,
+        prefix: list[str] | None = None,
     ) -> None:
         self.name = name
         extra = ["--name", name] if args is None else args
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", module, "--socket", daemon.socket, *extra],
+            [*(prefix or []), sys.executable, "-m", module, "--socket", daemon.socket, *extra],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=_env(),
@@ -194,8 +195,9 @@ class Cluster:
         module: str = "bench.engine",
         args: list[str] | None = None,
         popen: dict[str, Any] | None = None,
+        prefix: list[str] | None = None,
     ) -> EngineProcess:
-        e = EngineProcess(daemon, name, module, args, popen)
+        e = EngineProcess(daemon, name, module, args, popen, prefix)
         self.engines.append(e)
         return e
 

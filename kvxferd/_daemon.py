@@ -27,6 +27,7 @@ from ._systemd import Notifier
 from .control.admin_service import AdminService
 from .control.engine_service import EngineService
 from .control.fd_socket import FdSocket
+from .control.listen_errors import ListenError, explain
 from .control.peer_service import PeerService
 from .control.server import Listener, start_listener
 from .dataplane.ucx import UcxTransport
@@ -95,6 +96,7 @@ async def serve(settings: Settings) -> int:
     tcp_admin = (add_admin, AdminService(node, request_drain, allow_changes=tls is not None), ADMIN_SERVICE)
     try:
         peer_listener = await start_listener(
+            "peer",
             settings.peer_listen,
             [(peer_pb2_grpc.add_PeerServiceServicer_to_server, PeerService(node), PEER_SERVICE)],
             server_creds,
@@ -104,6 +106,7 @@ async def serve(settings: Settings) -> int:
         node.start_peers(tls.channel_credentials() if tls else None)
         listeners.append(
             await start_listener(
+                "engine socket",
                 "unix:" + settings.engine_socket,
                 [
                     (engine_pb2_grpc.add_EngineServiceServicer_to_server, EngineService(node), ENGINE_SERVICE),
@@ -113,16 +116,29 @@ async def serve(settings: Settings) -> int:
             )
         )
         fd_socket = FdSocket(settings.engine_socket + ".fds", node.sessions.find, settings.engine_socket_group)
-        fd_socket.start()
+        try:
+            fd_socket.start()
+        except (OSError, KeyError) as exc:
+            raise explain("fd socket", "unix:" + fd_socket.path, exc) from None
         if settings.admin_listen:
-            admin_listener = await start_listener(settings.admin_listen, [tcp_admin], server_creds)
+            admin_listener = await start_listener("admin", settings.admin_listen, [tcp_admin], server_creds)
             listeners.append(admin_listener)
             node.admin_address = admin_listener.address
         metrics_server, metrics_address = None, ""
         if settings.metrics_listen:
-            metrics_server, metrics_address = serve_metrics(node.metrics, settings.metrics_listen)
-    except OSError as exc:
-        log_event("daemon.listen_failed", logging.ERROR, detail=str(exc))
+            try:
+                metrics_server, metrics_address = serve_metrics(node.metrics, settings.metrics_listen)
+            except OSError as exc:
+                raise explain("metrics", settings.metrics_listen, exc) from None
+    except ListenError as exc:
+        log_event(
+            "daemon.listen_failed",
+            logging.ERROR,
+            listener=exc.listener,
+            address=exc.address,
+            reason=exc.reason,
+            fix=exc.fix,
+        )
         for listener in listeners:
             await listener.server.stop(None)
         return 2

@@ -52,7 +52,8 @@ class FdSocket:
         sock.bind(self.path)
         os.chmod(self.path, 0o660)
         if self._group:
-            os.chown(self.path, -1, grp.getgrnam(self._group).gr_gid)
+            gid = int(self._group) if self._group.isdigit() else grp.getgrnam(self._group).gr_gid
+            os.chown(self.path, -1, gid)
         sock.listen(MAX_CONNECTIONS)
         sock.setblocking(False)
         self._sock = sock

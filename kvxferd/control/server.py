@@ -13,6 +13,8 @@ from grpc_reflection.v1alpha import reflection
 
 from kvxfer_client._config import channel_options
 
+from .listen_errors import check_unix_dir, explain
+
 __all__ = ["Listener", "start_listener"]
 
 
@@ -30,6 +32,7 @@ class Listener:
 
 
 async def start_listener(
+    name: str,
     address: str,
     adders: Sequence[tuple[Callable[[Any, grpc.aio.Server], None], Any, str]],
     credentials: grpc.ServerCredentials | None = None,
@@ -40,19 +43,33 @@ async def start_listener(
     ``adders`` holds (add_XServicer_to_server, servicer, full service name) triples; a TCP
     address uses ``credentials`` (mTLS) when given; a Unix socket gets mode 0660 and, when
     named, ``socket_group``. Returns the listener with its actual address (the bound port when
-    0 was asked for).
+    0 was asked for). A bind that fails raises :class:`ListenError` naming listener ``name``.
     """
-    server = grpc.aio.server(options=channel_options())
+    try:
+        return await _start(address, adders, credentials, socket_group, name)
+    except (OSError, RuntimeError) as exc:
+        raise explain(name, address, exc) from None
+
+
+async def _start(
+    address: str,
+    adders: Sequence[tuple[Callable[[Any, grpc.aio.Server], None], Any, str]],
+    credentials: grpc.ServerCredentials | None,
+    socket_group: str,
+    name: str,
+) -> Listener:
+    # No SO_REUSEPORT: a second daemon on the same port must fail, not share it.
+    server = grpc.aio.server(options=[*channel_options(), ("grpc.so_reuseport", 0)])
     names = []
-    for add, servicer, name in adders:
+    for add, servicer, service in adders:
         add(servicer, server)
-        names.append(name)
+        names.append(service)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     if address.startswith("unix:"):
         path = address.removeprefix("unix:")
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        check_unix_dir(name, path)
         if os.path.exists(path):
             os.unlink(path)  # a stale socket of a previous run (the pid lock is held by the caller)
         server.add_insecure_port(address)

@@ -64,3 +64,13 @@ def test_the_daemonset_probes_grpc_health_and_scrapes_metrics_on_the_configured_
     assert any(k.startswith("rdma/") for k in container["resources"]["limits"])
     assert container["readinessProbe"]["grpc"]["port"] == 7462 == container["livenessProbe"]["grpc"]["port"]
     assert pod["metadata"]["annotations"]["prometheus.io/port"] == "7463"
+
+
+def test_the_daemonset_hands_the_socket_directory_to_the_daemons_user_before_it_starts() -> None:
+    with open(os.path.join(ROOT, "deploy/kubernetes/daemonset.yaml")) as fh:
+        spec = yaml.safe_load(fh)["spec"]["template"]["spec"]
+    daemon = spec["containers"][0]["securityContext"]
+    (init,) = spec["initContainers"]
+    command = " ".join(init["command"])
+    assert f"chown {daemon['runAsUser']}:{daemon['runAsGroup']} /run/kvxfer" in command
+    assert init["volumeMounts"][0]["mountPath"] == "/run/kvxfer"
