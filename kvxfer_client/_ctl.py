@@ -24,7 +24,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import grpc
-from google.protobuf.json_format import MessageToDict
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ._config import channel_options, default_socket_path
@@ -60,7 +59,20 @@ def _path(value: int) -> str:
     return common_pb2.TransferPath.Name(value).removeprefix("TRANSFER_PATH_").lower()  # type: ignore[arg-type]
 
 
+def _fields(msg: Any) -> dict[str, Any]:
+    """A message's fields by name with their raw values (numbers stay numbers, unlike
+    ``MessageToDict``, which writes 64-bit integers as strings)."""
+    out: dict[str, Any] = {}
+    for field in msg.DESCRIPTOR.fields:
+        value = getattr(msg, field.name)
+        out[field.name] = list(value) if field.is_repeated else value
+    return out
+
+
 class Ctl:
+    """Rows for scripts: raw numbers in base units (bytes, seconds, unix times); :data:`SHOW`
+    turns them into the table's strings."""
+
     def __init__(
         self, stub: admin_pb2_grpc.AdminServiceStub, timeout_s: float, health: health_pb2_grpc.HealthStub
     ) -> None:
@@ -75,13 +87,15 @@ class Ctl:
         return [
             {
                 "pool": p.pool_id,
+                "name": p.name,
                 "engine": p.engine_name or p.session_id,
                 "device": p.device or "cpu",
                 "blocks": p.num_blocks,
                 "regions": p.regions,
-                "size": _bytes(p.bytes),
+                "buffers": p.buffers,
+                "bytes": p.bytes,
                 "offers": p.active_offers,
-                "fingerprint": p.fingerprint[:12],
+                "fingerprint": p.fingerprint,
             }
             for p in self.call("ListPools", admin_pb2.ListPoolsRequest()).pools
         ]
@@ -92,9 +106,9 @@ class Ctl:
                 "offer": o.offer_id,
                 "pool": o.pool_id,
                 "blocks": o.num_blocks,
-                "size": _bytes(o.bytes),
+                "bytes": o.bytes,
                 "state": o.state,
-                "lease_left_s": f"{o.lease_remaining_s:.1f}",
+                "lease_left_s": round(o.lease_remaining_s, 3),
             }
             for o in self.call("ListOffers", admin_pb2.ListOffersRequest()).offers
         ]
@@ -108,9 +122,11 @@ class Ctl:
                 "path": _path(t.path),
                 "transport": t.transport,
                 "state": _state(t.state),
-                "size": _bytes(t.bytes),
-                "seconds": f"{t.duration_s:.4f}",
-                "gb_per_s": f"{t.bytes / t.duration_s / 1e9:.2f}" if t.duration_s > 0 else "",
+                "bytes": t.bytes,
+                "duration_s": t.duration_s,
+                "gb_per_s": round(t.bytes / t.duration_s / 1e9, 3) if t.duration_s > 0 else None,
+                "started_unix": t.started_unix,
+                "offer": t.offer_id,
                 "peer": t.peer_daemon_id,
                 "detail": t.detail,
             }
@@ -125,11 +141,28 @@ class Ctl:
                 "host": p.hostname,
                 "state": p.state,
                 "version": p.version,
-                "transports": ",".join(p.ucx_transports),
-                "hello_age_s": f"{time.time() - p.last_hello_unix:.0f}",
+                "transports": list(p.ucx_transports),
+                "last_hello_unix": p.last_hello_unix,
+                "hello_age_s": round(time.time() - p.last_hello_unix, 1),
             }
             for p in self.call("ListPeers", admin_pb2.ListPeersRequest()).peers
         ]
+
+
+#: How the table shows a raw value (columns not named here are shown as they are).
+SHOW: dict[str, Any] = {
+    "bytes": _bytes,
+    "fingerprint": lambda v: v[:12],
+    "lease_left_s": lambda v: f"{v:.1f}",
+    "duration_s": lambda v: f"{v:.4f}",
+    "gb_per_s": lambda v: "" if v is None else f"{v:.2f}",
+    "transports": ",".join,
+    "hello_age_s": lambda v: f"{v:.0f}",
+}
+
+
+def _shown(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{k: SHOW[k](v) if k in SHOW else v for k, v in row.items()} for row in rows]
 
 
 def _print(args: argparse.Namespace, title: str, rows: list[dict[str, Any]], columns: Sequence[str]) -> None:
@@ -138,17 +171,17 @@ def _print(args: argparse.Namespace, title: str, rows: list[dict[str, Any]], col
     else:
         if title:
             print(f"{title}:")
-        print(_table(rows, columns))
+        print(_table(_shown(rows), columns))
 
 
 def run(args: argparse.Namespace, ctl: Ctl) -> int:
     if args.command == "status":
-        status = ctl.call("Status", admin_pb2.StatusRequest())
+        s = ctl.call("Status", admin_pb2.StatusRequest())
         if args.json:
             print(
                 json.dumps(
                     {
-                        "status": MessageToDict(status, preserving_proto_field_name=True),
+                        "status": {**_fields(s), "state": "draining" if s.draining else "serving"},
                         "pools": ctl.pools(),
                         "offers": ctl.offers(),
                         "peers": ctl.peers(),
@@ -157,11 +190,13 @@ def run(args: argparse.Namespace, ctl: Ctl) -> int:
                 )
             )
             return EXIT_OK
-        s = status
         print(f"daemon      {s.daemon_id} (kvxfer {s.version}, pid {s.pid}, host {s.hostname})")
         print(f"state       {'draining' if s.draining else 'serving'}, up {s.uptime_s:.0f}s")
         print(f"listeners   engine unix:{s.engine_socket}  peer {s.peer_address}  admin {s.admin_address or '-'}")
-        print(f"ucx         {','.join(s.ucx_transports) or 'unavailable'}")
+        print(
+            f"ucx         {','.join(s.ucx_transports) or 'unavailable'}; {s.ucx_endpoints} endpoints, "
+            f"{s.ucx_receives_unconfirmed} receives unconfirmed"
+        )
         print(
             f"totals      {s.transfers_succeeded} transfers ok, {s.transfers_failed} failed, "
             f"{_bytes(s.bytes_moved)} moved, {s.lease_expiries} leases expired"
@@ -216,7 +251,7 @@ def _watch(args: argparse.Namespace, ctl: Ctl) -> int:
                 if sys.stdout.isatty():
                     print("\x1b[H\x1b[2J", end="")  # home + clear: a live view, not a scroll
                 print(f"{time.strftime('%H:%M:%S')}  transfers ({len(rows)})")
-                print(_table(rows, TRANSFER_COLUMNS), flush=True)
+                print(_table(_shown(rows), TRANSFER_COLUMNS), flush=True)
             shown += 1
             if args.count == 0 or shown < args.count:
                 time.sleep(args.interval)
@@ -225,10 +260,21 @@ def _watch(args: argparse.Namespace, ctl: Ctl) -> int:
     return EXIT_OK
 
 
-POOL_COLUMNS = ("pool", "engine", "device", "blocks", "regions", "size", "offers", "fingerprint")
-OFFER_COLUMNS = ("offer", "pool", "blocks", "size", "state", "lease_left_s")
+POOL_COLUMNS = ("pool", "engine", "device", "blocks", "regions", "bytes", "offers", "fingerprint")
+OFFER_COLUMNS = ("offer", "pool", "blocks", "bytes", "state", "lease_left_s")
 PEER_COLUMNS = ("peer", "address", "host", "state", "version", "transports", "hello_age_s")
-TRANSFER_COLUMNS = ("transfer", "role", "path", "transport", "state", "size", "seconds", "gb_per_s", "peer", "detail")
+TRANSFER_COLUMNS = (
+    "transfer",
+    "role",
+    "path",
+    "transport",
+    "state",
+    "bytes",
+    "duration_s",
+    "gb_per_s",
+    "peer",
+    "detail",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -242,21 +288,28 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tls-cert", default=os.environ.get("KVXFER_TLS_CERT", ""), help="client certificate (PEM)")
     parser.add_argument("--tls-key", default=os.environ.get("KVXFER_TLS_KEY", ""), help="client key (PEM)")
     parser.add_argument("--tls-ca", default=os.environ.get("KVXFER_TLS_CA", ""), help="CA of the daemon (PEM)")
+    # --json also after the subcommand (kvxferctl offers --json); SUPPRESS keeps the value
+    # given before it when the subcommand has none.
+    json_anywhere = argparse.ArgumentParser(add_help=False)
+    json_anywhere.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("status", help="the daemon, its pools, offers, peers and running transfers")
-    sub.add_parser("pools", help="registered pools")
-    sub.add_parser("offers", help="live offers")
-    sub.add_parser("peers", help="peer daemons")
-    t = sub.add_parser("transfers", help="running transfers")
+    for name, help_text in (
+        ("status", "the daemon, its pools, offers, peers and running transfers"),
+        ("pools", "registered pools"),
+        ("offers", "live offers"),
+        ("peers", "peer daemons"),
+    ):
+        sub.add_parser(name, help=help_text, parents=[json_anywhere])
+    t = sub.add_parser("transfers", help="running transfers", parents=[json_anywhere])
     t.add_argument("--all", action="store_true", help="include recently finished transfers")
     t.add_argument("--watch", action="store_true", help="keep refreshing (Ctrl-C stops)")
     t.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes (default 1)")
     t.add_argument("--count", type=int, default=0, help="with --watch: stop after this many refreshes")
-    h = sub.add_parser("health", help="gRPC health of the daemon: exit 0 when serving")
+    h = sub.add_parser("health", help="gRPC health of the daemon: exit 0 when serving", parents=[json_anywhere])
     h.add_argument("--service", default="", help="a service name (default: the whole daemon)")
-    c = sub.add_parser("cancel", help="cancel a transfer or release an offer")
+    c = sub.add_parser("cancel", help="cancel a transfer or release an offer", parents=[json_anywhere])
     c.add_argument("id")
-    sub.add_parser("drain", help="stop taking offers and pulls, finish what runs, exit")
+    sub.add_parser("drain", help="stop taking offers and pulls, finish what runs, exit", parents=[json_anywhere])
     return parser
 
 
@@ -277,6 +330,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         ctl = Ctl(admin_pb2_grpc.AdminServiceStub(channel), args.timeout, health_pb2_grpc.HealthStub(channel))
         try:
             code = run(args, ctl)
+            sys.stdout.flush()
+        except BrokenPipeError:
+            # The reader went away (kvxferctl status | head -1): not an error of ours. Point
+            # stdout at /dev/null so the interpreter's own flush at exit stays quiet too.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            code = EXIT_OK
         except grpc.RpcError as exc:
             status = exc.code() if hasattr(exc, "code") else None
             details = exc.details() if hasattr(exc, "details") else str(exc)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import socket
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import urllib.request
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from bench.cluster import Cluster, _env
+from bench.cluster import Cluster, Daemon, _env
 
 
 def scrape(address: str) -> str:
@@ -222,3 +223,45 @@ def test_the_daemon_logs_the_ucx_settings_it_chose_and_each_endpoints_transport(
     for daemon, peer in ((a, "b"), (b, "a")):
         endpoint = [line for line in daemon.log().splitlines() if "ucx.endpoint " in line]
         assert len(endpoint) == 1 and f"peer={peer}" in endpoint[0] and "transport=ucx:" in endpoint[0], endpoint
+
+
+def test_kvxferctl_json_carries_raw_numbers_and_everything_the_table_shows(two_daemons: Cluster) -> None:
+    a, b = two_daemons.daemons
+    prefill, decode = two_daemons.engine(a, "p-json"), two_daemons.engine(b, "d-json")
+    shape = {"layers": 1, "blocks": 8, "block_bytes": 65536}
+    prefill("pool", shape=shape, seed=2)
+    decode("pool", shape=shape)
+    ticket = prefill("offer", requests=[[0, 1]])["tickets"][0]
+    assert decode("pull", pulls=[[ticket, [3, 4]]])["results"][0]["ok"]
+    prefill("offer", requests=[[5]], lease_s=600)
+
+    def ctl(daemon: Daemon, *args: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "kvxfer_client._ctl", "--socket", daemon.socket, *args]
+        return subprocess.run(cmd, capture_output=True, text=True, env=_env(), check=False)
+
+    # The flag works before and after the subcommand, with the same answer.
+    offers = json.loads(ctl(a, "offers", "--json").stdout)
+    assert [o["offer"] for o in offers] == [o["offer"] for o in json.loads(ctl(a, "--json", "offers").stdout)]
+    (offer,) = [o for o in offers if o["blocks"] == 1]
+    assert offer["bytes"] == 2 * 65536 and isinstance(offer["lease_left_s"], float)
+    (done,) = [t for t in json.loads(ctl(b, "transfers", "--all", "--json").stdout) if t["offer"] == ticket["offer_id"]]
+    assert done["bytes"] == 4 * 65536 and isinstance(done["duration_s"], float) and done["gb_per_s"] > 0
+    assert done["state"] == "succeeded" and done["transport"].startswith("ucx:")
+    status = json.loads(ctl(b, "status", "--json").stdout)
+    s = status["status"]
+    assert s["state"] == "serving" and s["bytes_moved"] >= 4 * 65536 and s["transfers_succeeded"] >= 1
+    assert isinstance(s["ucx_transports"], list) and "ucx_endpoints" in s and "lease_expiries" in s
+    (pool,) = [p for p in status["pools"] if p["engine"] == "d-json"]
+    assert pool["bytes"] == 2 * 8 * 65536 and len(pool["fingerprint"]) > 12
+    assert [p["peer"] for p in status["peers"]] == ["a"] and isinstance(status["peers"][0]["transports"], list)
+    # The table still shows sizes for people.
+    assert "KiB" in ctl(b, "transfers", "--all").stdout
+
+
+def test_kvxferctl_into_a_closed_pipe_prints_no_traceback(cluster: Cluster) -> None:
+    a = cluster.daemon("a")
+    # `true` has closed the pipe long before kvxferctl (a Python start-up later) writes to it,
+    # as `head -1` does once it has its line.
+    cmd = f"{shlex.quote(sys.executable)} -m kvxfer_client._ctl --socket {shlex.quote(a.socket)} status | true"
+    done = subprocess.run(["sh", "-c", cmd], capture_output=True, text=True, env=_env(), check=False)
+    assert done.stderr == "", done.stderr
