@@ -4,7 +4,8 @@
     kvxferctl --addr host:7462 peers # a daemon's admin TCP port
     kvxferctl --json transfers --all # machine-readable
     kvxferctl transfers --watch      # live view, refreshed every second
-    kvxferctl health                 # exit 0 when serving, 1 when not (draining)
+    kvxferctl health                 # exit 0 when serving; else 1, naming what is not (draining,
+                                     # no data plane for remote handoffs)
 
 A remote daemon with mTLS needs --tls-cert, --tls-key and --tls-ca (or KVXFER_TLS_CERT,
 KVXFER_TLS_KEY, KVXFER_TLS_CA); cancel and drain are accepted over the Unix socket or mTLS only.
@@ -233,10 +234,29 @@ def run(args: argparse.Namespace, ctl: Ctl) -> int:
 
 
 def _health(args: argparse.Namespace, ctl: Ctl) -> int:
+    """The daemon's health, and each part that is not serving, named. Exit 0 only when every
+    part serves: the daemon (engines' calls; not while draining) and the data plane (remote
+    handoffs)."""
     resp = ctl.health.Check(health_pb2.HealthCheckRequest(service=args.service), timeout=ctl.timeout_s)
-    status = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
-    print(json.dumps({"status": status}) if args.json else status.lower())
-    return EXIT_OK if resp.status == health_pb2.HealthCheckResponse.SERVING else EXIT_ERROR
+    daemon = health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+    if args.service:
+        print(json.dumps({"status": daemon}) if args.json else daemon.lower())
+        return EXIT_OK if daemon == "SERVING" else EXIT_ERROR
+    s = ctl.call("Status", admin_pb2.StatusRequest())
+    parts = {"daemon": daemon, "data_plane": "SERVING" if s.data_plane_serving else "NOT_SERVING"}
+    problems = []
+    if s.draining:
+        problems.append("daemon: draining")
+    elif daemon != "SERVING":
+        problems.append(f"daemon: {daemon.lower()}")
+    if not s.data_plane_serving:
+        problems.append(f"data plane (remote handoffs): {s.data_plane_detail or 'not serving'}")
+    status = "SERVING" if not problems else ("NOT_SERVING" if daemon != "SERVING" else "DEGRADED")
+    if args.json:
+        print(json.dumps({"status": status, "parts": parts, "problems": problems}))
+    else:
+        print(status.lower() + "".join(f"\n  {p}" for p in problems))
+    return EXIT_OK if not problems else EXIT_ERROR
 
 
 def _watch(args: argparse.Namespace, ctl: Ctl) -> int:

@@ -159,7 +159,7 @@ async def serve(settings: Settings) -> int:
         with open(tmp, "w") as fh:
             json.dump(ready, fh)
         os.replace(tmp, settings.ready_file)
-    health_watch = asyncio.create_task(_watch_data_plane(node, peer_listener), name="data-plane-health")
+    health_watch = asyncio.create_task(_watch_data_plane(node, peer_listener, listeners), name="data-plane-health")
     systemd = Notifier()
     systemd.notify(f"READY=1\nSTATUS=serving as {node.daemon_id}\nMAINPID={os.getpid()}")
     systemd.start_watchdog()
@@ -223,15 +223,22 @@ def _dump_tasks() -> None:
         log_event("debug.task", name=task.get_name(), stack=" > ".join(frames))
 
 
-async def _watch_data_plane(node: Node, peer_listener: Listener, interval_s: float = 1.0) -> None:
-    """The peer port's health follows the data plane: NOT_SERVING without a working UCX."""
+async def _watch_data_plane(
+    node: Node, peer_listener: Listener, listeners: Sequence[Listener], interval_s: float = 1.0
+) -> None:
+    """Health follows the data plane: without a working UCX the peer port is NOT_SERVING, and
+    every listener says kvxfer.v1.PeerService is (so ``kvxferctl health`` over the Unix socket
+    tells the same story as the log)."""
     reported: bool | None = None
     while True:
         ok = node.data_plane_ok and not node.draining
         if ok != reported:
             await peer_listener.set_serving(ok)
+            for listener in listeners:
+                await listener.set_serving(ok, [PEER_SERVICE])
             if reported is not None or not ok:
-                log_event("health.data_plane", logging.INFO if ok else logging.ERROR, serving=ok)
+                detail = "draining" if node.draining else node.data_plane_detail
+                log_event("health.data_plane", logging.INFO if ok else logging.ERROR, serving=ok, detail=detail or "-")
             reported = ok
         await asyncio.sleep(interval_s)
 

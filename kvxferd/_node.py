@@ -111,6 +111,17 @@ class Node:
         """Whether remote transfers can run: UCX loaded and its worker progressing."""
         return self.ucx is not None and self.ucx.healthy
 
+    @property
+    def data_plane_detail(self) -> str:
+        """Why remote transfers cannot run ("" when they can)."""
+        if self.ucx is None:
+            if not self.settings.ucx_enabled:
+                return "ucx_enabled is off: local handoffs only"
+            return "UCX is not installed: install kvxfer[ucx] (or a cu12/cu13 extra) for remote handoffs"
+        if not self.ucx.healthy:
+            return "the UCX worker stopped progressing: restart the daemon"
+        return ""
+
     # -- identity and peers ------------------------------------------------------------------
 
     def identity(self) -> peer_pb2.PeerIdentity:
@@ -313,6 +324,7 @@ class Node:
             staging=self._staging(),
             ucx_endpoints=self.ucx.endpoint_count if self.ucx else 0,
             ucx_receives_unconfirmed=self._unconfirmed_receives(),
+            data_plane_detail=self.data_plane_detail,
         )
 
     def _staging(self) -> dict[str, StagingView]:

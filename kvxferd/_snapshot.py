@@ -134,6 +134,8 @@ class NodeSnapshot:
     staging: dict[str, StagingView] = field(default_factory=dict)
     ucx_endpoints: int = 0
     ucx_receives_unconfirmed: int = 0
+    #: Why remote handoffs cannot run ("" when they can).
+    data_plane_detail: str = ""
 
     @property
     def offer_count(self) -> int:

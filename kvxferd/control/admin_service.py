@@ -57,6 +57,8 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
             staging_receive_in_use=s.staging["receive"].in_use,
             ucx_endpoints=s.ucx_endpoints,
             ucx_receives_unconfirmed=s.ucx_receives_unconfirmed,
+            data_plane_serving=not s.data_plane_detail,
+            data_plane_detail=s.data_plane_detail,
         )
 
     @rpc_method

@@ -25,9 +25,10 @@ class Listener:
         self.services = services
         self.address = address
 
-    async def set_serving(self, serving: bool) -> None:
+    async def set_serving(self, serving: bool, services: Sequence[str] | None = None) -> None:
+        """Set the health of ``services`` (default: the listener and each service it serves)."""
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in ("", *self.services):
+        for name in ("", *self.services) if services is None else services:
             await self.health.set(name, status)
 
 

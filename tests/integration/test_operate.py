@@ -145,7 +145,11 @@ def test_kvxferctl_health_and_a_watched_transfer_list(cluster: Cluster) -> None:
         return subprocess.run(cmd, capture_output=True, text=True, env=_env(), check=False)
 
     assert (ctl("health").returncode, ctl("health").stdout.strip()) == (0, "serving")
-    assert json.loads(ctl("--json", "health").stdout) == {"status": "SERVING"}
+    assert json.loads(ctl("--json", "health").stdout) == {
+        "status": "SERVING",
+        "parts": {"daemon": "SERVING", "data_plane": "SERVING"},
+        "problems": [],
+    }
     watched = ctl("--json", "transfers", "--watch", "--interval", "0.05", "--count", "3")
     frames = [json.loads(line) for line in watched.stdout.splitlines()]
     assert watched.returncode == 0 and len(frames) == 3 and all(f["transfers"] == [] for f in frames)
@@ -194,6 +198,15 @@ def test_without_a_data_plane_the_peer_port_is_not_serving_but_local_handoffs_wo
     assert health(a.info["peer_address"]) == not_serving
     assert health("unix:" + a.socket) == serving
     assert health(b.info["peer_address"]) == serving
+    # Log, Status and kvxferctl tell one story, naming the part that does not serve.
+    assert "health.data_plane" in a.log() and "ucx_enabled is off" in a.log()
+    cmd = [sys.executable, "-m", "kvxfer_client._ctl", "--socket", a.socket, "health"]
+    told = subprocess.run(cmd, capture_output=True, text=True, env=_env(), check=False)
+    assert told.returncode == 1 and told.stdout.startswith("degraded"), told.stdout
+    assert "data plane (remote handoffs): ucx_enabled is off" in told.stdout
+    with grpc.insecure_channel("unix:" + a.socket) as channel:
+        check = health_pb2_grpc.HealthStub(channel).Check
+        assert check(health_pb2.HealthCheckRequest(service="kvxfer.v1.PeerService"), timeout=5).status == not_serving
 
     shape = {"layers": 1, "blocks": 8, "block_bytes": 4096}
     prefill, local, remote = cluster.engine(a, "p"), cluster.engine(a, "dl"), cluster.engine(b, "dr")

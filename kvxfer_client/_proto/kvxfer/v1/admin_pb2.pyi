@@ -65,6 +65,8 @@ class StatusResponse(_message.Message):
     STAGING_RECEIVE_IN_USE_FIELD_NUMBER: _builtins.int
     UCX_ENDPOINTS_FIELD_NUMBER: _builtins.int
     UCX_RECEIVES_UNCONFIRMED_FIELD_NUMBER: _builtins.int
+    DATA_PLANE_SERVING_FIELD_NUMBER: _builtins.int
+    DATA_PLANE_DETAIL_FIELD_NUMBER: _builtins.int
     daemon_id: _builtins.str
     version: _builtins.str
     hostname: _builtins.str
@@ -91,6 +93,11 @@ class StatusResponse(_message.Message):
     """UCX endpoints held towards peer daemons."""
     ucx_receives_unconfirmed: _builtins.int
     """Receives handed to UCX for a failed transfer that UCX has not confirmed cancelled yet."""
+    data_plane_serving: _builtins.bool
+    """Whether remote handoffs can run (UCX loaded and progressing), and why not when they
+    cannot. Health on every listener says the same for kvxfer.v1.PeerService.
+    """
+    data_plane_detail: _builtins.str
     @_builtins.property
     def ucx_transports(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
@@ -120,10 +127,12 @@ class StatusResponse(_message.Message):
         staging_receive_in_use: _builtins.int = ...,
         ucx_endpoints: _builtins.int = ...,
         ucx_receives_unconfirmed: _builtins.int = ...,
+        data_plane_serving: _builtins.bool = ...,
+        data_plane_detail: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_offers", b"active_offers", "active_transfers", b"active_transfers", "admin_address", b"admin_address", "bytes_moved", b"bytes_moved", "daemon_id", b"daemon_id", "draining", b"draining", "engine_socket", b"engine_socket", "hostname", b"hostname", "lease_expiries", b"lease_expiries", "peer_address", b"peer_address", "peers", b"peers", "pid", b"pid", "pools", b"pools", "registered_bytes", b"registered_bytes", "sessions", b"sessions", "staging_receive_in_use", b"staging_receive_in_use", "staging_send_in_use", b"staging_send_in_use", "transfers_failed", b"transfers_failed", "transfers_succeeded", b"transfers_succeeded", "ucx_endpoints", b"ucx_endpoints", "ucx_receives_unconfirmed", b"ucx_receives_unconfirmed", "ucx_transports", b"ucx_transports", "uptime_s", b"uptime_s", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_offers", b"active_offers", "active_transfers", b"active_transfers", "admin_address", b"admin_address", "bytes_moved", b"bytes_moved", "daemon_id", b"daemon_id", "data_plane_detail", b"data_plane_detail", "data_plane_serving", b"data_plane_serving", "draining", b"draining", "engine_socket", b"engine_socket", "hostname", b"hostname", "lease_expiries", b"lease_expiries", "peer_address", b"peer_address", "peers", b"peers", "pid", b"pid", "pools", b"pools", "registered_bytes", b"registered_bytes", "sessions", b"sessions", "staging_receive_in_use", b"staging_receive_in_use", "staging_send_in_use", b"staging_send_in_use", "transfers_failed", b"transfers_failed", "transfers_succeeded", b"transfers_succeeded", "ucx_endpoints", b"ucx_endpoints", "ucx_receives_unconfirmed", b"ucx_receives_unconfirmed", "ucx_transports", b"ucx_transports", "uptime_s", b"uptime_s", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
