@@ -7,8 +7,9 @@ at scrape time from a snapshot the event loop hands over, so it can never drift 
 kind, device, peer state): never a request, offer or transfer id.
 
 >>> m = Metrics()
->>> m.transfer_finished("local", "local-copy", "succeeded", 4096, 0.002)
->>> b"kvxfer_transfers_total{path=\\"local\\",result=\\"succeeded\\",transport=\\"local-copy\\"} 1.0" in m.render()
+>>> m.transfer_finished("decode", "local", "local-copy", "succeeded", "none", 4096, 0.002)
+>>> labels = 'path="local",reason="none",result="succeeded",role="decode",transport="local-copy"'
+>>> b"kvxfer_transfers_total{" + labels.encode() + b"} 1.0" in m.render()
 True
 """
 
@@ -21,7 +22,14 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -87,12 +95,22 @@ class _StateCollector(Collector):
         yield info
 
 
+#: Engine calls answer in microseconds (offer) to a minute (a long pull).
+RPC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5, 30, 60)
+#: Why a transfer failed: a bounded set (see ``failure_reason``).
+REASONS = ("none", "refused", "deadline", "unavailable", "cancelled", "resources", "internal")
+
+
 class Metrics:
-    """The daemon's metrics in their own registry (several daemons may share a process in tests)."""
+    """The daemon's metrics in their own registry (several daemons may share a process in tests).
+
+    A remote handoff is counted on both daemons, once with ``role="decode"`` (the puller) and
+    once with ``role="prefill"`` (the offerer): sum one role for fleet-wide totals.
+    """
 
     def __init__(self, snapshot: Callable[[], NodeSnapshot | None] = lambda: None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
-        labels = ["path", "transport", "result"]
+        labels = ["role", "path", "transport", "result"]
         self.transfer_seconds = Histogram(
             "kvxfer_transfer_duration_seconds",
             "Time from a transfer's start to its end on this daemon",
@@ -103,22 +121,39 @@ class Metrics:
         self.transfer_bytes = Counter(
             "kvxfer_transfer_bytes", "Payload bytes of ended transfers", labels, registry=self.registry
         )
-        self.transfers = Counter("kvxfer_transfers", "Ended transfers", labels, registry=self.registry)
+        why = [*labels, "reason"]
+        self.transfers = Counter(
+            "kvxfer_transfers", "Ended transfers, and why failed ones failed", why, registry=self.registry
+        )
+        self.rpc_seconds = Histogram(
+            "kvxfer_engine_rpc_duration_seconds",
+            "Time the daemon took to answer an engine's call, by method and status code",
+            ["method", "code"],
+            buckets=RPC_BUCKETS,
+            registry=self.registry,
+        )
         self.lease_expiries = Counter(
             "kvxfer_lease_expiries", "Offers released because nobody pulled them in time", registry=self.registry
         )
         self.offers_released = Counter(
             "kvxfer_offers_released", "Offers released, by reason", ["reason"], registry=self.registry
         )
+        ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, resident memory, fds
         self.registry.register(_StateCollector(snapshot))
 
-    def transfer_finished(self, path: str, transport: str, result: str, nbytes: int, seconds: float) -> None:
-        """Record one ended transfer (``result``: succeeded, failed or cancelled)."""
-        labels = (path, transport or "none", result)
+    def transfer_finished(
+        self, role: str, path: str, transport: str, result: str, reason: str, nbytes: int, seconds: float
+    ) -> None:
+        """Record one ended transfer (``result``: succeeded, failed, refused or cancelled;
+        ``reason``: one of :data:`REASONS`, "none" unless it failed)."""
+        labels = (role, path, transport or "none", result)
         self.transfer_seconds.labels(*labels).observe(seconds)
-        self.transfers.labels(*labels).inc()
+        self.transfers.labels(*labels, reason).inc()
         if result == "succeeded":
             self.transfer_bytes.labels(*labels).inc(nbytes)
+
+    def rpc_finished(self, method: str, code: str, seconds: float) -> None:
+        self.rpc_seconds.labels(method, code).observe(seconds)
 
     def offer_released(self, reason: str) -> None:
         self.offers_released.labels(reason).inc()

@@ -15,15 +15,49 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvxfer_client._errors import AlreadyExistsError
+from kvxfer_client._errors import (
+    AlreadyExistsError,
+    CancelledError,
+    DeadlineExceededError,
+    IncompatibleError,
+    InvalidRequestError,
+    NotFoundError,
+    PermissionDeniedError,
+    ResourceExhaustedError,
+    UnavailableError,
+)
 from kvxfer_client._proto import admin_pb2, common_pb2
 
 from ._log import log_event
 
 __all__ = ["TransferRecord", "TransferTable"]
 
-#: Told of each ended transfer: ``(path, transport, result, bytes, seconds)`` (the metrics).
-Observer = Callable[[str, str, str, int, float], None]
+#: Told of each ended transfer: ``(role, path, transport, result, reason, bytes, seconds)``
+#: (the metrics).
+Observer = Callable[[str, str, str, str, str, int, float], None]
+_REFUSALS = (PermissionDeniedError, NotFoundError, InvalidRequestError, IncompatibleError, AlreadyExistsError)
+
+
+def failure_reason(error: BaseException | None) -> str:
+    """Why a transfer failed, as a bounded label value ("refused": a check failed, nothing moved).
+
+    >>> failure_reason(PermissionDeniedError("wrong token")), failure_reason(TimeoutError())
+    ('refused', 'deadline')
+    """
+    if error is None:
+        return "none"
+    if isinstance(error, _REFUSALS):
+        return "refused"
+    if isinstance(error, DeadlineExceededError | TimeoutError):
+        return "deadline"
+    if isinstance(error, UnavailableError):
+        return "unavailable"
+    if isinstance(error, CancelledError | asyncio.CancelledError):
+        return "cancelled"
+    if isinstance(error, ResourceExhaustedError):
+        return "resources"
+    return "internal"
+
 
 _PATH_NAMES = {common_pb2.TRANSFER_PATH_LOCAL: "local", common_pb2.TRANSFER_PATH_REMOTE: "remote"}
 _RESULT_NAMES = {
@@ -108,14 +142,25 @@ class TransferTable:
         self._idle.clear()
         return record
 
-    def end(self, record: TransferRecord, state: common_pb2.TransferState.ValueType, detail: str = "") -> None:
-        """``record`` is over: into the history, the metrics and the log."""
+    def end(
+        self,
+        record: TransferRecord,
+        state: common_pb2.TransferState.ValueType,
+        detail: str = "",
+        error: BaseException | None = None,
+    ) -> None:
+        """``record`` is over: into the history, the metrics and the log. ``error``: what
+        failed it (its class gives the metrics' reason; a refusal moved nothing)."""
         self._finish(record, state, detail)
         if self._observe is not None:
+            reason = failure_reason(error) if state != common_pb2.TRANSFER_STATE_SUCCEEDED else "none"
+            result = _RESULT_NAMES.get(state, "refused" if reason == "refused" else "failed")
             self._observe(
+                record.role,
                 _PATH_NAMES.get(record.path, "unknown"),
-                record.transport,
-                _RESULT_NAMES.get(state, "failed"),
+                "none" if result == "refused" else record.transport,
+                result,
+                reason,
                 record.nbytes,
                 record.duration_s,
             )

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from typing import Any
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
 
+from kvxfer_client._errors import KvxferError
 from kvxfer_client._proto import engine_pb2, engine_pb2_grpc
 
 from .._node import Node
@@ -13,6 +16,7 @@ from ._rpc import rpc_method
 from .call_stream import serve_calls
 
 Ctx = Any  # grpc.aio.ServicerContext
+T = TypeVar("T")
 
 
 class EngineService(engine_pb2_grpc.EngineServiceServicer):
@@ -48,13 +52,36 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
         self.node.owned_pool(request.pool_id, request.session_id)
         return engine_pb2.DeregisterPoolResponse(released_offers=self.node.deregister_pool(request.pool_id))
 
+    async def _timed(self, method: str, call: Awaitable[T]) -> T:
+        """``await call``, observed in the engine-call latency histogram with its status code."""
+        started, code = time.perf_counter(), "OK"
+        try:
+            return await call
+        except KvxferError as exc:
+            code = exc.grpc_code.name
+            raise
+        except asyncio.CancelledError:
+            code = "CANCELLED"
+            raise
+        except Exception:
+            code = "INTERNAL"
+            raise
+        finally:
+            self.node.metrics.rpc_finished(method, code, time.perf_counter() - started)
+
     async def _offer(self, request: engine_pb2.OfferRequest) -> engine_pb2.OfferResponse:
+        return await self._timed("offer", self._offer_now(request))
+
+    async def _pull(self, request: engine_pb2.PullRequest) -> engine_pb2.PullResponse:
+        return await self._timed("pull", self._pull_now(request))
+
+    async def _offer_now(self, request: engine_pb2.OfferRequest) -> engine_pb2.OfferResponse:
         s = self.node.settings
         lease = wire.lease_s(request.lease_s, s.default_lease_s, s.max_lease_s)
         offer, ticket = self.node.offer(request.session_id, request.pool_id, request.block_ids, lease)
         return engine_pb2.OfferResponse(ticket=ticket.to_proto(), lease_deadline_unix=offer.deadline)
 
-    async def _pull(self, request: engine_pb2.PullRequest) -> engine_pb2.PullResponse:
+    async def _pull_now(self, request: engine_pb2.PullRequest) -> engine_pb2.PullResponse:
         ticket = wire.ticket(request.ticket)
         timeout = wire.pull_timeout_s(request.timeout_s, self.node.settings.pull_timeout_s)
         transfer_id = wire.transfer_id(request.transfer_id)

@@ -85,17 +85,19 @@ class Pulls:
                         assert self.remote is not None
                         await self.remote.pull(record, ticket, dst, dst_ids, timeout_s, deadline)
         except KvxferError as exc:  # before TimeoutError: DeadlineExceededError is one
-            self.transfers.end(record, common_pb2.TRANSFER_STATE_FAILED, str(exc))
+            self.transfers.end(record, common_pb2.TRANSFER_STATE_FAILED, str(exc), exc)
             raise _about(exc, record) from None
         except TimeoutError:
-            self.transfers.end(record, common_pb2.TRANSFER_STATE_FAILED, f"deadline of {timeout_s}s exceeded")
+            self.transfers.end(
+                record, common_pb2.TRANSFER_STATE_FAILED, f"deadline of {timeout_s}s exceeded", TimeoutError()
+            )
             late = DeadlineExceededError(f"pull {transfer_id} did not finish within {timeout_s}s")
             raise _about(late, record) from None
         except asyncio.CancelledError:
             self.transfers.end(record, common_pb2.TRANSFER_STATE_CANCELLED, "cancelled")
             raise _about(CancelledError(f"pull {transfer_id} was cancelled"), record) from None
         except Exception as exc:
-            self.transfers.end(record, common_pb2.TRANSFER_STATE_FAILED, repr(exc))
+            self.transfers.end(record, common_pb2.TRANSFER_STATE_FAILED, repr(exc), exc)
             raise
         self.transfers.end(record, common_pb2.TRANSFER_STATE_SUCCEEDED)
         return record

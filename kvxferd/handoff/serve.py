@@ -157,7 +157,7 @@ class TransferServer:
             else:
                 detail = "deadline exceeded" if own_deadline else str(exc) or repr(exc)
                 self.offers.release(offer, common_pb2.RELEASE_REASON_FAILED, detail, record.transfer_id)
-                self.transfers.end(record, common_pb2.TRANSFER_STATE_FAILED, detail)
+                self.transfers.end(record, common_pb2.TRANSFER_STATE_FAILED, detail, exc)
             if own_deadline:
                 raise DeadlineExceededError(f"transfer {record.transfer_id} exceeded its deadline") from None
             if isinstance(exc, asyncio.CancelledError) and record.abort_detail:

@@ -54,8 +54,8 @@ def test_metrics_count_transfers_bytes_offers_pools_and_expiries(cluster: Cluste
     time.sleep(1.5)  # the second offer's 0.5 s lease ends
 
     text = scrape(a.info["metrics_address"])
-    ok = {"path": "local", "transport": "local-copy", "result": "succeeded"}
-    assert sample(text, "kvxfer_transfers_total", **ok) == 1
+    ok = {"role": "decode", "path": "local", "transport": "local-copy", "result": "succeeded"}
+    assert sample(text, "kvxfer_transfers_total", **ok, reason="none") == 1
     assert sample(text, "kvxfer_transfer_bytes_total", **ok) == 3 * 2 * 2 * 4096
     assert sample(text, "kvxfer_transfer_duration_seconds_count", **ok) == 1
     assert sample(text, "kvxfer_lease_expiries_total") == 1
@@ -64,6 +64,9 @@ def test_metrics_count_transfers_bytes_offers_pools_and_expiries(cluster: Cluste
     assert sample(text, "kvxfer_offers_active") == 0
     assert sample(text, "kvxfer_transfers_active", role="decode") == 0
     assert sample(text, "kvxfer_serving") == 1
+    assert sample(text, "kvxfer_engine_rpc_duration_seconds_count", method="pull", code="OK") == 1
+    assert sample(text, "kvxfer_engine_rpc_duration_seconds_count", method="offer", code="OK") == 2
+    assert sample(text, "process_resident_memory_bytes") > 0
     # No request-scoped label values: no offer, transfer or session id appears anywhere.
     for ticket in tickets:
         assert ticket["offer_id"] not in text
@@ -79,8 +82,16 @@ def test_remote_transfers_are_labelled_with_their_ucx_transport(two_daemons: Clu
     ticket = prefill("offer", requests=[[0, 1]])["tickets"][0]
     assert decode("pull", pulls=[[ticket, [3, 4]]])["results"][0]["ok"]
     labels = {"path": "remote", "transport": "ucx:shm+cma", "result": "succeeded"}
-    assert sample(scrape(b.info["metrics_address"]), "kvxfer_transfer_bytes_total", **labels) == 2 * 2 * 65536
+    moved = 2 * 2 * 65536
+    # Counted once per side, each under its role: a fleet sums one role.
+    assert sample(scrape(b.info["metrics_address"]), "kvxfer_transfer_bytes_total", role="decode", **labels) == moved
+    assert sample(scrape(a.info["metrics_address"]), "kvxfer_transfer_bytes_total", role="prefill", **labels) == moved
     assert sample(scrape(b.info["metrics_address"]), "kvxfer_peers", state="connected") == 1
+    # A pull refused by the offerer (wrong token) moved nothing: refused, on no transport.
+    forged = dict(ticket, token="00" * 16, offer_id=prefill("offer", requests=[[6, 7]])["tickets"][0]["offer_id"])
+    assert decode("pull", pulls=[[forged, [6, 7]]])["results"][0]["type"] == "PermissionDeniedError"
+    refused = {"path": "remote", "transport": "none", "result": "refused", "reason": "refused"}
+    assert sample(scrape(b.info["metrics_address"]), "kvxfer_transfers_total", role="decode", **refused) == 1
 
 
 def test_fragmented_host_transfers_move_without_staging_and_staged_ones_show_it(cluster: Cluster) -> None:

@@ -53,7 +53,7 @@ class Daemonless:
         self.pools = PoolRegistry()
         self.offers = OfferTable(100, self._released)
         self.transfers = TransferTable(
-            16, lambda path, transport, result, n, s: self.observed.append((path, transport, result, n))
+            16, lambda role, path, transport, result, reason, n, s: self.observed.append((path, transport, result, n))
         )
         self.executor = ThreadPoolExecutor(2)
         local = LocalHandoff(self.offers, 64 << 10, 2, self.executor, single_pass=True, gpu=self._no_gpu)
