@@ -30,6 +30,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ._config import channel_options, default_socket_path
 from ._proto import admin_pb2, admin_pb2_grpc, common_pb2
 from ._tls import TlsFiles
+from ._version import PROTOCOL_VERSION, __version__
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
 
@@ -301,6 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvxferctl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--version", action="version", version=f"kvxferctl {__version__} (protocol {PROTOCOL_VERSION})")
     parser.add_argument("--socket", help=f"daemon Unix socket (default {default_socket_path()})")
     parser.add_argument("--addr", help="daemon admin address host:port (instead of the socket)")
     parser.add_argument("--json", action="store_true", help="machine-readable output")

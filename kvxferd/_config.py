@@ -164,6 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--config", help="YAML settings file (or KVXFERD_CONFIG)")
     parser.add_argument("--print-config", action="store_true", help="print the effective settings and exit")
+    parser.add_argument("--version", action="store_true", help="print the version and exit")
     defaults = Settings()
     for f in dataclasses.fields(Settings):
         name, kind = f.name, _fields()[f.name]

@@ -18,6 +18,7 @@ import uvloop
 
 from kvxfer_client._proto import admin_pb2, admin_pb2_grpc, engine_pb2, engine_pb2_grpc, peer_pb2_grpc
 from kvxfer_client._tls import TlsFiles
+from kvxfer_client._version import PROTOCOL_VERSION, __version__
 
 from ._config import Settings, load_settings
 from ._log import configure, log_event
@@ -250,6 +251,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     # SIGUSR2: every thread's Python stack, written at once even when the event loop is stuck
     # (SIGUSR1's task dump needs a running loop).
     faulthandler.register(signal.SIGUSR2, all_threads=True)
+    if "--version" in (sys.argv[1:] if argv is None else argv):
+        print(f"kvxferd {__version__} (protocol {PROTOCOL_VERSION})")
+        return
     try:
         settings = load_settings(sys.argv[1:] if argv is None else argv)
     except (ValueError, OSError) as exc:

@@ -11,6 +11,7 @@ import asyncio
 import hmac
 import secrets
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,6 +29,16 @@ __all__ = ["Offer", "OfferTable", "ReleaseSink"]
 
 OFFERED = "offered"
 PULLING = "pulling"
+#: Ended offers remembered with their reason (about 100 bytes each).
+ENDED_MEMORY = 100_000
+_ENDED = {
+    "expired": "expired: its lease ended before anyone pulled it (extend_lease keeps a waiting offer alive)",
+    "pulled": "was pulled already (an offer is pulled once)",
+    "cancelled": "was released or cancelled before anyone pulled it",
+    "failed": "ended with a failed pull (the prefill engine may offer the blocks again)",
+    "pool_gone": "ended with its pool (deregistered, or its engine went away)",
+    "shutdown": "ended when its daemon shut down",
+}
 _REASON_NAMES: dict[int, str] = {
     v: k.removeprefix("RELEASE_REASON_").lower() for k, v in common_pb2.ReleaseReason.items()
 }
@@ -59,6 +70,9 @@ class OfferTable:
         self.offers: dict[str, Offer] = {}
         self._on_release = on_release
         self._count = count  # by reason name (the metrics)
+        #: Recently ended offers, why, and their token: a late pull with the right token hears
+        #: "expired" rather than "no offer" (without it, nothing about the offer is told).
+        self._ended: OrderedDict[str, tuple[str, bytes]] = OrderedDict()
         #: Offers whose lease ended before any pull.
         self.expiries = 0
 
@@ -94,6 +108,9 @@ class OfferTable:
     def _checked(self, offer_id: str, token: bytes) -> Offer:
         offer = self.offers.get(offer_id)
         if offer is None:
+            reason, ended_token = self._ended.get(offer_id, ("", b""))
+            if reason and hmac.compare_digest(ended_token, token):
+                raise NotFoundError(f"offer {offer_id!r} {_ENDED.get(reason, 'ended: ' + reason)}")
             raise NotFoundError(
                 f"no offer {offer_id!r} (never made, already pulled, released, expired, or its daemon restarted)"
             )
@@ -132,6 +149,9 @@ class OfferTable:
             offer.timer.cancel()
         offer.pool.offers.discard(offer.offer_id)
         name = _REASON_NAMES.get(reason, "unknown")
+        self._ended[offer.offer_id] = (name, offer.token)
+        if len(self._ended) > ENDED_MEMORY:
+            self._ended.popitem(last=False)
         self._count(name)
         log_event(
             "offer.release", offer_id=offer.offer_id, reason=name, transfer_id=transfer_id or "-", detail=detail or "-"

@@ -66,10 +66,13 @@ async def test_a_heartbeat_keeps_a_short_lease_alive_across_daemons(pair: Pair) 
 async def test_without_the_heartbeat_the_lease_expires_and_the_pull_finds_nothing(pair: Pair) -> None:
     ticket = await pair.prefill.offer(pair.src, [4], lease_s=0.3)
     assert (await pair.prefill.wait_released(ticket.offer_id, 5)).reason is ReleaseReason.EXPIRED
-    with pytest.raises(NotFoundError):
+    with pytest.raises(NotFoundError, match="expired: its lease ended"):
         await pair.decode.extend_lease(ticket, 1.0)
-    with pytest.raises(NotFoundError):
+    with pytest.raises(NotFoundError, match="expired: its lease ended"):
         await pair.decode.pull(ticket, pair.dst, [4])
+    forged = Ticket(**{**ticket.__dict__, "token": b"\1" * 16})
+    with pytest.raises(NotFoundError, match="no offer"):  # without its token, nothing is told
+        await pair.decode.pull(forged, pair.dst, [4])
 
 
 async def test_a_heartbeat_with_a_wrong_token_is_refused_and_changes_nothing(pair: Pair) -> None:
