@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: all demo test lint typecheck unit pytest proto bench faults clean
+.PHONY: all demo test lint typecheck unit pytest proto bench faults clean promtool
 
 all: test
 
@@ -21,11 +21,19 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m bench.demo
 
-lint: $(STAMP)
+# promtool checks the alert rules and the metrics exposition (Debian's prometheus package).
+promtool:
+	@command -v promtool >/dev/null || { apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
+
+lint: $(STAMP) promtool
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
 	$(BIN)/hadolint Dockerfile
 	$(BIN)/kubernetes-validate --strict --quiet deploy/kubernetes/*.yaml
+	promtool check rules deploy/prometheus/kvxfer-alerts.yaml
+	$(BIN)/python tools/metrics_sample.py | promtool check metrics
+	$(BIN)/python -m json.tool deploy/grafana/kvxfer-dashboard.json > /dev/null
 
 typecheck: $(STAMP)
 	$(BIN)/mypy

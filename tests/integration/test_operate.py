@@ -289,3 +289,10 @@ def test_kvxferctl_into_a_closed_pipe_prints_no_traceback(cluster: Cluster) -> N
     cmd = f"{shlex.quote(sys.executable)} -m kvxfer_client._ctl --socket {shlex.quote(a.socket)} status | true"
     done = subprocess.run(["sh", "-c", cmd], capture_output=True, text=True, env=_env(), check=False)
     assert done.stderr == "", done.stderr
+
+
+def test_a_live_daemons_metrics_pass_promtool(two_daemons: Cluster) -> None:
+    # make test installs promtool (Debian's prometheus package): this check must not skip.
+    text = scrape(two_daemons.daemons[1].info["metrics_address"])
+    checked = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True, check=False)
+    assert checked.returncode == 0 and not checked.stdout.strip(), checked.stdout + checked.stderr

@@ -74,3 +74,48 @@ def test_the_daemonset_hands_the_socket_directory_to_the_daemons_user_before_it_
     command = " ".join(init["command"])
     assert f"chown {daemon['runAsUser']}:{daemon['runAsGroup']} /run/kvxfer" in command
     assert init["volumeMounts"][0]["mountPath"] == "/run/kvxfer"
+
+
+def _exported_names() -> set[str]:
+    """Every sample name the daemon's metrics can carry (from the HELP lines of each family)."""
+    import re
+
+    from kvxferd._metrics import Metrics
+
+    names = set(re.findall(r"^# HELP (\w+)", Metrics().render().decode(), re.MULTILINE))
+    return names | {n + suffix for n in names for suffix in ("_bucket", "_count", "_sum", "_total", "_created")}
+
+
+def _queries() -> list[str]:
+    import json
+
+    with open(os.path.join(ROOT, "deploy/prometheus/kvxfer-alerts.yaml")) as fh:
+        rules = yaml.safe_load(fh)
+    exprs = [r["expr"] for g in rules["groups"] for r in g["rules"]]
+    with open(os.path.join(ROOT, "deploy/grafana/kvxfer-dashboard.json")) as fh:
+        board = json.load(fh)
+    exprs += [t["expr"] for p in board["panels"] for t in p["targets"]]
+    exprs += [v["query"] for v in board["templating"]["list"] if v["type"] == "query"]
+    return exprs
+
+
+def test_the_dashboard_and_alerts_read_only_metrics_the_daemon_exports() -> None:
+    import re
+
+    exported = _exported_names()
+    used = {m for expr in _queries() for m in re.findall(r"\b((?:kvxfer|process)_\w+)", expr)}
+    assert used, "no metric found in the dashboard or the rules"
+    assert used <= exported, f"not exported by kvxferd: {sorted(used - exported)}"
+    # What an SRE expects on the board: throughput, latency, failures, leases, staging, peers.
+    assert {"kvxfer_transfer_bytes_total", "kvxfer_transfer_duration_seconds_bucket", "kvxfer_transfers_total"} <= used
+    assert {"kvxfer_lease_expiries_total", "kvxfer_staging_bytes_in_use", "kvxfer_peers"} <= used
+
+
+def test_the_committed_dashboard_is_what_its_generator_writes(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    out = tmp_path / "board.json"
+    subprocess.run([sys.executable, os.path.join(ROOT, "tools/make_dashboard.py"), str(out)], check=True)
+    with open(os.path.join(ROOT, "deploy/grafana/kvxfer-dashboard.json")) as fh:
+        assert fh.read() == out.read_text(), "run: python tools/make_dashboard.py"
