@@ -14,6 +14,8 @@ ARG UBUNTU=ubuntu24.04
 
 FROM nvidia/cuda:${CUDA_VERSION}-devel-${UBUNTU} AS ucx
 ARG UCX_VERSION=1.21.0
+# SHA-256 of ucx-1.21.0.tar.gz as published with the release; change both together.
+ARG UCX_SHA256=2374d2fcf3186fbfd5e27633ab153aabaeb6b4f503a88563d2aca67cf51ed2c1
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 RUN apt-get update \
  && apt-get install -y --no-install-recommends \
@@ -21,8 +23,10 @@ RUN apt-get update \
       librdmacm-dev pkg-config \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
-RUN curl -fsSL "https://github.com/openucx/ucx/releases/download/v${UCX_VERSION}/ucx-${UCX_VERSION}.tar.gz" \
-      | tar -xz --strip-components=1 \
+RUN curl -fsSLo /tmp/ucx.tar.gz "https://github.com/openucx/ucx/releases/download/v${UCX_VERSION}/ucx-${UCX_VERSION}.tar.gz" \
+ && echo "${UCX_SHA256}  /tmp/ucx.tar.gz" | sha256sum --check --strict \
+ && tar -xzf /tmp/ucx.tar.gz --strip-components=1 \
+ && rm /tmp/ucx.tar.gz \
  && ./contrib/configure-release --prefix=/opt/ucx --enable-mt --with-verbs --with-rdmacm \
       --with-cuda=/usr/local/cuda --without-java --without-go \
  && make -j"$(nproc)" install \
@@ -46,11 +50,12 @@ ENV PATH=/opt/kvxfer/bin:/opt/ucx/bin:$PATH \
     PYTHONUNBUFFERED=1
 
 WORKDIR /opt/src/kvxfer
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md LICENSE constraints.txt ./
 COPY kvxferd ./kvxferd
 COPY kvxfer_client ./kvxfer_client
+COPY examples ./examples
 RUN python3 -m venv /opt/kvxfer \
- && /opt/kvxfer/bin/pip install --no-cache-dir ".[cu12]" \
+ && /opt/kvxfer/bin/pip install --no-cache-dir -c constraints.txt ".[cu12]" \
  && useradd --system --uid 10001 --user-group --home-dir /nonexistent --shell /usr/sbin/nologin kvxfer \
  && install -d -o kvxfer -g kvxfer -m 0750 /run/kvxfer
 

@@ -10,10 +10,10 @@ STAMP  := $(VENV)/.installed
 
 all: test
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[ucx,test,e2e]'
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[ucx,test,e2e]'
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -119,3 +119,25 @@ def test_the_committed_dashboard_is_what_its_generator_writes(tmp_path: Path) ->
     subprocess.run([sys.executable, os.path.join(ROOT, "tools/make_dashboard.py"), str(out)], check=True)
     with open(os.path.join(ROOT, "deploy/grafana/kvxfer-dashboard.json")) as fh:
         assert fh.read() == out.read_text(), "run: python tools/make_dashboard.py"
+
+
+def test_constraints_pin_every_dependency_make_test_and_the_image_install() -> None:
+    import re
+    import tomllib
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as fh:
+        project = tomllib.load(fh)["project"]
+    wanted = list(project["dependencies"])
+    for extra in ("ucx", "test", "e2e", "cu12"):
+        wanted += project["optional-dependencies"][extra]
+    names = {re.split(r"[<>=!~\[ ]", req, maxsplit=1)[0].lower().replace("_", "-") for req in wanted}
+    with open(os.path.join(ROOT, "constraints.txt")) as fh:
+        pinned = {
+            line.split("==")[0].lower().replace("_", "-") for line in fh if "==" in line and not line.startswith("#")
+        }
+    assert names <= pinned, f"not pinned in constraints.txt: {sorted(names - pinned)}"
+    with open(os.path.join(ROOT, "Makefile")) as fh:
+        assert "-c constraints.txt" in fh.read()
+    with open(os.path.join(ROOT, "Dockerfile")) as fh:
+        dockerfile = fh.read()
+    assert "-c constraints.txt" in dockerfile and "sha256sum --check" in dockerfile
