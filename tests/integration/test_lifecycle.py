@@ -69,7 +69,7 @@ async def test_an_unpulled_offer_expires_with_its_lease(prefill: Engine) -> None
 async def test_a_pull_after_expiry_is_not_found(prefill: Engine, decode: Engine) -> None:
     ticket = await prefill.client.offer(prefill.pool, [4], lease_s=0.2)
     await prefill.client.wait_released(ticket.offer_id, timeout_s=5)
-    with pytest.raises(NotFoundError, match="no offer"):
+    with pytest.raises(NotFoundError, match="expired: its lease ended"):
         await decode.client.pull(ticket, decode.pool, [4])
 
 

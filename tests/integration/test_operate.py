@@ -12,6 +12,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -36,6 +37,18 @@ def sample(text: str, name: str, **labels: str) -> float:
         if got == labels:
             return float(m.group(3))
     return 0.0
+
+
+SMALL = {"layers": 1, "blocks": 8, "block_bytes": 65536}
+
+
+def _handoff(prefill: Any, decode: Any) -> dict[str, Any]:
+    """Pools of SMALL on both engines, blocks 0-1 offered and pulled into 3-4; the ticket."""
+    prefill("pool", shape=SMALL, seed=2)
+    decode("pool", shape=SMALL)
+    ticket: dict[str, Any] = prefill("offer", requests=[[0, 1]])["tickets"][0]
+    assert decode("pull", pulls=[[ticket, [3, 4]]])["results"][0]["ok"]
+    return ticket
 
 
 def test_metrics_count_transfers_bytes_offers_pools_and_expiries(cluster: Cluster) -> None:
@@ -76,11 +89,7 @@ def test_metrics_count_transfers_bytes_offers_pools_and_expiries(cluster: Cluste
 def test_remote_transfers_are_labelled_with_their_ucx_transport(two_daemons: Cluster) -> None:
     a, b = two_daemons.daemons
     prefill, decode = two_daemons.engine(a, "p-metrics"), two_daemons.engine(b, "d-metrics")
-    shape = {"layers": 1, "blocks": 8, "block_bytes": 65536}
-    prefill("pool", shape=shape, seed=2)
-    decode("pool", shape=shape)
-    ticket = prefill("offer", requests=[[0, 1]])["tickets"][0]
-    assert decode("pull", pulls=[[ticket, [3, 4]]])["results"][0]["ok"]
+    ticket = _handoff(prefill, decode)
     labels = {"path": "remote", "transport": "ucx:shm+cma", "result": "succeeded"}
     moved = 2 * 2 * 65536
     # Counted once per side, each under its role: a fleet sums one role.
@@ -239,11 +248,7 @@ def test_the_daemon_logs_the_ucx_settings_it_chose_and_each_endpoints_transport(
     assert "environment_overrode=UCX_RNDV_THRESH=131072" in settings
     assert "UCX_TLS=self,sm,tcp" in settings
     prefill, decode = cluster.engine(a, "p"), cluster.engine(b, "d")
-    shape = {"layers": 1, "blocks": 8, "block_bytes": 65536}
-    prefill("pool", shape=shape, seed=2)
-    decode("pool", shape=shape)
-    ticket = prefill("offer", requests=[[0, 1]])["tickets"][0]
-    assert decode("pull", pulls=[[ticket, [3, 4]]])["results"][0]["ok"]
+    _handoff(prefill, decode)
     for daemon, peer in ((a, "b"), (b, "a")):
         endpoint = [line for line in daemon.log().splitlines() if "ucx.endpoint " in line]
         assert len(endpoint) == 1 and f"peer={peer}" in endpoint[0] and "transport=ucx:" in endpoint[0], endpoint
@@ -252,11 +257,7 @@ def test_the_daemon_logs_the_ucx_settings_it_chose_and_each_endpoints_transport(
 def test_kvxferctl_json_carries_raw_numbers_and_everything_the_table_shows(two_daemons: Cluster) -> None:
     a, b = two_daemons.daemons
     prefill, decode = two_daemons.engine(a, "p-json"), two_daemons.engine(b, "d-json")
-    shape = {"layers": 1, "blocks": 8, "block_bytes": 65536}
-    prefill("pool", shape=shape, seed=2)
-    decode("pool", shape=shape)
-    ticket = prefill("offer", requests=[[0, 1]])["tickets"][0]
-    assert decode("pull", pulls=[[ticket, [3, 4]]])["results"][0]["ok"]
+    ticket = _handoff(prefill, decode)
     prefill("offer", requests=[[5]], lease_s=600)
 
     def ctl(daemon: Daemon, *args: str) -> subprocess.CompletedProcess[str]:
