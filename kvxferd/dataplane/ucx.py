@@ -32,6 +32,7 @@ from .gpucopy import GpuCopier, UploadedSide, settle
 from .hostcopy import chunk_view, gather_chunk, scatter_chunk
 from .pipeline import run_pipeline
 from .plan import ChunkPlan, SidePlan
+from .sends import TrackedSends
 from .staging import StagingLease
 from .ucp_iov import UcpTagIov, chunk_iov, contiguous_iov, iov_supported
 from .ucx_address import AddressProbe
@@ -40,9 +41,6 @@ from .ucx_setup import ProgressDriver, apply_ucx_defaults, take_over_progress
 __all__ = ["UcxTransport"]
 
 U8 = npt.NDArray[np.uint8]
-
-#: Seconds a send keeps the worker progressed tightly on its own (see ``_send_tracked``).
-SEND_LINGER_S = 5.0
 
 
 class UcxTransport:
@@ -78,8 +76,8 @@ class UcxTransport:
         self.address_probe = AddressProbe()
         self.address_probe.start()
         self._drains: set[asyncio.Task[None]] = set()
-        #: Sends UCX has not finished, including those of cancelled transfers (see send()).
-        self._sends: set[asyncio.Future[Any]] = set()
+        #: Sends UCX has not finished, including those of cancelled transfers.
+        self.sends = TrackedSends(self._busy)
 
     async def endpoint(self, peer_id: str, address: bytes, error_handling: bool) -> Any:
         """The endpoint to ``peer_id`` (created from its worker address once, then cached).
@@ -119,7 +117,7 @@ class UcxTransport:
 
     @property
     def sends_pending(self) -> int:
-        return len(self._sends)
+        return len(self.sends)
 
     @property
     def receives_unconfirmed(self) -> int:
@@ -173,28 +171,6 @@ class UcxTransport:
                     self.retire(peer_id, "a send failed on it")
             raise
 
-    async def _send_tracked(self, send: Awaitable[None]) -> None:
-        """Run a send in its own task, shielded: when the transfer is cancelled, UCX may still
-        read the send's memory (a view of the pool or of staging), so the task keeps it
-        referenced (and the pool mapped) until UCX completes or cancels the request.
-
-        The worker is progressed tightly for up to :data:`SEND_LINGER_S` of the send, even
-        after the transfer gave up: a send of a fragmented chunk pushes its data itself (UCX's
-        copy-in copy-out rendezvous on one host), and the receiver's cancelled receives wait
-        for it. A send to a peer that died never completes; past the linger it is progressed
-        at the idle pace, so it cannot keep a core busy."""
-        inner = asyncio.ensure_future(send)
-
-        async def progressed() -> None:
-            with self._busy():
-                await asyncio.wait({inner}, timeout=SEND_LINGER_S)
-            await inner
-
-        sending = asyncio.ensure_future(progressed())
-        self._sends.add(sending)
-        sending.add_done_callback(_retire_send(self._sends))
-        await asyncio.shield(sending)
-
     async def send(
         self,
         ep: Any,
@@ -224,10 +200,10 @@ class UcxTransport:
                 assert iov is not None
                 if ep.closed:
                     raise UnavailableError("the UCX endpoint to the receiver is closed")
-                await self._send_tracked(iov.send(ep.ucp_endpoint, chunk_iov(arrays, chunk), tag, keep))
+                await self.sends.run(iov.send(ep.ucp_endpoint, chunk_iov(arrays, chunk), tag, keep))
             else:
                 data = chunk_view(arrays, chunk) if staged is None else staged[: chunk.nbytes]
-                await self._send_tracked(ep.send(data, tag=tag, force_tag=True))
+                await self.sends.run(ep.send(data, tag=tag, force_tag=True))
             if after_chunk is not None:
                 await after_chunk(chunk.index)
 
@@ -305,7 +281,7 @@ class UcxTransport:
                 mark("packed0")
 
         async def move(chunk: ChunkPlan, staged: Any) -> None:
-            await self._send_tracked(ep.send(staged[: chunk.nbytes], tag=tag_base | chunk.index, force_tag=True))
+            await self.sends.run(ep.send(staged[: chunk.nbytes], tag=tag_base | chunk.index, force_tag=True))
             if mark is not None and chunk.index == 0:
                 mark("sent0")
 
@@ -362,12 +338,3 @@ class UcxTransport:
 
     def _busy(self) -> AbstractContextManager[None]:
         return self.progress.busy() if self.progress is not None else nullcontext()
-
-
-def _retire_send(pending: set[asyncio.Future[Any]]) -> Callable[[asyncio.Future[Any]], None]:
-    def retire(fut: asyncio.Future[Any]) -> None:
-        pending.discard(fut)
-        if not fut.cancelled():
-            fut.exception()  # retrieved: a send of an abandoned transfer may fail, that is expected
-
-    return retire

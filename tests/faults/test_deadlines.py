@@ -15,8 +15,8 @@ from bench.cluster import Cluster, Daemon
 from kvxfer_client import AsyncKvxferClient, DeadlineExceededError, HostBuffer, KvxferError, Layout, ReleaseReason
 from kvxfer_client._client import PULL_ANSWER_MARGIN_S
 from kvxfer_client._proto import admin_pb2, admin_pb2_grpc
+from kvxferd.dataplane.sends import SEND_LINGER_S
 from kvxferd.dataplane.ucp_iov import CANCEL_CONFIRM_S
-from kvxferd.dataplane.ucx import SEND_LINGER_S
 
 LAYOUT = Layout.paged_kv(num_layers=8, num_blocks=1024, block_bytes=16 << 10)  # 256 MiB per pool
 
