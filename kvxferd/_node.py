@@ -299,8 +299,9 @@ class Node:
 
     # -- what readers outside the core see ---------------------------------------------------
 
-    def snapshot(self) -> NodeSnapshot:
-        """The node's state as one immutable picture (call on the event loop)."""
+    def snapshot(self, history: bool = False) -> NodeSnapshot:
+        """The node's state as one immutable picture (call on the event loop); ``history``
+        adds copies of the recently finished transfers (up to ``settings.history``)."""
         now, t = time.time(), self.transfers
         return NodeSnapshot(
             daemon_id=self.daemon_id,
@@ -315,7 +316,7 @@ class Node:
             pools=tuple(PoolView.of(p, self.sessions.find(p.session_id)) for p in self.pools.pools.values()),
             offers=tuple(OfferView.of(o, now) for o in self.offers.offers.values()),
             transfers=tuple(copy.copy(r) for r in t.active.values()),
-            finished=tuple(copy.copy(r) for r in t.finished),
+            finished=tuple(copy.copy(r) for r in t.finished) if history else (),
             peers=tuple(PeerView.of(p) for p in (self.peers.by_id.values() if self.peers else ())),
             transfers_succeeded=t.succeeded,
             transfers_failed=t.failed,

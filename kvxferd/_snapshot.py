@@ -122,7 +122,8 @@ class NodeSnapshot:
     sessions: int = 0
     pools: tuple[PoolView, ...] = ()
     offers: tuple[OfferView, ...] = ()
-    #: Copies of the running transfers' records, then of the recently finished ones.
+    #: Copies of the running transfers' records, then of the recently finished ones (only
+    #: in a snapshot taken with ``history``).
     transfers: tuple[TransferRecord, ...] = ()
     finished: tuple[TransferRecord, ...] = ()
     peers: tuple[PeerView, ...] = ()

@@ -103,8 +103,8 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
     async def ListTransfers(  # noqa: N802
         self, request: admin_pb2.ListTransfersRequest, context: Ctx
     ) -> admin_pb2.ListTransfersResponse:
-        s = self.node.snapshot()
-        records = s.transfers + (s.finished if request.include_finished else ())
+        s = self.node.snapshot(history=request.include_finished)
+        records = s.transfers + s.finished
         return admin_pb2.ListTransfersResponse(transfers=[r.to_proto() for r in records])
 
     @rpc_method

@@ -32,6 +32,7 @@ from .._transfers import TransferRecord, TransferTable
 from ..dataplane.gpu_kernel import BlockSide
 from ..dataplane.gpucopy import GpuDevices
 from ..dataplane.plan import SidePlan, build_plan, num_chunks, stream_plan
+from .peers import Peer
 from .remote import RemotePlane
 from .steps import COMMIT_MARGIN_S
 
@@ -146,7 +147,7 @@ class TransferServer:
         try:
             with offer.pool.in_use():
                 async with asyncio.timeout(start.timeout_s + self.settings.peer_timeout_s):
-                    await self._send_and_commit(start, offer, record, stream)
+                    await self._send_and_commit(start, peer, offer, record, stream)
         except BaseException as exc:
             # This handler's own deadline (a step's deadline is a DeadlineExceededError already).
             own_deadline = isinstance(exc, TimeoutError) and not isinstance(exc, KvxferError)
@@ -170,11 +171,10 @@ class TransferServer:
         self.transfers.end(record, common_pb2.TRANSFER_STATE_SUCCEEDED)
 
     async def _send_and_commit(
-        self, start: ServeRequest, offer: Offer, record: TransferRecord, stream: OffererStream
+        self, start: ServeRequest, peer: Peer, offer: Offer, record: TransferRecord, stream: OffererStream
     ) -> None:
         """accepted → every chunk → sent → (done) → commit: release as pulled → closed."""
         pool = offer.pool
-        peer = self.plane.peers.known(start.receiver_daemon_id)
         # The receiver's maximum, capped by what this side stages per chunk.
         own = self.settings.gpu_chunk_bytes if pool.on_gpu else self.settings.chunk_bytes
         chunk = min(start.chunk_bytes, own)
