@@ -6,9 +6,11 @@ command line gets one JSON reply line on stdout (``{"ok": true, ...}`` or ``{"ok
 
 * ``pool``: register a pool: ``{"op": "pool", "shape": {...}, "seed": 7}``; ``shape`` is
   ``{"layers": L, "blocks": N, "block_bytes": B}`` (vLLM-style per-layer K/V tensors) and a
-  seed fills the pool with reproducible random bytes; ``"memory": "gpu"`` makes each layer a
-  CuPy tensor on GPU 0 instead of shared memory, ``"gpu_offset": 4096`` places each tensor that
-  many bytes into its allocation (as torch's caching allocator does);
+  seed fills the pool with reproducible random bytes; ``"memory"`` is ``"host"`` (shared
+  memory, the default), ``"numpy"`` (plain numpy arrays on this process's heap), ``"torch"``
+  (torch CPU bfloat16 tensors, as vLLM on CPU allocates its KV caches) or ``"gpu"`` (a CuPy
+  tensor per layer on GPU 0; ``"gpu_offset": 4096`` places each tensor that many bytes into
+  its allocation, as torch's caching allocator does);
 * ``offer``: ``{"op": "offer", "requests": [[ids...], ...], "lease_s": 30}`` → tickets;
 * ``pull``: ``{"op": "pull", "pulls": [[ticket, [ids...]], ...]}`` runs all pulls at once;
 * ``verify``: ``{"op": "verify", "seed": 7, "pairs": [[[src ids], [dst ids]], ...]}`` checks
@@ -55,6 +57,31 @@ def blocks_of(layout: Layout, buffers: list[HostBuffer], ids: list[int]) -> list
     ]
 
 
+def _host_buffer(size: int, memory: str) -> Any:
+    if memory == "host":
+        return HostBuffer.create(size)
+    if memory == "numpy":
+        return np.zeros(size, dtype=np.uint8)
+    if memory == "torch":
+        import torch
+
+        return torch.zeros(size // 2, dtype=torch.bfloat16)  # block_bytes are even here
+    raise ValueError(f"unknown memory {memory!r}")
+
+
+def _bytes_of(buf: Any, memory: str) -> npt.NDArray[np.uint8]:
+    """A buffer's bytes as a uint8 numpy array: a view, except for GPU memory (a copy)."""
+    if memory == "gpu":
+        return buf.get()  # type: ignore[no-any-return]
+    if memory == "host":
+        return buf.array()  # type: ignore[no-any-return]
+    if memory == "torch":
+        import torch
+
+        return buf.view(torch.uint8).numpy()  # type: ignore[no-any-return]
+    return buf  # type: ignore[no-any-return]
+
+
 def kv_view(buf: npt.NDArray[np.uint8], blocks: int, block_bytes: int) -> npt.NDArray[np.uint8]:
     """A per-layer buffer as [K/V, block, bytes]."""
     return buf.reshape(2, blocks, block_bytes)
@@ -65,14 +92,12 @@ class Engine:
         self.client = client
         self.pool: Pool | None = None
         self.shape: dict[str, int] = {}
-        self.gpu = False
+        self.memory = "host"
 
     def arrays(self) -> list[npt.NDArray[np.uint8]]:
-        """The pool's buffers as host arrays (a copy from the GPU for GPU pools)."""
+        """The pool's buffers as host byte arrays (a copy from the GPU for GPU pools)."""
         assert self.pool is not None
-        if self.gpu:
-            return [b.get() for b in self.pool.buffers]
-        return [b.array() for b in self.pool.buffers]
+        return [_bytes_of(b, self.memory) for b in self.pool.buffers]
 
     async def op_pool(
         self,
@@ -89,11 +114,11 @@ class Engine:
             model=ModelInfo(**model) if model else MODEL,
         )
         self.shape = shape
+        self.memory = memory
         buffers: list[Any]
         if memory == "gpu":
             import cupy
 
-            self.gpu = True
             # Each layer's tensor sits ``gpu_offset`` bytes into its own allocation.
             buffers = [cupy.zeros(size + gpu_offset, dtype=cupy.uint8)[gpu_offset:] for size in layout.buffer_sizes()]
             if seed is not None:
@@ -103,9 +128,9 @@ class Engine:
                     dev.set(h)
             cupy.cuda.Device().synchronize()  # written before anything is offered
         else:
-            buffers = [HostBuffer.create(size) for size in layout.buffer_sizes()]
+            buffers = [_host_buffer(size, memory) for size in layout.buffer_sizes()]
             if seed is not None:
-                fill_random([b.array() for b in buffers], seed)
+                fill_random([_bytes_of(b, memory) for b in buffers], seed)
         self.pool = await self.client.register_pool(buffers, layout, name=self.client.engine_name)
         return {"pool_id": self.pool.pool_id, "fingerprint": self.pool.fingerprint}
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from ._call_stream import CallStream, CallStreamUnsupportedError
 from ._config import call_stream_enabled, channel_options, default_socket_path
-from ._cuda import describe_cuda_tensor
+from ._cuda import describe_cuda_tensor, is_cuda_tensor
 from ._errors import (
     DeadlineExceededError,
     InvalidRequestError,
@@ -34,7 +34,8 @@ from ._errors import (
     error_from_rpc,
 )
 from ._events import OfferReleased, TransferFailed, event_from_proto
-from ._fds import pass_fds
+from ._fds import attach_process, pass_fds
+from ._host_tensor import allow_daemon, host_tensor_extent, is_host_tensor
 from ._layout import MAX_BLOCKS, Layout
 from ._memory import HostBuffer
 from ._proto import common_pb2, engine_pb2, engine_pb2_grpc
@@ -167,6 +168,8 @@ class AsyncKvxferClient:
         self._session_lost: KvxferError | None = None
         #: Registered pools, registered again by :meth:`reconnect`.
         self._pools: list[Pool] = []
+        #: The session this process is attached to (its CPU tensors can be registered).
+        self._attached_session = ""
 
     async def connect(self) -> AsyncKvxferClient:
         """Open the channel and the event stream (the session); idempotent."""
@@ -310,11 +313,14 @@ class AsyncKvxferClient:
     async def register_pool(self, buffers: Sequence[Any], layout: Layout, *, name: str = "") -> Pool:
         """Register buffers and their layout; the daemon maps them.
 
-        ``buffers`` are all :class:`HostBuffer` (POSIX shared memory) or all GPU tensors of
-        one GPU (anything with ``__cuda_array_interface__`` or DLPack: torch, CuPy, ...;
-        contiguous, allocated with ``cudaMalloc`` so that a legacy CUDA IPC handle exists).
+        ``buffers`` are all of one kind: :class:`HostBuffer` (POSIX shared memory); CPU tensors
+        this process owns (numpy arrays, torch CPU tensors: ``__array_interface__`` or DLPack;
+        contiguous and writable; the daemon reaches them through the kernel, see
+        ``kvxfer_client._host_tensor``); or GPU tensors of one GPU (``__cuda_array_interface__``
+        or DLPack: torch, CuPy, ...; contiguous, allocated with ``cudaMalloc`` so that a legacy
+        CUDA IPC handle exists).
         Several buffers per pool are normal (vLLM keeps one tensor per layer). The engine
-        keeps GPU tensors alive until the pool is deregistered, and offers blocks only after
+        keeps tensors alive until the pool is deregistered, and offers blocks only after
         the stream that wrote them has been synchronised.
 
         Host buffers go to the daemon as open file descriptors (never names), so the daemon
@@ -339,11 +345,23 @@ class AsyncKvxferClient:
             handles = await asyncio.to_thread(pass_fds, self.socket_path + ".fds", self.session_id, fds, self.timeout_s)
             for i, handle in zip(host, handles, strict=True):
                 specs[i].fd_handle = handle
+        if any(s.kind == common_pb2.MEMORY_KIND_HOST_PROCESS for s in specs):
+            await self._attach_process()
         req = engine_pb2.RegisterPoolRequest(
             session_id=self.session_id, buffers=specs, layout=layout.to_proto(), name=name
         )
         resp = await self._call(self._engine.RegisterPool, req)
         return Pool(resp.pool_id, layout, tuple(buffers), resp.fingerprint, name)
+
+    async def _attach_process(self) -> None:
+        """Attach this process to the session (once per session) so the daemon may reach the
+        memory of its CPU tensors, and let it past Yama where that is on."""
+        if self._attached_session == self.session_id:
+            return
+        path = self.socket_path + ".fds"
+        daemon_pid = await asyncio.to_thread(attach_process, path, self.session_id, self.timeout_s)
+        allow_daemon(daemon_pid)
+        self._attached_session = self.session_id
 
     async def deregister_pool(self, pool: Pool | str) -> int:
         """Deregister a pool; returns how many of its offers were released."""
@@ -591,9 +609,17 @@ async def _finish_tasks() -> None:
 
 
 def _buffer_spec(buf: Any) -> common_pb2.BufferSpec:
-    """A :class:`HostBuffer` or a GPU tensor as the daemon's ``BufferSpec``."""
+    """A :class:`HostBuffer`, a CPU tensor or a GPU tensor as the daemon's ``BufferSpec``."""
     if isinstance(buf, HostBuffer):
         return common_pb2.BufferSpec(kind=common_pb2.MEMORY_KIND_HOST_SHM, size=buf.size)
+    if not is_cuda_tensor(buf):
+        if not is_host_tensor(buf):
+            raise InvalidRequestError(
+                f"a {type(buf).__name__} is not a buffer kvxfer can register: pass HostBuffer objects, CPU tensors "
+                "(numpy, torch: __array_interface__ or DLPack) or GPU tensors (__cuda_array_interface__ or DLPack)"
+            )
+        address, size = host_tensor_extent(buf)
+        return common_pb2.BufferSpec(kind=common_pb2.MEMORY_KIND_HOST_PROCESS, size=size, process_address=address)
     spec = describe_cuda_tensor(buf)
     return common_pb2.BufferSpec(
         kind=common_pb2.MEMORY_KIND_CUDA_IPC,

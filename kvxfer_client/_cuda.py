@@ -14,7 +14,7 @@ False
 >>> describe_cuda_tensor(object())
 Traceback (most recent call last):
 ...
-kvxfer_client.InvalidRequestError: object is neither a HostBuffer nor a GPU tensor ...
+kvxfer_client.InvalidRequestError: object is not a GPU tensor ...
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from ._dlpack import KDL_CUDA, KDL_CUDA_MANAGED, NOT_CONTIGUOUS, c_contiguous, dlpack_extent
 from ._errors import InvalidRequestError, UnavailableError
 
 __all__ = ["CudaDriver", "CudaTensorSpec", "describe_cuda_tensor", "driver", "format_uuid", "is_cuda_tensor"]
@@ -34,8 +35,6 @@ __all__ = ["CudaDriver", "CudaTensorSpec", "describe_cuda_tensor", "driver", "fo
 IPC_HANDLE_BYTES = 64
 _ATTR_DEVICE_ORDINAL = 9
 _ATTR_IS_LEGACY_CUDA_IPC_CAPABLE = 10
-_KDL_CUDA = 2
-_KDL_CUDA_MANAGED = 13
 
 VMM_HINT = (
     "the tensor's memory has no legacy CUDA IPC handle (CUDA VMM / cuMemCreate, e.g. torch with "
@@ -186,7 +185,7 @@ def is_cuda_tensor(obj: Any) -> bool:
     if device is None:
         return False
     try:
-        return int(device()[0]) in (_KDL_CUDA, _KDL_CUDA_MANAGED)
+        return int(device()[0]) in (KDL_CUDA, KDL_CUDA_MANAGED)
     except Exception:  # noqa: BLE001 - a failing probe means "not a GPU tensor"
         return False
 
@@ -198,59 +197,16 @@ def _from_cuda_array_interface(obj: Any) -> tuple[int, int]:
     shape = tuple(int(s) for s in cai["shape"])
     itemsize = np.dtype(cai["typestr"]).itemsize
     strides = cai.get("strides")
-    if strides is not None and not _c_contiguous(shape, tuple(int(s) for s in strides), itemsize):
-        raise InvalidRequestError("a GPU buffer must be a contiguous tensor (call .contiguous() first)")
+    if strides is not None and not c_contiguous(shape, tuple(int(s) for s in strides), itemsize):
+        raise InvalidRequestError(NOT_CONTIGUOUS)
     return int(cai["data"][0]), math.prod(shape) * itemsize
 
 
-def _c_contiguous(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> bool:
-    expected = itemsize
-    for dim, stride in zip(reversed(shape), reversed(strides), strict=True):
-        if dim > 1 and stride != expected:
-            return False
-        expected *= dim
-    return True
-
-
-class _DLDevice(ctypes.Structure):
-    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
-
-
-class _DLDataType(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
-
-
-class _DLTensor(ctypes.Structure):
-    """``DLTensor`` (dlpack.h), the first member of the legacy ``DLManagedTensor``."""
-
-    _fields_ = [
-        ("data", ctypes.c_void_p),
-        ("device", _DLDevice),
-        ("ndim", ctypes.c_int32),
-        ("dtype", _DLDataType),
-        ("shape", ctypes.POINTER(ctypes.c_int64)),
-        ("strides", ctypes.POINTER(ctypes.c_int64)),
-        ("byte_offset", ctypes.c_uint64),
-    ]
-
-
 def _from_dlpack(obj: Any) -> tuple[int, int]:
-    capsule = obj.__dlpack__()
-    get = ctypes.pythonapi.PyCapsule_GetPointer
-    get.restype = ctypes.c_void_p
-    get.argtypes = [ctypes.py_object, ctypes.c_char_p]
-    # The capsule keeps its name: when it is garbage collected, its destructor calls the
-    # producer's deleter, and the engine's own reference keeps the memory alive.
-    t = _DLTensor.from_address(get(capsule, b"dltensor"))
-    if t.device.device_type not in (_KDL_CUDA, _KDL_CUDA_MANAGED):
-        raise InvalidRequestError(f"DLPack tensor is on device type {t.device.device_type}, not CUDA")
-    shape = tuple(t.shape[i] for i in range(t.ndim))
-    itemsize = t.dtype.bits * t.dtype.lanes // 8
-    if t.strides:
-        elem_strides = tuple(t.strides[i] * itemsize for i in range(t.ndim))
-        if not _c_contiguous(shape, elem_strides, itemsize):
-            raise InvalidRequestError("a GPU buffer must be a contiguous tensor (call .contiguous() first)")
-    return int(t.data or 0) + int(t.byte_offset), math.prod(shape) * itemsize
+    device, ptr, size = dlpack_extent(obj)
+    if device not in (KDL_CUDA, KDL_CUDA_MANAGED):
+        raise InvalidRequestError(f"DLPack tensor is on device type {device}, not CUDA")
+    return ptr, size
 
 
 def describe_cuda_tensor(obj: Any) -> CudaTensorSpec:
@@ -266,7 +222,7 @@ def describe_cuda_tensor(obj: Any) -> CudaTensorSpec:
         ptr, size = _from_dlpack(obj)
     else:
         raise InvalidRequestError(
-            "object is neither a HostBuffer nor a GPU tensor (no __cuda_array_interface__ or __dlpack__)"
+            "object is not a GPU tensor (no __cuda_array_interface__, or DLPack on a CUDA device)"
         )
     if size <= 0:
         raise InvalidRequestError("a GPU buffer must not be empty")

@@ -19,6 +19,7 @@ from kvxfer_client._errors import NotFoundError, PermissionDeniedError, Resource
 from kvxfer_client._proto import common_pb2, engine_pb2
 
 from ._log import log_event
+from .memory.process import EngineProcess
 
 __all__ = ["MAX_PENDING_FDS", "Session", "SessionTable", "check_owner"]
 
@@ -37,6 +38,8 @@ class Session:
     pools: set[str] = field(default_factory=set)
     #: Descriptors passed over the fd socket, by handle, until a registration maps them.
     fds: dict[str, int] = field(default_factory=dict)
+    #: The engine process attached on the fd socket (its memory can be registered as it is).
+    process: EngineProcess | None = None
     closed: bool = False
 
     def emit(self, event: engine_pb2.EngineEvent) -> None:
@@ -50,6 +53,19 @@ class Session:
         handles = ["fd-" + secrets.token_hex(8) for _ in fds]
         self.fds.update(zip(handles, fds, strict=True))
         return handles
+
+    def attach(self, process: EngineProcess) -> None:
+        """Attach the engine process that connected on the fd socket (once per session)."""
+        if self.process is not None:
+            same = self.process.pid == process.pid
+            process.end()
+            if not same:
+                raise PermissionDeniedError(
+                    f"this session is attached to engine process {self.process.pid}; one session per process"
+                )
+            return
+        self.process = process
+        log_event("session.attach", session=self.label, pid=process.pid, uid=process.uid)
 
     def take_fd(self, handle: str) -> int | None:
         return self.fds.pop(handle, None)
@@ -89,6 +105,8 @@ class SessionTable:
         session.closed = True
         self.sessions.pop(session.session_id, None)
         session.close_fds()
+        if session.process is not None:
+            session.process.end()  # pools still copying stop at their next chunk
         log_event("session.close", session=session.label, engine=session.engine_name)
         return list(session.pools)
 

@@ -30,7 +30,11 @@ if TYPE_CHECKING:
 
 __all__ = ["NodeSnapshot", "OfferView", "PeerView", "PoolView", "SnapshotHandover", "StagingView"]
 
-_MEMORY_KINDS: dict[int, str] = {common_pb2.MEMORY_KIND_HOST_SHM: "host", common_pb2.MEMORY_KIND_CUDA_IPC: "cuda"}
+_MEMORY_KINDS: dict[int, str] = {
+    common_pb2.MEMORY_KIND_HOST_SHM: "host",
+    common_pb2.MEMORY_KIND_HOST_PROCESS: "process",
+    common_pb2.MEMORY_KIND_CUDA_IPC: "cuda",
+}
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,19 @@
-"""The fd socket: engines pass the open descriptors of their host memory (SCM_RIGHTS).
+"""The fd socket: engines pass the open descriptors of their host memory (SCM_RIGHTS), and
+attach their own process for memory registered as it is.
 
-gRPC cannot carry file descriptors, so next to the engine socket the daemon listens on
-``<engine socket>.fds`` (SOCK_SEQPACKET, same owner, group and mode). One message in: a JSON
-object ``{"session_id": ...}`` with up to :data:`MAX_FDS_PER_MESSAGE` descriptors attached.
-One message out: ``{"handles": [...]}`` (one per descriptor, in order) or ``{"error": ...}``.
-A handle names the descriptor in ``BufferSpec.fd_handle`` of a RegisterPool of the same
-session, once; the session's unused descriptors are closed when it ends.
+gRPC carries neither file descriptors nor the caller's credentials, so next to the engine
+socket the daemon listens on ``<engine socket>.fds`` (SOCK_SEQPACKET, same owner, group and
+mode). Each message in is a JSON object naming the engine's session, and gets one JSON reply:
+
+- ``{"session_id": ...}`` with up to :data:`MAX_FDS_PER_MESSAGE` descriptors attached:
+  ``{"handles": [...]}``, one per descriptor, in order. A handle names the descriptor in
+  ``BufferSpec.fd_handle`` of a RegisterPool of the same session, once; the session's unused
+  descriptors are closed when it ends.
+- ``{"session_id": ..., "attach": "process"}``, nothing attached: the process that connected
+  (the kernel's peer credentials of this connection, never a pid in the message) is attached
+  to the session, which may then register its memory as ``MEMORY_KIND_HOST_PROCESS``. Reply
+  ``{"attached": {"pid": ..., "daemon_pid": ...}}``.
+- Any refusal: ``{"error": ...}``.
 
 Because the engine opened the memory itself, the kernel checked *its* permissions: the daemon
 never opens memory by name on an engine's behalf. Everything here is hostile until checked:
@@ -28,6 +36,7 @@ from kvxfer_client._errors import InvalidRequestError, KvxferError, NotFoundErro
 
 from .._log import log_event
 from .._sessions import Session
+from ..memory.process import attach_peer
 
 __all__ = ["MAX_FDS_PER_MESSAGE", "FdSocket"]
 
@@ -114,7 +123,7 @@ class FdSocket:
             return
         reply: dict[str, object]
         try:
-            reply = {"handles": self._deposit(msg, passed, flags)}
+            reply = self._answer(conn, msg, passed, flags)
         except KvxferError as exc:
             for f in passed:
                 os.close(f)
@@ -125,7 +134,7 @@ class FdSocket:
         except OSError:
             self._drop(fd)
 
-    def _deposit(self, msg: bytes, passed: list[int], flags: int) -> list[str]:
+    def _answer(self, conn: socket.socket, msg: bytes, passed: list[int], flags: int) -> dict[str, object]:
         if flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC):
             raise InvalidRequestError(f"a message carries at most {MAX_FDS_PER_MESSAGE} descriptors")
         try:
@@ -134,9 +143,15 @@ class FdSocket:
             raise InvalidRequestError("the fd socket takes one JSON object per message") from None
         if not isinstance(request, dict) or not isinstance(request.get("session_id"), str):
             raise InvalidRequestError('expected {"session_id": "..."} with the descriptors attached')
-        if not passed:
-            raise InvalidRequestError("no descriptors attached (SCM_RIGHTS)")
         session = self._sessions(request["session_id"])
         if session is None:
             raise NotFoundError("no such session (open one with WatchEvents first)")
-        return session.deposit_fds(passed)
+        if "attach" in request:
+            if request["attach"] != "process" or passed:
+                raise InvalidRequestError('expected {"session_id": "...", "attach": "process"} with nothing attached')
+            process = attach_peer(conn)
+            session.attach(process)
+            return {"attached": {"pid": process.pid, "daemon_pid": os.getpid()}}
+        if not passed:
+            raise InvalidRequestError("no descriptors attached (SCM_RIGHTS)")
+        return {"handles": session.deposit_fds(passed)}

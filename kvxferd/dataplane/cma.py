@@ -1,4 +1,4 @@
-"""Single-pass host copies between two scattered sides: ``process_vm_readv`` on this process.
+"""Single-pass host copies between two scattered sides: ``process_vm_readv/writev``.
 
 A local host handoff copies thousands of segments from one pool to another, at unrelated
 offsets on both sides. numpy has no operation that reads one scattered list and writes
@@ -13,6 +13,9 @@ development VM, 8192 x 32 KiB random segments between two huge-page pools copied
 A bad address makes the call fail with ``EFAULT`` instead of crashing the daemon. Where the
 call is refused (a seccomp profile without it, a kernel without CMA), :func:`self_copy_works`
 says so and the caller keeps the numpy path.
+
+The same calls pointed at an engine's process move its own memory (numpy arrays, torch CPU
+tensors) without mapping it here: :func:`read_iov` and :func:`write_iov`, one pass each way.
 
 >>> import numpy as np
 >>> src, dst = np.arange(8, dtype=np.uint8), np.zeros(8, dtype=np.uint8)
@@ -35,7 +38,7 @@ import os
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["IOV_MAX", "copy_iov", "self_copy_works"]
+__all__ = ["IOV_MAX", "copy_iov", "read_iov", "self_copy_works", "write_iov"]
 
 #: Entries per side the kernel takes in one call (``UIO_MAXIOV``).
 IOV_MAX = 1024
@@ -44,9 +47,10 @@ IovArray = npt.NDArray[np.uint64]
 
 
 @functools.cache
-def _readv() -> ctypes._CFuncPtr:  # type: ignore[name-defined]
+def _syscall(name: str) -> ctypes._CFuncPtr:  # type: ignore[name-defined]
+    """``process_vm_readv`` or ``process_vm_writev`` from libc (same signature)."""
     libc = ctypes.CDLL(None, use_errno=True)
-    fn = libc.process_vm_readv
+    fn = getattr(libc, name)
     fn.restype = ctypes.c_ssize_t
     fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
     return fn
@@ -56,7 +60,7 @@ def _readv() -> ctypes._CFuncPtr:  # type: ignore[name-defined]
 def self_copy_works() -> bool:
     """Whether this process may use ``process_vm_readv`` on itself (checked once, on 8 bytes)."""
     try:
-        fn = _readv()
+        fn = _syscall("process_vm_readv")
     except AttributeError:  # a libc without the wrapper
         return False
     src = np.arange(8, dtype=np.uint8)
@@ -73,24 +77,46 @@ def copy_iov(dst: IovArray, src: IovArray) -> None:
     length, in this process. Raises ``ValueError`` on unequal totals and ``OSError`` when the
     kernel refuses or copies short (an unmapped address: ``EFAULT``).
     """
-    total = int(src[:, 1].sum())
-    if total != int(dst[:, 1].sum()):
-        raise ValueError(f"the two sides differ in length: {total} and {int(dst[:, 1].sum())} bytes")
-    fn, pid = _readv(), os.getpid()
+    _vm_copy("process_vm_readv", os.getpid(), dst, src)
+
+
+def read_iov(pid: int, local: IovArray, remote: IovArray) -> None:
+    """Copy the stream at ``remote`` in process ``pid`` into ``local`` in this one (one pass).
+
+    The kernel checks that this process may reach ``pid`` (``PermissionError``: another user,
+    no ``CAP_SYS_PTRACE``, or a Yama policy) and that every page is mapped readable.
+    """
+    _vm_copy("process_vm_readv", pid, local, remote)
+
+
+def write_iov(pid: int, local: IovArray, remote: IovArray) -> None:
+    """Copy the stream at ``local`` in this process into ``remote`` in process ``pid`` (one
+    pass); pages not mapped writable there fail with ``EFAULT``."""
+    _vm_copy("process_vm_writev", pid, local, remote)
+
+
+def _vm_copy(name: str, pid: int, local: IovArray, remote: IovArray) -> None:
+    total = int(remote[:, 1].sum())
+    if total != int(local[:, 1].sum()):
+        raise ValueError(f"the two sides differ in length: {total} and {int(local[:, 1].sum())} bytes")
+    fn = _syscall(name)
     # Working copies: a call that ends inside an entry leaves its rest for the next call.
-    dst, src = np.ascontiguousarray(dst, dtype=np.uint64).copy(), np.ascontiguousarray(src, dtype=np.uint64).copy()
-    d = s = 0
-    while d < len(dst) and s < len(src):
-        dn, sn = min(IOV_MAX, len(dst) - d), min(IOV_MAX, len(src) - s)
-        want = min(int(dst[d : d + dn, 1].sum()), int(src[s : s + sn, 1].sum()))
-        got = fn(pid, dst[d:].ctypes.data, dn, src[s:].ctypes.data, sn, 0)
+    local = np.ascontiguousarray(local, dtype=np.uint64).copy()
+    remote = np.ascontiguousarray(remote, dtype=np.uint64).copy()
+    lo = re = 0
+    while lo < len(local) and re < len(remote):
+        ln, rn = min(IOV_MAX, len(local) - lo), min(IOV_MAX, len(remote) - re)
+        want = min(int(local[lo : lo + ln, 1].sum()), int(remote[re : re + rn, 1].sum()))
+        got = fn(pid, local[lo:].ctypes.data, ln, remote[re:].ctypes.data, rn, 0)
         if got < 0:
             err = ctypes.get_errno()
-            raise OSError(err, f"process_vm_readv: {os.strerror(err)}")
+            if err in (errno.EPERM, errno.EACCES):
+                raise PermissionError(err, f"{name} on pid {pid}: {os.strerror(err)}")
+            raise OSError(err, f"{name} on pid {pid}: {os.strerror(err)}")
         if got != want:
-            raise OSError(errno.EFAULT, f"process_vm_readv copied {got} of {want} bytes (unmapped memory)")
-        d = _advance(dst, d, got)
-        s = _advance(src, s, got)
+            raise OSError(errno.EFAULT, f"{name} copied {got} of {want} bytes (memory not mapped as needed)")
+        lo = _advance(local, lo, got)
+        re = _advance(remote, re, got)
 
 
 def _advance(iov: IovArray, start: int, nbytes: int) -> int:

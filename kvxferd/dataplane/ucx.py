@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import Executor
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -29,12 +29,12 @@ from kvxfer_client._errors import UnavailableError
 
 from .._log import log_event
 from .gpucopy import GpuCopier, UploadedSide, settle
-from .hostcopy import chunk_view, gather_chunk, scatter_chunk
+from .hostmem import HostMemory
 from .pipeline import run_pipeline
 from .plan import ChunkPlan, SidePlan
 from .sends import TrackedSends
 from .staging import StagingLease
-from .ucp_iov import UcpTagIov, chunk_iov, contiguous_iov, iov_supported
+from .ucp_iov import UcpTagIov, contiguous_iov, iov_supported
 from .ucx_address import AddressProbe
 from .ucx_setup import ProgressDriver, apply_ucx_defaults, take_over_progress
 
@@ -175,24 +175,25 @@ class UcxTransport:
         self,
         ep: Any,
         plan: SidePlan,
-        arrays: Sequence[U8],
+        memory: HostMemory,
         tag_base: int,
         lease: StagingLease,
         window: int,
         after_chunk: Callable[[int], Awaitable[None]] | None = None,
     ) -> None:
-        """Send every chunk of ``plan``: straight from the pool (contiguous chunks, and
-        fragmented ones as IOV sends when ``gather_send``), else packed into staging while
-        earlier chunks fly. ``after_chunk(index)`` is awaited once each chunk is sent (the
-        daemon's fault-injection point)."""
-        iov = self.iov if self.gather_send else None
-        keep = list(arrays)
+        """Send every chunk of ``plan``: straight from memory mapped here (contiguous chunks,
+        and fragmented ones as IOV sends when ``gather_send``), else packed into staging while
+        earlier chunks fly (always, for an engine's process memory). ``after_chunk(index)`` is
+        awaited once each chunk is sent (the daemon's fault-injection point)."""
+        mapped = memory.pid is None
+        iov = self.iov if self.gather_send and mapped else None
+        keep = memory.keep()
 
         async def pack(chunk: ChunkPlan, staged: U8) -> None:
             # Packed on the event-loop thread: a 2 MiB chunk packs in about 0.3 ms, while a hop
             # to a copy thread and back cost more than the copy on a busy host (b16 remote:
             # 2.1 GB/s through the executor, 3.1 GB/s inline, measured here).
-            gather_chunk(arrays, chunk, staged)
+            memory.gather(chunk, staged)
 
         async def move(chunk: ChunkPlan, staged: U8 | None) -> None:
             tag = tag_base | chunk.index
@@ -200,37 +201,39 @@ class UcxTransport:
                 assert iov is not None
                 if ep.closed:
                     raise UnavailableError("the UCX endpoint to the receiver is closed")
-                await self.sends.run(iov.send(ep.ucp_endpoint, chunk_iov(arrays, chunk), tag, keep))
+                await self.sends.run(iov.send(ep.ucp_endpoint, memory.iov(chunk), tag, keep))
             else:
-                data = chunk_view(arrays, chunk) if staged is None else staged[: chunk.nbytes]
+                data = memory.view(chunk) if staged is None else staged[: chunk.nbytes]
                 await self.sends.run(ep.send(data, tag=tag, force_tag=True))
             if after_chunk is not None:
                 await after_chunk(chunk.index)
 
         with self._busy(), self._retired_on_failure(ep):
-            await run_pipeline(plan, lease, window, move, pack, stage=iov is None)
+            await run_pipeline(plan, lease, window, move, pack, stage=iov is None, zero_copy=mapped)
 
     async def receive(
         self,
         ep: Any,
         plan: SidePlan,
-        arrays: Sequence[U8],
+        memory: HostMemory,
         tag_base: int,
         lease: StagingLease,
         executor: Executor,
         window: int,
         on_unconfirmed: Callable[[], None] | None = None,
     ) -> None:
-        """Receive every chunk of ``plan`` into the pool, ``window`` receives posted ahead.
+        """Receive every chunk of ``plan`` into host memory, ``window`` receives posted ahead.
 
-        With scatter receives, a fragmented chunk lands directly in its segments; otherwise it
-        lands in staging and is unpacked. ``on_unconfirmed`` is called when a cancelled receive
-        is not confirmed by UCX (its memory may still be written).
+        Into memory mapped here, a contiguous chunk lands in place and, with scatter receives,
+        a fragmented one directly in its segments; otherwise (and always for an engine's
+        process memory) a chunk lands in staging and is unpacked. ``on_unconfirmed`` is called
+        when a cancelled receive is not confirmed by UCX (its memory may still be written).
         """
         loop = asyncio.get_running_loop()
         iov = self.iov
+        mapped = memory.pid is None
         landed: set[int] = set()
-        keep = list(arrays)  # the pool's views outlive a deregistration while UCX may write
+        keep = memory.keep()  # the pool's views outlive a deregistration while UCX may write
 
         async def recv(buf: U8, tag: int) -> None:
             if iov is not None:
@@ -240,20 +243,22 @@ class UcxTransport:
 
         async def move(chunk: ChunkPlan, staged: U8 | None) -> None:
             tag = tag_base | chunk.index
-            if chunk.contiguous is not None:
-                await recv(chunk_view(arrays, chunk), tag)
+            in_place = memory.view(chunk)
+            if in_place is not None:
+                await recv(in_place, tag)
             elif staged is None:
                 assert iov is not None
-                await iov.recv(chunk_iov(arrays, chunk), tag, keep=keep, on_unconfirmed=on_unconfirmed)
+                await iov.recv(memory.iov(chunk), tag, keep=keep, on_unconfirmed=on_unconfirmed)
             else:
                 await recv(staged[: chunk.nbytes], tag)
                 landed.add(chunk.index)
-                await loop.run_in_executor(executor, scatter_chunk, arrays, chunk, staged)
+                await loop.run_in_executor(executor, memory.scatter, chunk, staged)
             landed.add(chunk.index)
 
         with self._busy():
             try:
-                await run_pipeline(plan, lease, window, move, stage=not self.scatter_receive)
+                stage = not (self.scatter_receive and mapped)
+                await run_pipeline(plan, lease, window, move, stage=stage, zero_copy=mapped)
             except BaseException:
                 self._drain_after_failure(plan, tag_base, landed)
                 raise

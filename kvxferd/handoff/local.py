@@ -1,7 +1,7 @@
 """The local handoff: the offer and the destination are both on this daemon, so the bytes are
-copied here, without UCX: host to host by the copy threads (one ``process_vm_readv`` per chunk,
-or two passes through scratch where the kernel refuses it), anything touching a GPU by one
-kernel launch over every segment.
+copied here, without UCX: host to host by the copy threads (one ``process_vm_readv/writev`` per
+chunk, or two passes through scratch where the kernel refuses it or both sides are engines'
+own process memory), anything touching a GPU by one kernel launch over every segment.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import Any
 
@@ -25,9 +25,9 @@ from .._transfers import TransferRecord
 from ..dataplane.aligned import aligned_empty
 from ..dataplane.gpu_kernel import BlockSide
 from ..dataplane.gpucopy import GpuDevices
-from ..dataplane.hostcopy import copy_chunk
+from ..dataplane.hostmem import HostMemory, copy_between
 from ..dataplane.plan import SidePlan, build_plan
-from ..memory.pools import Pool
+from ..memory.pools import PROCESS_MEMORY_OFF_GPU, Pool
 
 __all__ = ["INLINE_COPY_BYTES", "LocalHandoff"]
 
@@ -63,6 +63,9 @@ class LocalHandoff:
         if mismatch:
             self.offers.unclaim(offer)
             raise IncompatibleError(f"incompatible layouts: {mismatch}")
+        if (src.on_gpu or dst.on_gpu) and (src.process or dst.process):
+            self.offers.unclaim(offer)
+            raise IncompatibleError(PROCESS_MEMORY_OFF_GPU)
         try:
             started = time.perf_counter()
             if src.on_gpu or dst.on_gpu:
@@ -87,14 +90,15 @@ class LocalHandoff:
         handoff uses them all)."""
         if src_plan.total_bytes <= INLINE_COPY_BYTES:
             # Microseconds of copying: the hop to a copy thread and back would cost more.
-            copy_plan(src.arrays, src_plan, dst.arrays, dst_plan, self.single_pass)
+            copy_plan(src.host_memory(), src_plan, dst.host_memory(), dst_plan, self.single_pass)
             return
         stop = threading.Event()
         parts = min(self.copy_threads, len(src_plan.chunks))
         loop = asyncio.get_running_loop()
+        src_mem, dst_mem = src.host_memory(), dst.host_memory()
         copying = [
             loop.run_in_executor(
-                self.executor, copy_plan, src.arrays, src_plan, dst.arrays, dst_plan, self.single_pass, stop, k, parts
+                self.executor, copy_plan, src_mem, src_plan, dst_mem, dst_plan, self.single_pass, stop, k, parts
             )
             for k in range(parts)
         ]
@@ -125,9 +129,9 @@ class LocalHandoff:
 
 
 def copy_plan(
-    src_arrays: Sequence[Any],
+    src_memory: HostMemory,
     src: SidePlan,
-    dst_arrays: Sequence[Any],
+    dst_memory: HostMemory,
     dst: SidePlan,
     single_pass: bool,
     stop: threading.Event | None = None,
@@ -136,11 +140,12 @@ def copy_plan(
 ) -> None:
     """Copy chunks ``part``, ``part + parts``, ... of the plan (one copy thread's share),
     until ``stop`` is set."""
-    scratch = None if single_pass else _scratch(src.chunk_bytes)
+    two_engines = src_memory.pid is not None and dst_memory.pid is not None
+    scratch = _scratch(src.chunk_bytes) if two_engines or not single_pass else None
     for a, b in zip(src.chunks[part::parts], dst.chunks[part::parts], strict=True):
         if stop is not None and stop.is_set():
             return
-        copy_chunk(src_arrays, a, dst_arrays, b, scratch, single_pass)
+        copy_between(src_memory, a, dst_memory, b, scratch, single_pass)
 
 
 _SCRATCH: dict[tuple[int, int], Any] = {}

@@ -167,18 +167,21 @@ class RemotePlane:
 
     def staging_for(self, pool: Pool, plan: SidePlan | None, direction: str) -> tuple[StagingPool, int]:
         """The staging a remote transfer of ``plan`` takes on ``pool``'s side ("send" or
-        "receive"), and how many buffers: GPU pools stage every chunk; host pools stage only
-        fragmented chunks, and none at all when UCX gathers sends from (scatters receives
-        into) the pool (then ``plan`` may still be None)."""
+        "receive"), and how many buffers: GPU pools and engines' process memory stage every
+        chunk; shared-memory pools stage only fragmented chunks, and none at all when UCX
+        gathers sends from (scatters receives into) the pool (then ``plan`` may still be None)."""
         window = self.settings.window
         uses_iov = self.ucx.gather_send if direction == "send" else self.ucx.scatter_receive
         host_staging = self._send_staging if direction == "send" else self._recv_staging
-        if pool.device is None and uses_iov:
+        mapped_host = pool.device is None and pool.process is None
+        if mapped_host and uses_iov:
             return host_staging, 0
         if plan is None:
             raise ValueError("a transfer that stages needs its plan first")
         if pool.device is not None:
             return self._gpu().staging(pool.device, direction), min(window, len(plan.chunks))
+        if pool.process is not None:
+            return host_staging, min(window, len(plan.chunks))
         return host_staging, min(window, sum(1 for c in plan.chunks if c.contiguous is None))
 
     def chunk_fault(self, transfer_id: str) -> Callable[[int], Awaitable[None]] | None:

@@ -172,7 +172,7 @@ class RemotePull:
         return self.ucx.receive(
             ep,
             plan,
-            dst.arrays,
+            dst.host_memory(),
             tag_base,
             lease,
             self.executor,

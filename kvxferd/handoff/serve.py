@@ -183,7 +183,7 @@ class TransferServer:
         if pool.device is not None:
             side = BlockSide.of(pool.device, pool.base, pool.regions, offer.block_ids)
             plan = stream_plan(side.total_bytes, chunk)
-        elif not self.ucx.gather_send:
+        elif not self.ucx.gather_send or pool.process is not None:
             plan = build_plan(pool.regions, offer.block_ids, chunk)  # staging depends on it
         ep = await self.plane.endpoint(peer)
         try:
@@ -215,7 +215,7 @@ class TransferServer:
                 await self.ucx.send(
                     ep,
                     plan,
-                    pool.arrays,
+                    pool.host_memory(),
                     start.tag_base,
                     lease,
                     self.settings.window,

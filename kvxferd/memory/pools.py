@@ -1,6 +1,8 @@
 """Registered pools: the engines' buffers, mapped into the daemon, with their layouts.
 
-Every byte the data plane touches is derived from (pool, region, block id); block ids are
+Three kinds of memory: shared memory the engine passed as a descriptor (mapped here), the
+engine's own process memory (reached through the kernel, :mod:`.process`), and GPU memory
+(CUDA IPC). Every byte the data plane touches is derived from (pool, region, block id); block ids are
 checked against ``num_blocks`` here and the layout was checked against the mapped buffer
 sizes at registration, so no offset a plan computes can leave its buffer.
 """
@@ -18,18 +20,24 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvxfer_client._errors import InvalidRequestError, NotFoundError
+from kvxfer_client._errors import IncompatibleError, InvalidRequestError, NotFoundError
 from kvxfer_client._layout import Layout
 from kvxfer_client._memory import HostBuffer
 from kvxfer_client._proto import common_pb2
 
 from .._sessions import Session
+from ..dataplane.hostmem import HostMemory, MappedMemory, ProcessMemory
 from ..dataplane.plan import RegionTable
+from .process import EngineProcess
 
-__all__ = ["Pool", "PoolRegistry", "check_block_ids"]
+__all__ = ["PROCESS_MEMORY_OFF_GPU", "Pool", "PoolRegistry", "check_block_ids"]
 
 U8 = npt.NDArray[np.uint8]
 MAX_BUFFERS = 4096
+PROCESS_MEMORY_OFF_GPU = (
+    "a GPU pool cannot be copied to or from an engine's own process memory on one daemon (GPU kernels "
+    "reach only memory mapped here): register that host memory as shared memory (kvxfer_client.HostBuffer)"
+)
 
 
 @dataclass
@@ -39,16 +47,20 @@ class Pool:
     session_id: str
     layout: Layout
     kind: int
-    #: One writable uint8 view per buffer: numpy for host pools, CuPy for GPU pools.
+    #: One writable uint8 view per buffer: numpy for shared-memory pools, CuPy for GPU pools;
+    #: empty for process pools (their memory is not mapped here).
     arrays: list[Any]
     regions: RegionTable
     fingerprint: str
     nbytes: int
-    #: Each buffer's address in this process (host: the mapping; GPU: the device pointer).
+    #: Each buffer's address: in this process (shared memory: the mapping; GPU: the device
+    #: pointer) or, for process pools, in the engine's process.
     base: npt.NDArray[np.int64]
     #: GPU pools: the device ordinal (in this process) and UUID.
     device: int | None = None
     gpu_uuid: str = ""
+    #: Process pools: the engine process whose memory this is.
+    process: EngineProcess | None = None
     offers: set[str] = field(default_factory=set)
     #: Transfers currently reading or writing this pool's memory.
     busy: int = 0
@@ -66,10 +78,19 @@ class Pool:
     def device_name(self) -> str:
         return self.gpu_uuid or "cpu"
 
+    def host_memory(self) -> HostMemory:
+        """The pool's host memory as the data plane moves it (not for GPU pools)."""
+        assert not self.on_gpu
+        if self.process is not None:
+            return ProcessMemory(self.process.pid, self.base, self.process.check)
+        return MappedMemory(self.arrays)
+
     def pin_for_gpu(self) -> None:
         """Make a host pool addressable by GPU kernels (cudaHostRegister), once."""
         if self.on_gpu or self.pinned:
             return
+        if self.process is not None:
+            raise IncompatibleError(PROCESS_MEMORY_OFF_GPU)
         from .cuda_ipc import register_host, unregister_host
 
         done: list[int] = []
@@ -161,9 +182,13 @@ class PoolRegistry:
         regions = RegionTable.from_regions(
             (r.buffer_index, r.offset, r.block_stride, r.block_bytes) for r in layout.regions
         )
+        process = None
         if kind == common_pb2.MEMORY_KIND_HOST_SHM:
             arrays, closers, device, uuid = self._map_host(buffers, session)
             base = np.array([a.ctypes.data for a in arrays], dtype=np.int64)
+        elif kind == common_pb2.MEMORY_KIND_HOST_PROCESS:
+            process, base = self._reach_process(buffers, session)
+            arrays, closers, device, uuid = [], [process.release], None, ""
         elif kind == common_pb2.MEMORY_KIND_CUDA_IPC:
             arrays, closers, device, uuid, base = self._map_gpu(buffers)
         else:
@@ -181,6 +206,7 @@ class PoolRegistry:
             base=base,
             device=device,
             gpu_uuid=uuid,
+            process=process,
             _closers=closers,
         )
         self.pools[pool.pool_id] = pool
@@ -217,6 +243,22 @@ class PoolRegistry:
                     os.close(fd)  # the mappings keep the memory
         closers: list[Callable[[], None]] = [functools.partial(m.close, detach=True) for m in mappings]
         return [m.array() for m in mappings], closers, None, ""
+
+    @staticmethod
+    def _reach_process(
+        buffers: Sequence[common_pb2.BufferSpec], session: Session
+    ) -> tuple[EngineProcess, npt.NDArray[np.int64]]:
+        """Check the ranges against the attached engine process; nothing is mapped."""
+        process = session.process
+        if process is None:
+            raise InvalidRequestError(
+                "process memory needs the engine's process attached to this session first "
+                "(kvxfer_client attaches it over <engine socket>.fds before registering)"
+            )
+        ranges = [(int(spec.process_address), int(spec.size)) for spec in buffers]
+        process.check_ranges(ranges)
+        process.hold()
+        return process, np.array([a for a, _ in ranges], dtype=np.int64)
 
     def _map_gpu(
         self, buffers: Sequence[common_pb2.BufferSpec]

@@ -32,18 +32,28 @@ class _MemoryKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_MemoryKind
     DESCRIPTOR: _descriptor.EnumDescriptor
     MEMORY_KIND_UNSPECIFIED: _MemoryKind.ValueType  # 0
     MEMORY_KIND_HOST_SHM: _MemoryKind.ValueType  # 1
-    """POSIX shared memory created by the engine, opened by the daemon by name."""
+    """POSIX shared memory created by the engine, passed to the daemon as an open descriptor."""
     MEMORY_KIND_CUDA_IPC: _MemoryKind.ValueType  # 2
     """A GPU allocation exported with a legacy cudaIpcMemHandle."""
+    MEMORY_KIND_HOST_PROCESS: _MemoryKind.ValueType  # 3
+    """The engine's own host memory as it is (numpy arrays, torch CPU tensors): read and written
+    with process_vm_readv/writev in the process that attached itself to the session on the fd
+    socket (its pid comes from the socket's peer credentials, never from a request).
+    """
 
 class MemoryKind(_MemoryKind, metaclass=_MemoryKindEnumTypeWrapper):
     """Where a pool buffer lives."""
 
 MEMORY_KIND_UNSPECIFIED: MemoryKind.ValueType  # 0
 MEMORY_KIND_HOST_SHM: MemoryKind.ValueType  # 1
-"""POSIX shared memory created by the engine, opened by the daemon by name."""
+"""POSIX shared memory created by the engine, passed to the daemon as an open descriptor."""
 MEMORY_KIND_CUDA_IPC: MemoryKind.ValueType  # 2
 """A GPU allocation exported with a legacy cudaIpcMemHandle."""
+MEMORY_KIND_HOST_PROCESS: MemoryKind.ValueType  # 3
+"""The engine's own host memory as it is (numpy arrays, torch CPU tensors): read and written
+with process_vm_readv/writev in the process that attached itself to the session on the fd
+socket (its pid comes from the socket's peer credentials, never from a request).
+"""
 Global___MemoryKind: _TypeAlias = MemoryKind  # noqa: Y015
 
 class _ReleaseReason:
@@ -122,6 +132,7 @@ class BufferSpec(_message.Message):
     CUDA_ALLOC_OFFSET_FIELD_NUMBER: _builtins.int
     GPU_UUID_FIELD_NUMBER: _builtins.int
     FD_HANDLE_FIELD_NUMBER: _builtins.int
+    PROCESS_ADDRESS_FIELD_NUMBER: _builtins.int
     kind: Global___MemoryKind.ValueType
     size: _builtins.int
     """Usable bytes of this buffer, starting at the tensor's first byte."""
@@ -141,6 +152,12 @@ class BufferSpec(_message.Message):
     engine's own permission when it opened the file, so the daemon maps only what the engine
     itself can open. One use; handles die with the session.
     """
+    process_address: _builtins.int
+    """HOST_PROCESS: the buffer's first byte in the engine's own address space. It names memory
+    only inside that process: the daemon checks [address, address + size) against the
+    process's mappings (readable and writable) and reaches it only through the kernel, with
+    the kernel's permission checks, for as long as the session lasts.
+    """
     def __init__(
         self,
         *,
@@ -151,10 +168,11 @@ class BufferSpec(_message.Message):
         cuda_alloc_offset: _builtins.int = ...,
         gpu_uuid: _builtins.str = ...,
         fd_handle: _builtins.str = ...,
+        process_address: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cuda_alloc_offset", b"cuda_alloc_offset", "cuda_ipc_handle", b"cuda_ipc_handle", "fd_handle", b"fd_handle", "gpu_uuid", b"gpu_uuid", "kind", b"kind", "shm_name", b"shm_name", "size", b"size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cuda_alloc_offset", b"cuda_alloc_offset", "cuda_ipc_handle", b"cuda_ipc_handle", "fd_handle", b"fd_handle", "gpu_uuid", b"gpu_uuid", "kind", b"kind", "process_address", b"process_address", "shm_name", b"shm_name", "size", b"size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

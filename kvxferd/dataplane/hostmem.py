@@ -1,0 +1,146 @@
+"""A host pool's memory as the data plane sees it: mapped here, or in the engine's process.
+
+Shared-memory pools are mapped into the daemon, so a chunk can be a numpy view (zero-copy
+sends and receives), an IOV list for UCX, or a gather/scatter with numpy. An engine's own
+process memory (:class:`ProcessMemory`) is not mapped here: a chunk moves between it and a
+daemon buffer with one ``process_vm_readv/writev`` per 1024 segments, and never as a view.
+Both offer the same four operations, so the handoff paths do not ask which one they hold.
+
+>>> import os
+>>> from kvxferd.dataplane.cma import self_copy_works
+>>> from kvxferd.dataplane.plan import RegionTable, build_plan
+>>> src = np.arange(16, dtype=np.uint8)
+>>> plan = build_plan(RegionTable.from_regions([(0, 0, 8, 4)]), np.array([1, 0]), 8)
+>>> here = MappedMemory([src])
+>>> out = np.zeros(8, dtype=np.uint8)
+>>> here.gather(plan.chunks[0], out)
+>>> out.tolist()
+[8, 9, 10, 11, 0, 1, 2, 3]
+>>> if self_copy_works():  # this process, reached the way an engine's is
+...     there = ProcessMemory(os.getpid(), np.array([src.ctypes.data]), lambda: None)
+...     out[:] = 0
+...     there.gather(plan.chunks[0], out)
+>>> out.tolist()
+[8, 9, 10, 11, 0, 1, 2, 3]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from .cma import read_iov, write_iov
+from .hostcopy import chunk_iov, chunk_view, contiguous_iov, copy_chunk, gather_chunk, scatter_chunk
+from .plan import ChunkPlan
+
+__all__ = ["HostMemory", "MappedMemory", "ProcessMemory", "copy_between"]
+
+U8 = npt.NDArray[np.uint8]
+IovArray = npt.NDArray[np.uint64]
+
+
+class HostMemory(Protocol):
+    @property
+    def pid(self) -> int | None:
+        """The engine's pid when the memory is another process's; None when mapped here."""
+
+    def view(self, chunk: ChunkPlan) -> U8 | None:
+        """A contiguous chunk in place, when this process can address it."""
+
+    def iov(self, chunk: ChunkPlan) -> IovArray:
+        """The chunk's pieces as ``(address, length)`` rows, in the owning process."""
+
+    def gather(self, chunk: ChunkPlan, out: U8) -> None:
+        """Pack the chunk into ``out[:chunk.nbytes]``."""
+
+    def scatter(self, chunk: ChunkPlan, src: U8) -> None:
+        """Unpack ``src[:chunk.nbytes]`` into the chunk's pieces."""
+
+    def keep(self) -> list[Any]:
+        """What must stay referenced while UCX may touch the memory."""
+
+
+class MappedMemory:
+    """Buffers mapped into this process (shared-memory pools)."""
+
+    pid = None
+
+    def __init__(self, arrays: Sequence[U8]) -> None:
+        self.arrays = arrays
+
+    def view(self, chunk: ChunkPlan) -> U8 | None:
+        return chunk_view(self.arrays, chunk) if chunk.contiguous is not None else None
+
+    def iov(self, chunk: ChunkPlan) -> IovArray:
+        return chunk_iov(self.arrays, chunk)
+
+    def gather(self, chunk: ChunkPlan, out: U8) -> None:
+        gather_chunk(self.arrays, chunk, out)
+
+    def scatter(self, chunk: ChunkPlan, src: U8) -> None:
+        scatter_chunk(self.arrays, chunk, src)
+
+    def keep(self) -> list[Any]:
+        return list(self.arrays)
+
+
+class ProcessMemory:
+    """Buffers in an engine's process at ``base`` addresses there; ``check`` raises when the
+    memory may no longer be touched (session ended, process exited) and runs before each copy."""
+
+    def __init__(self, pid: int, base: npt.NDArray[np.int64], check: Callable[[], None]) -> None:
+        self.pid = pid
+        self.base = base
+        self.check = check
+
+    def view(self, chunk: ChunkPlan) -> U8 | None:
+        return None
+
+    def iov(self, chunk: ChunkPlan) -> IovArray:
+        if chunk.contiguous is not None:
+            buf, off = chunk.contiguous
+            return np.array([[int(self.base[buf]) + off, chunk.nbytes]], dtype=np.uint64)
+        parts = []
+        for run in chunk.runs:
+            entries = np.empty((len(run.offsets), 2), dtype=np.uint64)
+            entries[:, 0] = int(self.base[run.buffer]) + run.offsets
+            entries[:, 1] = run.length
+            parts.append(entries)
+        return np.concatenate(parts) if len(parts) > 1 else parts[0]
+
+    def gather(self, chunk: ChunkPlan, out: U8) -> None:
+        self.check()
+        read_iov(self.pid, contiguous_iov(out[: chunk.nbytes]), self.iov(chunk))
+
+    def scatter(self, chunk: ChunkPlan, src: U8) -> None:
+        self.check()
+        write_iov(self.pid, contiguous_iov(src[: chunk.nbytes]), self.iov(chunk))
+
+    def keep(self) -> list[Any]:
+        return []
+
+
+def copy_between(
+    src: HostMemory, a: ChunkPlan, dst: HostMemory, b: ChunkPlan, scratch: U8 | None, single_pass: bool
+) -> None:
+    """Copy one chunk of a stream from ``src`` to ``dst``, in one pass wherever the kernel can:
+    segment to segment within this process (``single_pass``) or between it and an engine's;
+    through ``scratch`` between two engines' processes (no call reaches two other processes)."""
+    if isinstance(src, MappedMemory) and isinstance(dst, MappedMemory):
+        copy_chunk(src.arrays, a, dst.arrays, b, scratch, single_pass)
+    elif src.pid is None:
+        assert isinstance(dst, ProcessMemory)
+        dst.check()
+        write_iov(dst.pid, src.iov(a), dst.iov(b))
+    elif dst.pid is None:
+        assert isinstance(src, ProcessMemory)
+        src.check()
+        read_iov(src.pid, dst.iov(b), src.iov(a))
+    else:
+        assert scratch is not None, "a copy between two engines' processes needs scratch"
+        src.gather(a, scratch)
+        dst.scatter(b, scratch)
+
