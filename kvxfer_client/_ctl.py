@@ -28,6 +28,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ._config import channel_options, default_socket_path
+from ._memory import MEMORY_KIND_NAMES
 from ._proto import admin_pb2, admin_pb2_grpc, common_pb2
 from ._tls import TlsFiles
 from ._version import PROTOCOL_VERSION, __version__
@@ -91,6 +92,7 @@ class Ctl:
                 "pool": p.pool_id,
                 "name": p.name,
                 "engine": p.engine_name or p.session_id,
+                "memory": MEMORY_KIND_NAMES.get(p.kind, "unknown"),
                 "device": p.device or "cpu",
                 "blocks": p.num_blocks,
                 "regions": p.regions,
@@ -281,7 +283,7 @@ def _watch(args: argparse.Namespace, ctl: Ctl) -> int:
     return EXIT_OK
 
 
-POOL_COLUMNS = ("pool", "engine", "device", "blocks", "regions", "bytes", "offers", "fingerprint")
+POOL_COLUMNS = ("pool", "engine", "memory", "device", "blocks", "regions", "bytes", "offers", "fingerprint")
 OFFER_COLUMNS = ("offer", "pool", "blocks", "bytes", "state", "lease_left_s")
 PEER_COLUMNS = ("peer", "address", "host", "state", "version", "transports", "hello_age_s")
 TRANSFER_COLUMNS = (

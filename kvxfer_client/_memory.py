@@ -30,10 +30,19 @@ import numpy as np
 import numpy.typing as npt
 
 from ._errors import InvalidRequestError, ResourceExhaustedError
+from ._proto import common_pb2
 
-__all__ = ["SHM_DIR", "HostBuffer", "check_shm_name"]
+__all__ = ["MEMORY_KIND_NAMES", "SHM_DIR", "HostBuffer", "check_shm_name"]
 
 SHM_DIR = "/dev/shm"
+
+#: How kvxferctl, the metrics and the logs name a pool's memory: "host" (shared memory passed as
+#: a descriptor), "process" (the engine's own memory, reached through the kernel), "cuda".
+MEMORY_KIND_NAMES: dict[int, str] = {
+    common_pb2.MEMORY_KIND_HOST_SHM: "host",
+    common_pb2.MEMORY_KIND_HOST_PROCESS: "process",
+    common_pb2.MEMORY_KIND_CUDA_IPC: "cuda",
+}
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
 
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvxfer_client._proto import common_pb2
+from kvxfer_client._memory import MEMORY_KIND_NAMES
 
 if TYPE_CHECKING:
     from ._offers import Offer
@@ -29,12 +29,6 @@ if TYPE_CHECKING:
     from .memory.pools import Pool
 
 __all__ = ["NodeSnapshot", "OfferView", "PeerView", "PoolView", "SnapshotHandover", "StagingView"]
-
-_MEMORY_KINDS: dict[int, str] = {
-    common_pb2.MEMORY_KIND_HOST_SHM: "host",
-    common_pb2.MEMORY_KIND_HOST_PROCESS: "process",
-    common_pb2.MEMORY_KIND_CUDA_IPC: "cuda",
-}
 
 
 @dataclass(frozen=True)
@@ -62,7 +56,7 @@ class PoolView:
             session_label=session.label if session else "",
             engine_name=session.engine_name if session else "",
             kind=p.kind,
-            memory_kind=_MEMORY_KINDS.get(p.kind, "unknown"),
+            memory_kind=MEMORY_KIND_NAMES.get(p.kind, "unknown"),
             device=p.device_name,
             buffers=len(p.layout.buffer_sizes()),
             nbytes=p.nbytes,

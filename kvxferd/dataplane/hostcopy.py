@@ -9,7 +9,7 @@ operations and the kernel's scatter-gather copy (:mod:`.cma`) take.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -17,7 +17,7 @@ import numpy.typing as npt
 from .cma import copy_iov
 from .plan import ChunkPlan
 
-__all__ = ["chunk_iov", "contiguous_iov", "copy_chunk", "gather_chunk", "scatter_chunk"]
+__all__ = ["chunk_iov", "contiguous_iov", "copy_chunk", "gather_chunk", "iov_at", "scatter_chunk"]
 
 U8 = npt.NDArray[np.uint8]
 
@@ -40,12 +40,20 @@ def _rows(buf: U8, offsets: npt.NDArray[np.int64], length: int) -> tuple[U8, npt
 def chunk_iov(arrays: Sequence[U8], chunk: ChunkPlan) -> npt.NDArray[np.uint64]:
     """The chunk's pieces as ``(address, length)`` rows (``ucp_dt_iov_t``, ``struct iovec``),
     in stream order."""
+    used = {chunk.contiguous[0]} if chunk.contiguous is not None else {run.buffer for run in chunk.runs}
+    return iov_at({i: int(arrays[i].ctypes.data) for i in used}, chunk)
+
+
+def iov_at(base: Mapping[int, int] | npt.NDArray[np.int64], chunk: ChunkPlan) -> npt.NDArray[np.uint64]:
+    """The chunk's pieces as ``(address, length)`` rows, with buffer *i* at ``base[i]`` (in
+    this process, or in the engine's process the rows are meant for)."""
     if chunk.contiguous is not None:
-        return contiguous_iov(chunk_view(arrays, chunk))
+        buf, off = chunk.contiguous
+        return np.array([[int(base[buf]) + off, chunk.nbytes]], dtype=np.uint64)
     parts = []
     for run in chunk.runs:
         entries = np.empty((len(run.offsets), 2), dtype=np.uint64)
-        entries[:, 0] = arrays[run.buffer].ctypes.data + run.offsets
+        entries[:, 0] = int(base[run.buffer]) + run.offsets
         entries[:, 1] = run.length
         parts.append(entries)
     return np.concatenate(parts) if len(parts) > 1 else parts[0]

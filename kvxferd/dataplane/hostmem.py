@@ -26,14 +26,17 @@ Both offer the same four operations, so the handoff paths do not ask which one t
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
+from kvxfer_client._errors import UnavailableError
+
 from .cma import read_iov, write_iov
-from .hostcopy import chunk_iov, chunk_view, contiguous_iov, copy_chunk, gather_chunk, scatter_chunk
+from .hostcopy import chunk_iov, chunk_view, contiguous_iov, copy_chunk, gather_chunk, iov_at, scatter_chunk
 from .plan import ChunkPlan
 
 __all__ = ["HostMemory", "MappedMemory", "ProcessMemory", "copy_between"]
@@ -92,7 +95,7 @@ class ProcessMemory:
     memory may no longer be touched (session ended, process exited) and runs before each copy."""
 
     def __init__(self, pid: int, base: npt.NDArray[np.int64], check: Callable[[], None]) -> None:
-        self.pid = pid
+        self.pid: int = pid
         self.base = base
         self.check = check
 
@@ -100,27 +103,34 @@ class ProcessMemory:
         return None
 
     def iov(self, chunk: ChunkPlan) -> IovArray:
-        if chunk.contiguous is not None:
-            buf, off = chunk.contiguous
-            return np.array([[int(self.base[buf]) + off, chunk.nbytes]], dtype=np.uint64)
-        parts = []
-        for run in chunk.runs:
-            entries = np.empty((len(run.offsets), 2), dtype=np.uint64)
-            entries[:, 0] = int(self.base[run.buffer]) + run.offsets
-            entries[:, 1] = run.length
-            parts.append(entries)
-        return np.concatenate(parts) if len(parts) > 1 else parts[0]
+        return iov_at(self.base, chunk)
 
     def gather(self, chunk: ChunkPlan, out: U8) -> None:
-        self.check()
-        read_iov(self.pid, contiguous_iov(out[: chunk.nbytes]), self.iov(chunk))
+        self.read_into(contiguous_iov(out[: chunk.nbytes]), chunk)
 
     def scatter(self, chunk: ChunkPlan, src: U8) -> None:
-        self.check()
-        write_iov(self.pid, contiguous_iov(src[: chunk.nbytes]), self.iov(chunk))
+        self.write_from(contiguous_iov(src[: chunk.nbytes]), chunk)
 
     def keep(self) -> list[Any]:
         return []
+
+    def read_into(self, local: IovArray, chunk: ChunkPlan) -> None:
+        """Copy the chunk from the engine's process into ``local`` (rows in this process)."""
+        self._move(read_iov, local, chunk)
+
+    def write_from(self, local: IovArray, chunk: ChunkPlan) -> None:
+        """Copy ``local`` (rows in this process) into the chunk in the engine's process."""
+        self._move(write_iov, local, chunk)
+
+    def _move(self, call: Callable[[int, IovArray, IovArray], None], local: IovArray, chunk: ChunkPlan) -> None:
+        self.check()
+        try:
+            call(self.pid, local, self.iov(chunk))
+        except OSError as exc:
+            if exc.errno == errno.ESRCH:
+                raise UnavailableError(f"the engine process {self.pid} exited") from None
+            self.check()  # the session ended or the process exited meanwhile: say that
+            raise UnavailableError(f"cannot reach engine process {self.pid}'s memory: {exc}") from None
 
 
 def copy_between(
@@ -131,16 +141,11 @@ def copy_between(
     through ``scratch`` between two engines' processes (no call reaches two other processes)."""
     if isinstance(src, MappedMemory) and isinstance(dst, MappedMemory):
         copy_chunk(src.arrays, a, dst.arrays, b, scratch, single_pass)
-    elif src.pid is None:
-        assert isinstance(dst, ProcessMemory)
-        dst.check()
-        write_iov(dst.pid, src.iov(a), dst.iov(b))
-    elif dst.pid is None:
-        assert isinstance(src, ProcessMemory)
-        src.check()
-        read_iov(src.pid, dst.iov(b), src.iov(a))
+    elif isinstance(dst, ProcessMemory) and src.pid is None:
+        dst.write_from(src.iov(a), b)
+    elif isinstance(src, ProcessMemory) and dst.pid is None:
+        src.read_into(dst.iov(b), a)
     else:
         assert scratch is not None, "a copy between two engines' processes needs scratch"
         src.gather(a, scratch)
         dst.scatter(b, scratch)
-

@@ -113,3 +113,33 @@ def test_the_systemd_units_model_a_daemon_user_and_engines_of_another_user_hand_
         assert result["ok"], result
         assert decode("verify", seed=5, pairs=[[[1, 2, 3], [7, 0, 4]]])["verified"]
     assert os.stat(f"{run}/a.sock").st_gid == DAEMON_UID
+
+
+def test_engine_memory_of_another_user_is_refused_naming_the_fix_and_of_the_same_user_hands_off(
+    cluster: Cluster,
+) -> None:
+    """Process memory (numpy arrays, torch tensors) is reached through the kernel, which lets a
+    daemon read only its own user's processes (without CAP_SYS_PTRACE)."""
+    os.chmod(cluster.workdir, 0o1777)
+    daemon = cluster.daemon(
+        "a",
+        "--engine-socket-group",
+        str(DAEMON_UID),
+        prefix=as_user(DAEMON_UID, DAEMON_UID),
+    )
+    shape = {"layers": 2, "blocks": 8, "block_bytes": 4096}
+    stranger = cluster.engine(daemon, "other-user", prefix=as_user(ENGINE_UID, ENGINE_UID, groups=[DAEMON_UID]))
+    refused = stranger.call("pool", shape=shape, memory="numpy")
+    assert refused["type"] == "PermissionDeniedError", refused
+    assert f"kvxferd runs as uid {DAEMON_UID}, the engine as uid {ENGINE_UID}" in refused["error"]
+    assert "HostBuffer.create" in refused["error"]
+    assert stranger("pool", shape=shape, memory="host")["pool_id"]  # the fix it names works
+
+    same_user = as_user(DAEMON_UID, DAEMON_UID)
+    prefill = cluster.engine(daemon, "p", prefix=same_user)
+    decode = cluster.engine(daemon, "d", prefix=same_user)
+    prefill("pool", shape=shape, seed=6, memory="torch")
+    decode("pool", shape=shape, memory="numpy")
+    ticket = prefill("offer", requests=[[1, 2, 3]])["tickets"][0]
+    assert decode("pull", pulls=[[ticket, [5, 6, 7]]])["results"][0]["ok"]
+    assert decode("verify", seed=6, pairs=[[[1, 2, 3], [5, 6, 7]]])["verified"]
