@@ -7,7 +7,7 @@ memory takes one), and a remote one through staging on both daemons. This measur
 costs next to shared-memory pools, on the same daemons, rounds alternating between the two
 (the order flips each round) so both see the same machine state.
 
-Run: ``python -m bench.process_memory [--workload b16] [--rounds 5] [--iters 3]``. Prints one
+Run: ``python -m bench.process_memory [--workload b16] [--rounds 5] [--iters 3] [--memory torch]``. Prints one
 line per round and a summary with each path's median ratio (process / shared memory).
 """
 
@@ -23,7 +23,6 @@ from .cluster import Cluster
 from .workloads import WORKLOADS, run_sequential
 
 SEED = 13
-MEMORIES = ("host", "numpy")  # the bench engine's names: shared memory, the engine's own heap
 
 
 def main() -> None:
@@ -31,13 +30,16 @@ def main() -> None:
     parser.add_argument("--workload", default="b16", choices=sorted(WORKLOADS))
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--memory", choices=["numpy", "torch"], default="numpy", help="the engine-owned side")
     args = parser.parse_args()
+    own = args.memory
+    memories = ("host", own)  # the bench engine's names: shared memory, the engine's own heap
     w = WORKLOADS[args.workload]
     rng = np.random.default_rng(SEED)
     with Cluster() as cluster:
         a, b = cluster.daemon("pm-a"), cluster.daemon("pm-b")
         engines = {}
-        for memory in MEMORIES:
+        for memory in memories:
             prefill = cluster.engine(a, f"prefill-{memory}")
             prefill("pool", shape=w.shape, seed=SEED, memory=memory)
             for path, daemon in (("local", a), ("remote", b)):
@@ -48,7 +50,7 @@ def main() -> None:
         ratios: dict[str, list[float]] = {"local": [], "remote": []}
         gbps: dict[tuple[str, str], list[float]] = {key: [] for key in engines}
         for r in range(args.rounds):
-            order = MEMORIES if r % 2 == 0 else MEMORIES[::-1]
+            order = memories if r % 2 == 0 else memories[::-1]
             got: dict[tuple[str, str], float] = {}
             for memory in order:
                 for path in ("local", "remote"):
@@ -57,12 +59,12 @@ def main() -> None:
                     got[memory, path] = row["gbps"]
                     gbps[memory, path].append(row["gbps"])
             for path in ratios:
-                ratios[path].append(got["numpy", path] / got["host", path])
+                ratios[path].append(got[own, path] / got["host", path])
             print(json.dumps({"round": r, **{f"{m}_{p}_gbps": v for (m, p), v in got.items()}}), flush=True)
         print(
             json.dumps(
                 {
-                    "summary": f"{w.name}: the engine's own memory (numpy) / shared memory, same daemons, same run",
+                    "summary": f"{w.name}: the engine's own memory ({own}) / shared memory, same daemons, same run",
                     **{f"{m}_{p}_gbps_median": statistics.median(v) for (m, p), v in gbps.items()},
                     **{f"ratio_{p}_median": statistics.median(v) for p, v in ratios.items()},
                     "ratios": ratios,

@@ -24,7 +24,7 @@ import grpc
 import numpy as np
 
 from ._call_stream import CallStream, CallStreamUnsupportedError
-from ._config import call_stream_enabled, channel_options, default_socket_path
+from ._config import call_stream_enabled, channel_options, default_socket_path, huge_pages_enabled
 from ._cuda import describe_cuda_tensor, is_cuda_tensor
 from ._errors import (
     DeadlineExceededError,
@@ -35,7 +35,7 @@ from ._errors import (
 )
 from ._events import OfferReleased, TransferFailed, event_from_proto
 from ._fds import attach_process, pass_fds
-from ._host_tensor import allow_daemon, host_tensor_extent, is_host_tensor
+from ._host_tensor import advise_huge_pages, allow_daemon, host_tensor_extent, is_host_tensor
 from ._layout import MAX_BLOCKS, Layout
 from ._memory import HostBuffer
 from ._proto import common_pb2, engine_pb2, engine_pb2_grpc
@@ -619,6 +619,8 @@ def _buffer_spec(buf: Any) -> common_pb2.BufferSpec:
                 "(numpy, torch: __array_interface__ or DLPack) or GPU tensors (__cuda_array_interface__ or DLPack)"
             )
         address, size = host_tensor_extent(buf)
+        if huge_pages_enabled():
+            advise_huge_pages(address, size)
         return common_pb2.BufferSpec(kind=common_pb2.MEMORY_KIND_HOST_PROCESS, size=size, process_address=address)
     spec = describe_cuda_tensor(buf)
     return common_pb2.BufferSpec(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["MAX_MESSAGE_BYTES", "call_stream_enabled", "default_socket_path"]
+__all__ = ["MAX_MESSAGE_BYTES", "call_stream_enabled", "default_socket_path", "huge_pages_enabled"]
 
 #: gRPC message size limit on every channel and server (block id lists stay far below it).
 MAX_MESSAGE_BYTES = 16 << 20
@@ -41,9 +41,26 @@ def call_stream_enabled() -> bool:
     >>> del os.environ["KVXFER_CALL_STREAM"]; call_stream_enabled()
     True
     """
-    value = os.environ.get("KVXFER_CALL_STREAM", "1").strip().lower()
+    return _flag("KVXFER_CALL_STREAM", True)
+
+
+def huge_pages_enabled() -> bool:
+    """Whether registering CPU tensors as they are also asks the kernel for transparent huge
+    pages on them (``madvise(MADV_HUGEPAGE)`` and ``MADV_COLLAPSE``): ``$KVXFER_HUGE_PAGES``,
+    on by default. See ``kvxfer_client._host_tensor.advise_huge_pages``.
+
+    >>> os.environ["KVXFER_HUGE_PAGES"] = "0"; huge_pages_enabled()
+    False
+    >>> del os.environ["KVXFER_HUGE_PAGES"]; huge_pages_enabled()
+    True
+    """
+    return _flag("KVXFER_HUGE_PAGES", True)
+
+
+def _flag(name: str, default: bool) -> bool:
+    value = os.environ.get(name, "1" if default else "0").strip().lower()
     if value in ("1", "true", "yes", "on"):
         return True
     if value in ("0", "false", "no", "off"):
         return False
-    raise ValueError(f"KVXFER_CALL_STREAM must be 1/true/yes/on or 0/false/no/off, not {value!r}")
+    raise ValueError(f"{name} must be 1/true/yes/on or 0/false/no/off, not {value!r}")

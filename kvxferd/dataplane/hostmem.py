@@ -35,6 +35,7 @@ import numpy.typing as npt
 
 from kvxfer_client._errors import UnavailableError
 
+from .aligned import view_like
 from .cma import read_iov, write_iov
 from .hostcopy import chunk_iov, chunk_view, contiguous_iov, copy_chunk, gather_chunk, iov_at, scatter_chunk
 from .plan import ChunkPlan
@@ -55,6 +56,9 @@ class HostMemory(Protocol):
 
     def iov(self, chunk: ChunkPlan) -> IovArray:
         """The chunk's pieces as ``(address, length)`` rows, in the owning process."""
+
+    def stage(self, chunk: ChunkPlan, buf: U8) -> U8:
+        """Where in ``buf`` (a staging or scratch buffer) the chunk is best staged."""
 
     def gather(self, chunk: ChunkPlan, out: U8) -> None:
         """Pack the chunk into ``out[:chunk.nbytes]``."""
@@ -80,6 +84,9 @@ class MappedMemory:
     def iov(self, chunk: ChunkPlan) -> IovArray:
         return chunk_iov(self.arrays, chunk)
 
+    def stage(self, chunk: ChunkPlan, buf: U8) -> U8:
+        return buf[: chunk.nbytes]  # pools are mapped page-aligned, like the buffers
+
     def gather(self, chunk: ChunkPlan, out: U8) -> None:
         gather_chunk(self.arrays, chunk, out)
 
@@ -104,6 +111,15 @@ class ProcessMemory:
 
     def iov(self, chunk: ChunkPlan) -> IovArray:
         return iov_at(self.base, chunk)
+
+    def stage(self, chunk: ChunkPlan, buf: U8) -> U8:
+        """At the offset modulo 64 of the chunk's first byte in the engine (see
+        :func:`.aligned.view_like`)."""
+        if chunk.contiguous is not None:
+            first = int(self.base[chunk.contiguous[0]]) + chunk.contiguous[1]
+        else:
+            first = int(self.base[chunk.runs[0].buffer]) + int(chunk.runs[0].offsets[0])
+        return view_like(buf, chunk.nbytes, first)
 
     def gather(self, chunk: ChunkPlan, out: U8) -> None:
         self.read_into(contiguous_iov(out[: chunk.nbytes]), chunk)
@@ -147,5 +163,6 @@ def copy_between(
         src.read_into(dst.iov(b), a)
     else:
         assert scratch is not None, "a copy between two engines' processes needs scratch"
-        src.gather(a, scratch)
-        dst.scatter(b, scratch)
+        staged = dst.stage(b, scratch)  # aligned for the write: reads are fast either way
+        src.gather(a, staged)
+        dst.scatter(b, staged)

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .aligned import aligned_empty
+from .aligned import CACHE_LINE, aligned_empty
 
 __all__ = ["StagingLease", "StagingPool"]
 
@@ -33,8 +33,8 @@ U8 = npt.NDArray[np.uint8]
 
 def _host_buffer(nbytes: int) -> U8:
     # Touch every page now (np.zeros would map them lazily): a first-use page fault costs more
-    # than the copy itself.
-    buf = aligned_empty(nbytes)
+    # than the copy itself. The slack lets a chunk sit at an engine buffer's alignment.
+    buf = aligned_empty(nbytes + CACHE_LINE)
     buf.fill(0)
     return buf
 

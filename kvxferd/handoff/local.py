@@ -22,7 +22,7 @@ from kvxfer_client._ticket import Ticket
 
 from .._offers import OfferTable
 from .._transfers import TransferRecord
-from ..dataplane.aligned import aligned_empty
+from ..dataplane.aligned import CACHE_LINE, aligned_empty
 from ..dataplane.gpu_kernel import BlockSide
 from ..dataplane.gpucopy import GpuDevices
 from ..dataplane.hostmem import HostMemory, copy_between
@@ -156,6 +156,6 @@ def _scratch(nbytes: int) -> Any:
     key = (threading.get_ident(), nbytes)
     buf = _SCRATCH.get(key)
     if buf is None:
-        buf = _SCRATCH[key] = aligned_empty(nbytes)
+        buf = _SCRATCH[key] = aligned_empty(nbytes + CACHE_LINE)
         buf.fill(0)
     return buf

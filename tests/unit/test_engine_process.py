@@ -134,3 +134,29 @@ def test_a_second_attachment_of_another_process_is_refused(child: Child) -> None
     with pytest.raises(PermissionDeniedError, match="attached to engine process"):
         session.attach(other)
     assert session.process is not None and session.process.pid == child.proc.pid
+
+
+def _anon_huge_kb() -> int:
+    with open("/proc/self/smaps_rollup") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("AnonHugePages:"))
+
+
+def test_registering_cpu_tensors_asks_for_huge_pages_on_their_whole_2mib_pages() -> None:
+    import mmap
+
+    with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+        if "[never]" in f.read():
+            pytest.skip("transparent huge pages are off on this kernel")
+    from kvxfer_client._host_tensor import advise_huge_pages
+
+    region = mmap.mmap(-1, 10 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    arr = np.frombuffer(region, dtype=np.uint8)
+    arr[:] = 1  # faulted in as 4 KiB pages (no advice yet)
+    before = _anon_huge_kb()
+    start = arr.ctypes.data + 4096  # not on a 2 MiB boundary: only whole huge pages inside count
+    advised = advise_huge_pages(start, (8 << 20) + 8192)
+    assert advised in (6 << 20, 8 << 20)  # 3 or 4 whole 2 MiB pages, by where the mapping fell
+    assert _anon_huge_kb() - before >= advised >> 10  # collapsed now, not some day
+    assert (arr == 1).all()  # the contents stay
+    del arr
+    region.close()
