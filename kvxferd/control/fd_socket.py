@@ -135,7 +135,9 @@ class FdSocket:
             self._drop(fd)
 
     def _answer(self, conn: socket.socket, msg: bytes, passed: list[int], flags: int) -> dict[str, object]:
-        if flags & (socket.MSG_CTRUNC | socket.MSG_TRUNC):
+        if flags & socket.MSG_TRUNC:
+            raise InvalidRequestError(f"a message is at most {_MESSAGE_BYTES} bytes")
+        if flags & socket.MSG_CTRUNC:
             raise InvalidRequestError(f"a message carries at most {MAX_FDS_PER_MESSAGE} descriptors")
         try:
             request = json.loads(msg)

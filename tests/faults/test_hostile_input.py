@@ -338,6 +338,14 @@ def test_hostile_offers_are_invalid_arguments(target: Target, what: str, request
         ("no kind", common_pb2.BufferSpec(size=4096, shm_name="x"), "INVALID_ARGUMENT"),
         ("unknown fd handle", common_pb2.BufferSpec(kind=1, size=4096, fd_handle="fd-0123"), "INVALID_ARGUMENT"),
         ("no fd handle", common_pb2.BufferSpec(kind=1, size=4096), "INVALID_ARGUMENT"),
+        # The target's engine never attached its process: no address of it is looked at.
+        (
+            "process memory, not attached",
+            common_pb2.BufferSpec(kind=3, size=4096, process_address=1 << 40),
+            "INVALID_ARGUMENT",
+        ),
+        ("process memory, no address", common_pb2.BufferSpec(kind=3, size=4096), "INVALID_ARGUMENT"),
+        ("unknown kind", common_pb2.BufferSpec(kind=9, size=4096), "INVALID_ARGUMENT"),
     ],
 )
 def test_hostile_pool_registrations_are_refused(target: Target, what: str, buffer: Any, code: str) -> None:

@@ -82,6 +82,24 @@ def test_mixed_host_and_gpu_pools_arrive_exact(two_daemons: Cluster, path: str, 
 
 
 @pytest.mark.gpu
+def test_engine_owned_cpu_memory_meets_gpu_pools_remotely_and_is_refused_locally(two_daemons: Cluster) -> None:
+    """GPU kernels reach only memory mapped into the daemon: a local handoff between a GPU pool
+    and an engine's own numpy memory is refused before the offer is touched; between daemons
+    each side moves its own memory, and it works."""
+    shape = {"layers": 2, "blocks": 64, "block_bytes": 16 << 10}
+    prefill, remote_decode = pair(two_daemons, "remote", shape, seed=6, tag="proc2gpu", src="numpy", dst="gpu")
+    [(pairs, _)] = handoffs(prefill, remote_decode, 64, per=16, count=2, seed=3)
+    assert remote_decode("verify", seed=6, pairs=pairs)["verified"]
+    local_decode = two_daemons.engine(two_daemons.daemons[0], "decode-proc2gpu-local")
+    local_decode("pool", shape=shape, memory="gpu")
+    ticket = prefill("offer", requests=[[1, 2, 3]])["tickets"][0]
+    refused = local_decode("pull", pulls=[[ticket, [4, 5, 6]]])["results"][0]
+    assert not refused["ok"] and refused["type"] == "IncompatibleError", refused
+    assert "HostBuffer" in refused["error"]
+    assert remote_decode("pull", pulls=[[ticket, [4, 5, 6]]])["results"][0]["ok"]  # the offer survived
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("path", PATHS)
 def test_64_concurrent_gpu_handoffs_arrive_exact(two_daemons: Cluster, path: str) -> None:
     shape = {"layers": 4, "blocks": 1024, "block_bytes": 4096}

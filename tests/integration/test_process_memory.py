@@ -192,3 +192,34 @@ async def test_an_engine_that_exits_mid_transfer_ends_its_registration_there(clu
 def _ctl(sock: str, *args: str) -> subprocess.CompletedProcess[str]:
     cmd = [sys.executable, "-m", "kvxfer_client._ctl", "--socket", sock, *args]
     return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=30, check=True)
+
+
+async def test_hostile_fd_socket_messages_get_errors_and_the_daemon_lives(daemons: Cluster) -> None:
+    path = daemons.daemons[0].socket + ".fds"
+    async with AsyncKvxferClient(daemons.daemons[0].socket, engine_name="target") as client:
+        sid = client.session_id
+        with open(os.devnull, "rb") as devnull:
+            cases: list[tuple[bytes, list[int], str]] = [
+                (b"not json", [], "one JSON object per message"),
+                (b"[1, 2]", [], "expected"),
+                (json.dumps({"session_id": 5}).encode(), [], "expected"),
+                (json.dumps({"session_id": "sess-nope", "attach": "process"}).encode(), [], "no such session"),
+                (json.dumps({"session_id": sid, "attach": "everything"}).encode(), [], "attach"),
+                (json.dumps({"session_id": sid, "attach": "process"}).encode(), [devnull.fileno()], "nothing attached"),
+                (json.dumps({"session_id": sid}).encode(), [], "no descriptors attached"),
+                (json.dumps({"session_id": sid, "pad": "x" * 8000}).encode(), [], "at most 4096 bytes"),
+            ]
+            for message, fds, why in cases:
+                with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+                    s.settimeout(5)
+                    s.connect(path)
+                    if fds:
+                        socket.send_fds(s, [message], fds)
+                    else:
+                        s.send(message)
+                    reply = json.loads(s.recv(65536))
+                assert why in reply.get("error", ""), (message[:60], reply)
+        # Still serving, and the session can attach itself as usual.
+        await client.register_pool(
+            [np.zeros(8192, dtype=np.uint8)], Layout.paged_kv(num_layers=1, num_blocks=1, block_bytes=4096)
+        )
