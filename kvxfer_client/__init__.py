@@ -24,6 +24,7 @@ from ._errors import (
 from ._events import OfferReleased, ReleaseReason, TransferFailed
 from ._layout import Layout, ModelInfo, Region
 from ._memory import HostBuffer
+from ._tensor_layout import layout_from_tensors
 from ._ticket import Ticket
 from ._version import __version__
 
@@ -59,4 +60,5 @@ __all__ = [
     "UnavailableError",
     "__version__",
     "default_socket_path",
+    "layout_from_tensors",
 ]

@@ -23,7 +23,15 @@ from typing import Any
 
 from ._errors import InvalidRequestError
 
-__all__ = ["KDL_CPU", "KDL_CUDA", "KDL_CUDA_HOST", "KDL_CUDA_MANAGED", "c_contiguous", "dlpack_extent"]
+__all__ = [
+    "KDL_CPU",
+    "KDL_CUDA",
+    "KDL_CUDA_HOST",
+    "KDL_CUDA_MANAGED",
+    "c_contiguous",
+    "dlpack_extent",
+    "dlpack_geometry",
+]
 
 #: DLPack device types (dlpack.h ``DLDeviceType``).
 KDL_CPU = 1
@@ -66,8 +74,9 @@ class _DLTensor(ctypes.Structure):
     ]
 
 
-def dlpack_extent(obj: Any) -> tuple[int, int, int]:
-    """``(device type, address of the first byte, bytes)`` of a contiguous DLPack tensor."""
+def dlpack_geometry(obj: Any) -> tuple[int, int, tuple[int, ...], tuple[int, ...], int]:
+    """``(device type, address of the first element, shape, strides in bytes, item size)`` of a
+    DLPack tensor (strides are C-contiguous ones when the producer leaves them out)."""
     capsule = obj.__dlpack__()
     get = ctypes.pythonapi.PyCapsule_GetPointer
     get.restype = ctypes.c_void_p
@@ -75,10 +84,18 @@ def dlpack_extent(obj: Any) -> tuple[int, int, int]:
     # The capsule keeps its name: when it is garbage collected, its destructor calls the
     # producer's deleter, and the engine's own reference keeps the memory alive.
     t = _DLTensor.from_address(get(capsule, b"dltensor"))
-    shape = tuple(t.shape[i] for i in range(t.ndim))
+    shape = tuple(int(t.shape[i]) for i in range(t.ndim))
     itemsize = t.dtype.bits * t.dtype.lanes // 8
     if t.strides:
-        byte_strides = tuple(t.strides[i] * itemsize for i in range(t.ndim))
-        if not c_contiguous(shape, byte_strides, itemsize):
-            raise InvalidRequestError(NOT_CONTIGUOUS)
-    return int(t.device.device_type), int(t.data or 0) + int(t.byte_offset), math.prod(shape) * itemsize
+        strides = tuple(int(t.strides[i]) * itemsize for i in range(t.ndim))
+    else:
+        strides = tuple(itemsize * math.prod(shape[i + 1 :]) for i in range(t.ndim))
+    return int(t.device.device_type), int(t.data or 0) + int(t.byte_offset), shape, strides, itemsize
+
+
+def dlpack_extent(obj: Any) -> tuple[int, int, int]:
+    """``(device type, address of the first byte, bytes)`` of a contiguous DLPack tensor."""
+    device, ptr, shape, strides, itemsize = dlpack_geometry(obj)
+    if not c_contiguous(shape, strides, itemsize):
+        raise InvalidRequestError(NOT_CONTIGUOUS)
+    return device, ptr, math.prod(shape) * itemsize
