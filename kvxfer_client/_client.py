@@ -392,8 +392,13 @@ class AsyncKvxferClient:
         *,
         transfer_id: str = "",
         timeout_s: float = 60.0,
+        offer_block_indices: Sequence[int] | np.ndarray[Any, Any] | None = None,
     ) -> PullResult:
         """Copy the ticket's blocks into ``block_ids`` of ``pool``; returns once they landed.
+
+        ``offer_block_indices``: pull only the ticket's blocks at these positions of its list
+        (e.g. ``range(k, n)`` when the first ``k`` are already in this engine's prefix cache),
+        one destination id each. The offer is released as pulled either way.
 
         Past ``timeout_s`` the pull fails with :class:`DeadlineExceededError`, at most a few
         seconds later: the daemon first makes sure UCX writes no more into the destination,
@@ -401,8 +406,14 @@ class AsyncKvxferClient:
         """
         ticket = _as_ticket(ticket)
         ids = _block_ids(block_ids, "dst block_ids")
-        if len(ids) != ticket.num_blocks:
-            raise InvalidRequestError(f"the ticket holds {ticket.num_blocks} blocks, {len(ids)} destination ids given")
+        indices = [] if offer_block_indices is None else _block_ids(offer_block_indices, "offer_block_indices")
+        wanted = len(indices) if offer_block_indices is not None else ticket.num_blocks
+        if len(ids) != wanted:
+            raise InvalidRequestError(
+                f"the pull moves {wanted} of the ticket's blocks, {len(ids)} destination ids given"
+            )
+        if indices and max(indices) >= ticket.num_blocks:
+            raise InvalidRequestError(f"offer_block_indices reach {max(indices)}; the ticket holds {ticket.num_blocks}")
         await self._ready()
         pool_id = pool.pool_id if isinstance(pool, Pool) else pool
         req = engine_pb2.PullRequest(
@@ -412,6 +423,7 @@ class AsyncKvxferClient:
             transfer_id=transfer_id,
             timeout_s=timeout_s,
             session_id=self.session_id,
+            offer_block_indices=indices,
         )
         # The daemon enforces timeout_s; the RPC deadline leaves it room to say why it failed
         # and whether the destination may still be written (see PULL_ANSWER_MARGIN_S).
@@ -542,8 +554,17 @@ class KvxferClient:
         *,
         transfer_id: str = "",
         timeout_s: float = 60.0,
+        offer_block_indices: Sequence[int] | np.ndarray[Any, Any] | None = None,
     ) -> PullResult:
-        return self.start_pull(ticket, pool, block_ids, transfer_id=transfer_id, timeout_s=timeout_s).result()
+        future = self.start_pull(
+            ticket,
+            pool,
+            block_ids,
+            transfer_id=transfer_id,
+            timeout_s=timeout_s,
+            offer_block_indices=offer_block_indices,
+        )
+        return future.result()
 
     def start_pull(
         self,
@@ -553,10 +574,18 @@ class KvxferClient:
         *,
         transfer_id: str = "",
         timeout_s: float = 60.0,
+        offer_block_indices: Sequence[int] | np.ndarray[Any, Any] | None = None,
     ) -> concurrent.futures.Future[PullResult]:
         """Like :meth:`pull` but returns at once; the future completes when the bytes landed
         (or holds the :class:`KvxferError` that ended the pull)."""
-        coro = self._async.pull(ticket, pool, block_ids, transfer_id=transfer_id, timeout_s=timeout_s)
+        coro = self._async.pull(
+            ticket,
+            pool,
+            block_ids,
+            transfer_id=transfer_id,
+            timeout_s=timeout_s,
+            offer_block_indices=offer_block_indices,
+        )
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     def watch_release(self, offer_id: str, timeout_s: float | None = None) -> concurrent.futures.Future[OfferReleased]:

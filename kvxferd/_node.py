@@ -21,6 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
+import numpy as np
+import numpy.typing as npt
 
 from kvxfer_client._errors import PermissionDeniedError, UnavailableError
 from kvxfer_client._proto import common_pb2, peer_pb2
@@ -251,12 +253,13 @@ class Node:
         block_ids: Sequence[int],
         timeout_s: float,
         transfer_id: str = "",
+        offer_block_indices: npt.NDArray[np.int64] | None = None,
     ) -> TransferRecord:
         if self.draining:
             raise UnavailableError("kvxferd is draining: no new pulls")
         pool = self.owned_pool(pool_id, session_id)
         ids = check_block_ids(block_ids, pool.layout.num_blocks, "pull destination")
-        return await self.pulls.pull(ticket, pool, ids, timeout_s, transfer_id)
+        return await self.pulls.pull(ticket, pool, ids, timeout_s, transfer_id, offer_block_indices)
 
     async def serve(self, start: ServeRequest, stream: OffererStream) -> None:
         if self.server is None:

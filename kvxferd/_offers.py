@@ -23,7 +23,7 @@ from kvxfer_client._proto import common_pb2
 
 from ._log import log_event
 from ._sessions import check_owner
-from .memory.pools import Pool
+from .memory.pools import Pool, check_block_ids
 
 __all__ = ["Offer", "OfferTable", "ReleaseSink"]
 
@@ -54,6 +54,13 @@ class Offer:
     nbytes: int
     state: str = OFFERED
     timer: asyncio.TimerHandle | None = None
+
+    def blocks_at(self, indices: npt.NDArray[np.int64] | None) -> npt.NDArray[np.int64]:
+        """The blocks a pull moves: all of the offer's (``indices`` None), or those at these
+        positions of its block list (checked: in range, no repeats)."""
+        if indices is None:
+            return self.block_ids
+        return self.block_ids[check_block_ids(indices, len(self.block_ids), "offer_block_indices")]
 
 
 #: Called once per released offer: ``(offer, reason, detail, transfer_id)``.

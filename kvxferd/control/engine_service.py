@@ -85,8 +85,9 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
         ticket = wire.ticket(request.ticket)
         timeout = wire.pull_timeout_s(request.timeout_s, self.node.settings.pull_timeout_s)
         transfer_id = wire.transfer_id(request.transfer_id)
+        indices = wire.offer_block_indices(request.offer_block_indices)
         record = await self.node.pull(
-            request.session_id, request.pool_id, ticket, request.block_ids, timeout, transfer_id
+            request.session_id, request.pool_id, ticket, request.block_ids, timeout, transfer_id, indices
         )
         return engine_pb2.PullResponse(
             transfer_id=record.transfer_id,

@@ -14,8 +14,13 @@ kvxfer_client.InvalidRequestError: lease_s must be in (0, 3600.0], got 7200
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
 
 from kvxfer_client._errors import InvalidRequestError
+from kvxfer_client._layout import MAX_BLOCKS
 from kvxfer_client._proto import common_pb2, peer_pb2
 from kvxfer_client._ticket import Ticket
 
@@ -64,6 +69,16 @@ def pull_timeout_s(value: float, default: float) -> float:
     return timeout
 
 
+def offer_block_indices(values: Sequence[int]) -> npt.NDArray[np.int64] | None:
+    """A pull's positions in the offer's block list (None: all). Their range and repeats are
+    checked against the offer, which only the offering daemon knows for sure."""
+    if not values:
+        return None
+    if len(values) > MAX_BLOCKS:
+        raise InvalidRequestError(f"more than {MAX_BLOCKS} offer_block_indices")
+    return np.asarray(values, dtype=np.int64)
+
+
 def serve_request(msg: peer_pb2.TransferStart, default_timeout_s: float) -> ServeRequest:
     """A peer's ``start``: chunk size and ids in range (the offer and token are checked when
     the offer is claimed)."""
@@ -79,6 +94,7 @@ def serve_request(msg: peer_pb2.TransferStart, default_timeout_s: float) -> Serv
         receiver_daemon_id=msg.receiver_daemon_id,
         receiver_signature=msg.receiver_signature,
         num_blocks=msg.num_blocks,
+        offer_block_indices=offer_block_indices(msg.offer_block_indices),
         tag_base=msg.tag_base,
         chunk_bytes=msg.chunk_bytes,
         timeout_s=min(msg.timeout_s or default_timeout_s, MAX_PULL_TIMEOUT_S),

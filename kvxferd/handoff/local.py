@@ -53,27 +53,38 @@ class LocalHandoff:
         self.single_pass = single_pass
         self._gpu = gpu
 
-    async def pull(self, record: TransferRecord, ticket: Ticket, dst: Pool, dst_ids: np.ndarray[Any, Any]) -> None:
-        """Claim the ticket's offer, copy its blocks into ``dst_ids`` of ``dst``, release the
-        offer as pulled (as failed when the copy did not finish)."""
+    async def pull(
+        self,
+        record: TransferRecord,
+        ticket: Ticket,
+        dst: Pool,
+        dst_ids: np.ndarray[Any, Any],
+        indices: np.ndarray[Any, Any] | None = None,
+    ) -> None:
+        """Claim the ticket's offer, copy its blocks (those at ``indices`` of its list, or all)
+        into ``dst_ids`` of ``dst``, release the offer as pulled (as failed when the copy did
+        not finish)."""
         offer = self.offers.claim(ticket.offer_id, ticket.token)
         record.transport = "local-copy"
         src = offer.pool
-        mismatch = signature_mismatch(src.layout.signature(), dst.layout.signature())
-        if mismatch:
-            self.offers.unclaim(offer)
-            raise IncompatibleError(f"incompatible layouts: {mismatch}")
-        if (src.on_gpu or dst.on_gpu) and (src.process or dst.process):
-            self.offers.unclaim(offer)
-            raise IncompatibleError(PROCESS_MEMORY_OFF_GPU)
+        try:
+            mismatch = signature_mismatch(src.layout.signature(), dst.layout.signature())
+            if mismatch:
+                raise IncompatibleError(f"incompatible layouts: {mismatch}")
+            if (src.on_gpu or dst.on_gpu) and (src.process or dst.process):
+                raise IncompatibleError(PROCESS_MEMORY_OFF_GPU)
+            src_ids = offer.blocks_at(indices)
+        except BaseException:
+            self.offers.unclaim(offer)  # refused before anything moved: the offer stays pullable
+            raise
         try:
             started = time.perf_counter()
             if src.on_gpu or dst.on_gpu:
                 with src.in_use():
-                    record.transport, record.device_s = await self._copy_gpu(src, offer.block_ids, dst, dst_ids)
-                record.nbytes = int(ticket.total_bytes)
+                    record.transport, record.device_s = await self._copy_gpu(src, src_ids, dst, dst_ids)
+                record.nbytes = len(src_ids) * src.layout.bytes_per_block
             else:
-                src_plan = build_plan(src.regions, offer.block_ids, self.chunk_bytes)
+                src_plan = build_plan(src.regions, src_ids, self.chunk_bytes)
                 dst_plan = build_plan(dst.regions, dst_ids, self.chunk_bytes)
                 record.nbytes = src_plan.total_bytes
                 with src.in_use():

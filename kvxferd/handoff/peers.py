@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+import numpy as np
+import numpy.typing as npt
 
 from kvxfer_client._config import channel_options
 from kvxfer_client._errors import (
@@ -113,11 +115,13 @@ class TransferCall:
         receiver_daemon_id: str,
         receiver_signature: common_pb2.LayoutSignature,
         num_blocks: int,
+        offer_block_indices: npt.NDArray[np.int64] | None,
         tag_base: int,
         chunk_bytes: int,
         timeout_s: float,
     ) -> None:
         start = peer_pb2.TransferStart(
+            offer_block_indices=[] if offer_block_indices is None else offer_block_indices.tolist(),
             transfer_id=transfer_id,
             offer_id=offer_id,
             token=token,

@@ -28,7 +28,7 @@ from kvxfer_client._proto import common_pb2
 from kvxfer_client._ticket import Ticket
 
 from .._transfers import TransferRecord, TransferTable
-from ..memory.pools import Pool
+from ..memory.pools import Pool, check_block_ids
 from .local import LocalHandoff
 from .remote_pull import RemotePull
 
@@ -45,12 +45,19 @@ class Pulls:
         self.remote = remote
 
     async def pull(
-        self, ticket: Ticket, dst: Pool, dst_ids: np.ndarray[Any, Any], timeout_s: float, transfer_id: str = ""
+        self,
+        ticket: Ticket,
+        dst: Pool,
+        dst_ids: np.ndarray[Any, Any],
+        timeout_s: float,
+        transfer_id: str = "",
+        indices: np.ndarray[Any, Any] | None = None,
     ) -> TransferRecord:
-        """Move the ticket's blocks into ``dst_ids`` of ``dst`` within ``timeout_s``; returns
-        the finished record. ``transfer_id`` names a retryable pull (empty: a fresh id)."""
-        _check_against(ticket, dst, dst_ids)
-        dst_key = _destination_key(dst.pool_id, dst_ids)
+        """Move the ticket's blocks (those at ``indices`` of its list, or all) into ``dst_ids``
+        of ``dst`` within ``timeout_s``; returns the finished record. ``transfer_id`` names a
+        retryable pull (empty: a fresh id)."""
+        _check_against(ticket, dst, dst_ids, indices)
+        dst_key = _destination_key(dst.pool_id, dst_ids, indices)
         if transfer_id:
             done = self.transfers.succeeded_pull(transfer_id)
             if done is not None:
@@ -69,7 +76,7 @@ class Pulls:
             common_pb2.TRANSFER_PATH_LOCAL if local else common_pb2.TRANSFER_PATH_REMOTE,
             ticket.offer_id,
             peer_daemon_id="" if local else ticket.daemon_id,
-            nbytes=ticket.total_bytes,
+            nbytes=len(dst_ids) * dst.layout.bytes_per_block,
             pools=(dst.pool_id,),
             dst_key=dst_key,
         )
@@ -80,10 +87,10 @@ class Pulls:
                 # DeadlineExceededError naming that step (see ``steps.within``).
                 async with asyncio.timeout(timeout_s) as deadline:
                     if local:
-                        await self.local.pull(record, ticket, dst, dst_ids)
+                        await self.local.pull(record, ticket, dst, dst_ids, indices)
                     else:
                         assert self.remote is not None
-                        await self.remote.pull(record, ticket, dst, dst_ids, timeout_s, deadline)
+                        await self.remote.pull(record, ticket, dst, dst_ids, indices, timeout_s, deadline)
         except KvxferError as exc:  # before TimeoutError: DeadlineExceededError is one
             self.transfers.end(record, common_pb2.TRANSFER_STATE_FAILED, str(exc), exc)
             raise _about(exc, record) from None
@@ -103,10 +110,16 @@ class Pulls:
         return record
 
 
-def _check_against(ticket: Ticket, dst: Pool, dst_ids: np.ndarray[Any, Any]) -> None:
+def _check_against(
+    ticket: Ticket, dst: Pool, dst_ids: np.ndarray[Any, Any], indices: np.ndarray[Any, Any] | None
+) -> None:
     """The ticket fits the destination: block count, layout fingerprint, byte count."""
-    if len(dst_ids) != ticket.num_blocks:
+    if indices is None and len(dst_ids) != ticket.num_blocks:
         raise InvalidRequestError(f"ticket holds {ticket.num_blocks} blocks, {len(dst_ids)} destination ids given")
+    if indices is not None:
+        if len(dst_ids) != len(indices):
+            raise InvalidRequestError(f"{len(indices)} offer_block_indices, {len(dst_ids)} destination ids given")
+        check_block_ids(indices, ticket.num_blocks, "offer_block_indices")  # the offerer checks again
     if ticket.fingerprint != dst.fingerprint:
         raise IncompatibleError(
             f"layout fingerprint mismatch: offer {ticket.fingerprint}, destination pool {dst.fingerprint}"
@@ -128,7 +141,10 @@ def _about(err: KvxferError, record: TransferRecord) -> KvxferError:
     return err
 
 
-def _destination_key(pool_id: str, ids: np.ndarray[Any, Any]) -> str:
-    """Identifies a pull's destination (pool and block ids) for idempotent retries."""
-    digest = hashlib.blake2b(np.ascontiguousarray(ids, dtype=np.int64).tobytes(), digest_size=16).hexdigest()
-    return pool_id + ":" + digest
+def _destination_key(pool_id: str, ids: np.ndarray[Any, Any], indices: np.ndarray[Any, Any] | None) -> str:
+    """Identifies a pull's source positions and destination (pool and block ids) for
+    idempotent retries."""
+    h = hashlib.blake2b(np.ascontiguousarray(ids, dtype=np.int64).tobytes(), digest_size=16)
+    if indices is not None:
+        h.update(b"|" + np.ascontiguousarray(indices, dtype=np.int64).tobytes())
+    return pool_id + ":" + h.hexdigest()

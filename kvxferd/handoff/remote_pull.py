@@ -62,10 +62,12 @@ class RemotePull:
         ticket: Ticket,
         dst: Pool,
         dst_ids: np.ndarray[Any, Any],
+        indices: np.ndarray[Any, Any] | None,
         timeout: float,
         deadline: asyncio.Timeout,
     ) -> None:
-        """Pull the ticket's offer into ``dst_ids`` of ``dst``. ``deadline`` is the pull's own;
+        """Pull the ticket's offer (the blocks at ``indices`` of its list, or all) into
+        ``dst_ids`` of ``dst``. ``deadline`` is the pull's own;
         it stops applying once ``done`` is on its way (the offerer decides from there)."""
         peer = await self.plane.dial_offerer(ticket)
         if peer.daemon_id != ticket.daemon_id:
@@ -93,6 +95,7 @@ class RemotePull:
                     receiver_daemon_id=self.daemon_id,
                     receiver_signature=dst.layout.signature(),
                     num_blocks=len(dst_ids),
+                    offer_block_indices=indices,
                     tag_base=tag_base,
                     chunk_bytes=max_chunk,
                     timeout_s=timeout,

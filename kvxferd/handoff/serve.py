@@ -14,6 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
+import numpy.typing as npt
+
 from kvxfer_client._errors import (
     CancelledError,
     DeadlineExceededError,
@@ -49,6 +52,8 @@ class ServeRequest:
     receiver_daemon_id: str
     receiver_signature: common_pb2.LayoutSignature
     num_blocks: int
+    #: Positions in the offer's block list to send (None: all).
+    offer_block_indices: npt.NDArray[np.int64] | None
     tag_base: int
     chunk_bytes: int
     #: The pull's deadline (the stream's is this plus ``peer_timeout_s``).
@@ -126,10 +131,10 @@ class TransferServer:
             mismatch = signature_mismatch(offer.pool.layout.signature(), start.receiver_signature)
             if mismatch:
                 raise IncompatibleError(f"incompatible layouts: {mismatch}")
-            if start.num_blocks != len(offer.block_ids):
-                raise InvalidRequestError(
-                    f"offer holds {len(offer.block_ids)} blocks, pull asks for {start.num_blocks}"
-                )
+            src_ids = offer.blocks_at(start.offer_block_indices)
+            if start.num_blocks != len(src_ids):
+                raise InvalidRequestError(f"the pull moves {len(src_ids)} blocks, its start says {start.num_blocks}")
+            record.nbytes = len(src_ids) * offer.pool.layout.bytes_per_block
             self.transfers.begin(record)
         except BaseException:
             self.offers.unclaim(offer)
@@ -147,7 +152,7 @@ class TransferServer:
         try:
             with offer.pool.in_use():
                 async with asyncio.timeout(start.timeout_s + self.settings.peer_timeout_s):
-                    await self._send_and_commit(start, peer, offer, record, stream)
+                    await self._send_and_commit(start, peer, offer, src_ids, record, stream)
         except BaseException as exc:
             # This handler's own deadline (a step's deadline is a DeadlineExceededError already).
             own_deadline = isinstance(exc, TimeoutError) and not isinstance(exc, KvxferError)
@@ -171,7 +176,13 @@ class TransferServer:
         self.transfers.end(record, common_pb2.TRANSFER_STATE_SUCCEEDED)
 
     async def _send_and_commit(
-        self, start: ServeRequest, peer: Peer, offer: Offer, record: TransferRecord, stream: OffererStream
+        self,
+        start: ServeRequest,
+        peer: Peer,
+        offer: Offer,
+        src_ids: npt.NDArray[np.int64],
+        record: TransferRecord,
+        stream: OffererStream,
     ) -> None:
         """accepted → every chunk → sent → (done) → commit: release as pulled → closed."""
         pool = offer.pool
@@ -181,10 +192,10 @@ class TransferServer:
         plan: SidePlan | None = None
         side: BlockSide | None = None
         if pool.device is not None:
-            side = BlockSide.of(pool.device, pool.base, pool.regions, offer.block_ids)
+            side = BlockSide.of(pool.device, pool.base, pool.regions, src_ids)
             plan = stream_plan(side.total_bytes, chunk)
         elif not self.ucx.gather_send or pool.process is not None:
-            plan = build_plan(pool.regions, offer.block_ids, chunk)  # staging depends on it
+            plan = build_plan(pool.regions, src_ids, chunk)  # staging depends on it
         ep = await self.plane.endpoint(peer)
         try:
             await self.faults.hit("endpoint_broken", transfer_id=record.transfer_id, peer=peer.daemon_id)
@@ -193,11 +204,11 @@ class TransferServer:
         staging, need = self.plane.staging_for(pool, plan, "send")
         async with staging.lease(need) as lease:
             record.mark("staging")
-            await stream.accepted(offer.nbytes, num_chunks(offer.nbytes, chunk), chunk)
+            await stream.accepted(record.nbytes, num_chunks(record.nbytes, chunk), chunk)
             await self.faults.hit("after_accepted", transfer_id=record.transfer_id)
             if plan is None:
                 # UCX gathers from the pool: planned while the receiver posts receives.
-                plan = build_plan(pool.regions, offer.block_ids, chunk)
+                plan = build_plan(pool.regions, src_ids, chunk)
             record.mark("planned")
             if side is not None:
                 copier = self._gpu().copier(side.device)

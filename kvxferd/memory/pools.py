@@ -136,7 +136,7 @@ class Pool:
             close()
 
 
-def check_block_ids(ids: Sequence[int], num_blocks: int, what: str) -> npt.NDArray[np.int64]:
+def check_block_ids(ids: Sequence[int] | npt.NDArray[np.int64], num_blocks: int, what: str) -> npt.NDArray[np.int64]:
     """Validate block ids (non-empty, in range, no repeats) as one vectorised pass."""
     arr = np.asarray(ids, dtype=np.int64)
     if arr.size == 0:

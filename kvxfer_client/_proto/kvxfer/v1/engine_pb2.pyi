@@ -420,6 +420,7 @@ class PullRequest(_message.Message):
     TRANSFER_ID_FIELD_NUMBER: _builtins.int
     TIMEOUT_S_FIELD_NUMBER: _builtins.int
     SESSION_ID_FIELD_NUMBER: _builtins.int
+    OFFER_BLOCK_INDICES_FIELD_NUMBER: _builtins.int
     pool_id: _builtins.str
     transfer_id: _builtins.str
     """Caller-chosen id (for retries and cancel); the daemon generates one when empty."""
@@ -431,6 +432,13 @@ class PullRequest(_message.Message):
     def ticket(self) -> _common_pb2.Ticket: ...
     @_builtins.property
     def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def offer_block_indices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Which of the ticket's blocks to pull, as positions in the offer's block list (empty: all,
+        in order); block_ids has one destination per position. A decode engine whose prefix cache
+        already holds the first blocks pulls only the rest. The offer is released as pulled.
+        """
+
     def __init__(
         self,
         *,
@@ -440,10 +448,11 @@ class PullRequest(_message.Message):
         transfer_id: _builtins.str = ...,
         timeout_s: _builtins.float = ...,
         session_id: _builtins.str = ...,
+        offer_block_indices: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["ticket", b"ticket"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "pool_id", b"pool_id", "session_id", b"session_id", "ticket", b"ticket", "timeout_s", b"timeout_s", "transfer_id", b"transfer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "offer_block_indices", b"offer_block_indices", "pool_id", b"pool_id", "session_id", b"session_id", "ticket", b"ticket", "timeout_s", b"timeout_s", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -169,6 +169,7 @@ class TransferStart(_message.Message):
     TAG_BASE_FIELD_NUMBER: _builtins.int
     CHUNK_BYTES_FIELD_NUMBER: _builtins.int
     TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    OFFER_BLOCK_INDICES_FIELD_NUMBER: _builtins.int
     transfer_id: _builtins.str
     offer_id: _builtins.str
     token: _builtins.bytes
@@ -182,6 +183,10 @@ class TransferStart(_message.Message):
     timeout_s: _builtins.float
     @_builtins.property
     def receiver_signature(self) -> _common_pb2.LayoutSignature: ...
+    @_builtins.property
+    def offer_block_indices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Positions in the offer's block list to send (empty: all of them); num_blocks counts them."""
+
     def __init__(
         self,
         *,
@@ -194,10 +199,11 @@ class TransferStart(_message.Message):
         tag_base: _builtins.int = ...,
         chunk_bytes: _builtins.int = ...,
         timeout_s: _builtins.float = ...,
+        offer_block_indices: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["receiver_signature", b"receiver_signature"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_bytes", b"chunk_bytes", "num_blocks", b"num_blocks", "offer_id", b"offer_id", "receiver_daemon_id", b"receiver_daemon_id", "receiver_signature", b"receiver_signature", "tag_base", b"tag_base", "timeout_s", b"timeout_s", "token", b"token", "transfer_id", b"transfer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_bytes", b"chunk_bytes", "num_blocks", b"num_blocks", "offer_block_indices", b"offer_block_indices", "offer_id", b"offer_id", "receiver_daemon_id", b"receiver_daemon_id", "receiver_signature", b"receiver_signature", "tag_base", b"tag_base", "timeout_s", b"timeout_s", "token", b"token", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
