@@ -156,6 +156,8 @@ class AsyncKvxferClient:
         self.call_stream = call_stream_enabled() if call_stream is None else call_stream
         self.session_id = ""
         self.daemon_id = ""
+        #: Where peers reach the daemon (tickets name it); from the session's first event.
+        self.peer_address = ""
         self._channel: grpc.aio.Channel | None = None
         self._stub: engine_pb2_grpc.EngineServiceStub | None = None
         self._calls: CallStream | None = None
@@ -193,6 +195,7 @@ class AsyncKvxferClient:
             raise UnavailableError("kvxferd did not start a session")
         self.session_id = first.session_started.session_id
         self.daemon_id = first.session_started.daemon_id
+        self.peer_address = first.session_started.peer_address
         self._session_lost = None
         self._reader = asyncio.create_task(self._read_events(stream))
         return self
@@ -373,16 +376,38 @@ class AsyncKvxferClient:
         return int(resp.released_offers)
 
     async def offer(
-        self, pool: Pool | str, block_ids: Sequence[int] | np.ndarray[Any, Any], *, lease_s: float = 0.0
+        self,
+        pool: Pool | str,
+        block_ids: Sequence[int] | np.ndarray[Any, Any],
+        *,
+        lease_s: float = 0.0,
+        ticket: Ticket | None = None,
     ) -> Ticket:
-        """Pin blocks for a decode engine and return the ticket to hand it."""
+        """Pin blocks for a decode engine and return the ticket to hand it.
+
+        ``ticket``: one made in advance by :meth:`new_ticket` (and perhaps handed out
+        already); the offer is made under its id and token.
+        """
         await self._ready()
         pool_id = pool.pool_id if isinstance(pool, Pool) else pool
-        req = engine_pb2.OfferRequest(
-            pool_id=pool_id, block_ids=_block_ids(block_ids, "block_ids"), lease_s=lease_s, session_id=self.session_id
-        )
+        ids = _block_ids(block_ids, "block_ids")
+        req = engine_pb2.OfferRequest(pool_id=pool_id, block_ids=ids, lease_s=lease_s, session_id=self.session_id)
+        if ticket is not None:
+            if ticket.num_blocks != len(ids):
+                raise InvalidRequestError(f"the ticket is for {ticket.num_blocks} blocks, {len(ids)} given")
+            req.offer_id, req.token = ticket.offer_id, ticket.token
         resp = await self._hot_call("offer", self._engine.Offer, req)
         return Ticket.from_proto(resp.ticket)
+
+    def new_ticket(self, pool: Pool, num_blocks: int) -> Ticket:
+        """A ticket for an offer of ``num_blocks`` blocks of ``pool`` not made yet: no round trip
+        to the daemon. Hand it out at once and make the offer with ``offer(..., ticket=...)``
+        soon; a pull that arrives first waits for the offer (the daemon's ``offer_wait_s``).
+        For a scheduler that must answer before its worker can offer (vLLM's
+        ``request_finished``)."""
+        if not self.daemon_id:
+            raise UnavailableError("not connected: connect() first (the ticket names the daemon)")
+        return Ticket.in_advance(self.daemon_id, self.peer_address, pool.fingerprint, num_blocks, pool.layout)
 
     async def pull(
         self,

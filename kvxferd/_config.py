@@ -60,6 +60,11 @@ class Settings:
     peer_timeout_s: float = _setting(
         5.0, "Deadline of each control message to a peer (Hello, transfer handshake steps)."
     )
+    offer_wait_s: float = _setting(
+        2.0,
+        "How long a pull waits for an offer not made yet, under an id the engine chose in advance "
+        "(its ticket went out before the offer); less than peer_timeout_s.",
+    )
     max_offers: int = _setting(100_000, "Most offers held at once; more are refused with RESOURCE_EXHAUSTED.")
     # Bigger chunks amortise UCX's per-message handshake; smaller ones fill the pipeline
     # sooner. Of 2, 4, 8 and 32 MiB, 8 MiB moved b16 host handoffs fastest on the dev VM.
@@ -130,6 +135,8 @@ class Settings:
         for name in ("pull_timeout_s", "peer_timeout_s", "drain_grace_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        if not 0 <= self.offer_wait_s < self.peer_timeout_s:
+            raise ValueError("need 0 <= offer_wait_s < peer_timeout_s (a remote puller waits peer_timeout_s for it)")
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -79,7 +79,9 @@ class Node:
         self.metrics = Metrics(self.snapshots.take)
         self.pools = PoolRegistry()
         self.sessions = SessionTable()
-        self.offers = OfferTable(settings.max_offers, self.sessions.tell_released, self.metrics.offer_released)
+        self.offers = OfferTable(
+            settings.max_offers, self.sessions.tell_released, self.metrics.offer_released, settings.offer_wait_s
+        )
         self.transfers = TransferTable(settings.history, self.metrics.transfer_finished)
         self.executor = ThreadPoolExecutor(settings.copy_threads, thread_name_prefix="kvxfer-copy")
         single_pass = settings.local_single_pass and self_copy_works()
@@ -211,12 +213,20 @@ class Node:
 
     # -- offers ------------------------------------------------------------------------------
 
-    def offer(self, session_id: str, pool_id: str, block_ids: Sequence[int], lease_s: float) -> tuple[Offer, Ticket]:
+    def offer(
+        self,
+        session_id: str,
+        pool_id: str,
+        block_ids: Sequence[int],
+        lease_s: float,
+        chosen: tuple[str, bytes] | None = None,
+    ) -> tuple[Offer, Ticket]:
+        """Pin blocks under an offer (``chosen``: the id and token the engine picked in advance)."""
         if self.draining:
             raise UnavailableError("kvxferd is draining: no new offers")
         pool = self.owned_pool(pool_id, session_id)
         ids = check_block_ids(block_ids, pool.layout.num_blocks, "offer")
-        offer = self.offers.create(pool, ids, lease_s)
+        offer = self.offers.create(pool, ids, lease_s, chosen)
         ticket = Ticket(
             daemon_id=self.daemon_id,
             peer_address=self.peer_address,

@@ -18,7 +18,13 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from kvxfer_client._errors import IncompatibleError, NotFoundError, PermissionDeniedError, ResourceExhaustedError
+from kvxfer_client._errors import (
+    AlreadyExistsError,
+    IncompatibleError,
+    NotFoundError,
+    PermissionDeniedError,
+    ResourceExhaustedError,
+)
 from kvxfer_client._proto import common_pb2
 
 from ._log import log_event
@@ -31,6 +37,9 @@ OFFERED = "offered"
 PULLING = "pulling"
 #: Ended offers remembered with their reason (about 100 bytes each).
 ENDED_MEMORY = 100_000
+#: Offer ids that pulls may wait for at once (each waiting pull holds one until its offer
+#: comes or ``wait_s`` passes).
+MAX_AWAITED = 4096
 _ENDED = {
     "expired": "expired: its lease ended before anyone pulled it (extend_lease keeps a waiting offer alive)",
     "pulled": "was pulled already (an offer is pulled once)",
@@ -71,9 +80,17 @@ class OfferTable:
     """Live offers by id; ``on_release`` hears of each one that ends, whatever the reason."""
 
     def __init__(
-        self, max_offers: int, on_release: ReleaseSink, count: Callable[[str], None] = lambda reason: None
+        self,
+        max_offers: int,
+        on_release: ReleaseSink,
+        count: Callable[[str], None] = lambda reason: None,
+        wait_s: float = 0.0,
     ) -> None:
         self.max_offers = max_offers
+        #: How long a pull waits for an offer not made yet (:meth:`claim_soon`).
+        self.wait_s = wait_s
+        #: Pulls waiting for an offer id not made yet, by id.
+        self._awaited: dict[str, asyncio.Event] = {}
         self.offers: dict[str, Offer] = {}
         self._on_release = on_release
         self._count = count  # by reason name (the metrics)
@@ -83,20 +100,30 @@ class OfferTable:
         #: Offers whose lease ended before any pull.
         self.expiries = 0
 
-    def create(self, pool: Pool, block_ids: npt.NDArray[np.int64], lease_s: float) -> Offer:
+    def create(
+        self, pool: Pool, block_ids: npt.NDArray[np.int64], lease_s: float, chosen: tuple[str, bytes] | None = None
+    ) -> Offer:
+        """A new offer; ``chosen``: the id and token the engine picked in advance (checked for
+        form by the control plane), else fresh ones."""
         if len(self.offers) >= self.max_offers:
             raise ResourceExhaustedError(f"this daemon holds its maximum of {self.max_offers} offers")
+        offer_id, token = chosen or ("off-" + secrets.token_hex(8), secrets.token_bytes(16))
+        if offer_id in self.offers or offer_id in self._ended:
+            raise AlreadyExistsError(f"offer id {offer_id!r} is taken (choose a fresh random one per offer)")
         offer = Offer(
-            offer_id="off-" + secrets.token_hex(8),
+            offer_id=offer_id,
             pool=pool,
             block_ids=block_ids,
-            token=secrets.token_bytes(16),
+            token=token,
             deadline=time.time() + lease_s,
             nbytes=len(block_ids) * pool.layout.bytes_per_block,
         )
         self._arm(offer)
         self.offers[offer.offer_id] = offer
         pool.offers.add(offer.offer_id)
+        awaited = self._awaited.pop(offer_id, None)
+        if awaited is not None:
+            awaited.set()
         return offer
 
     def _arm(self, offer: Offer) -> None:
@@ -130,6 +157,25 @@ class OfferTable:
         if offer is not None and offer.state == OFFERED:
             self.expiries += 1
             self.release(offer, common_pb2.RELEASE_REASON_EXPIRED, "lease ended before any pull")
+
+    async def claim_soon(self, offer_id: str, token: bytes) -> Offer:
+        """:meth:`claim`, waiting up to ``wait_s`` for an offer that was never made yet: its
+        ticket may have gone out first (the engine chose the id in advance). An offer that
+        ended, or a wait past ``wait_s``, is refused as by :meth:`claim`."""
+        if offer_id not in self.offers and offer_id not in self._ended and self.wait_s > 0:
+            if offer_id not in self._awaited and len(self._awaited) >= MAX_AWAITED:
+                raise ResourceExhaustedError(f"{MAX_AWAITED} pulls already wait for offers not made yet")
+            event = self._awaited.setdefault(offer_id, asyncio.Event())
+            log_event("offer.awaited", offer_id=offer_id, wait_s=self.wait_s)
+            try:
+                async with asyncio.timeout(self.wait_s):
+                    await event.wait()
+            except TimeoutError:
+                pass
+            finally:
+                if not event.is_set() and self._awaited.get(offer_id) is event:
+                    del self._awaited[offer_id]
+        return self.claim(offer_id, token)
 
     def claim(self, offer_id: str, token: bytes) -> Offer:
         """Check the token and mark the offer as being pulled (one pull at a time)."""

@@ -30,7 +30,9 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
         session = self.node.open_session(request.engine_name)
         try:
             yield engine_pb2.EngineEvent(
-                session_started=engine_pb2.SessionStarted(session_id=session.session_id, daemon_id=self.node.daemon_id)
+                session_started=engine_pb2.SessionStarted(
+                    session_id=session.session_id, daemon_id=self.node.daemon_id, peer_address=self.node.peer_address
+                )
             )
             while True:
                 yield await session.events.get()
@@ -78,7 +80,8 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
     async def _offer_now(self, request: engine_pb2.OfferRequest) -> engine_pb2.OfferResponse:
         s = self.node.settings
         lease = wire.lease_s(request.lease_s, s.default_lease_s, s.max_lease_s)
-        offer, ticket = self.node.offer(request.session_id, request.pool_id, request.block_ids, lease)
+        chosen = wire.chosen_offer(request.offer_id, request.token)
+        offer, ticket = self.node.offer(request.session_id, request.pool_id, request.block_ids, lease, chosen)
         return engine_pb2.OfferResponse(ticket=ticket.to_proto(), lease_deadline_unix=offer.deadline)
 
     async def _pull_now(self, request: engine_pb2.PullRequest) -> engine_pb2.PullResponse:

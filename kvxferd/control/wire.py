@@ -69,6 +69,21 @@ def pull_timeout_s(value: float, default: float) -> float:
     return timeout
 
 
+_CHOSEN_OFFER_ID = re.compile(r"^off-[0-9a-f]{16,64}$")
+
+
+def chosen_offer(offer_id: str, token: bytes) -> tuple[str, bytes] | None:
+    """An offer id and token the engine picked in advance (both or neither), or None."""
+    if not offer_id and not token:
+        return None
+    if not _CHOSEN_OFFER_ID.match(offer_id) or len(token) != 16:
+        raise InvalidRequestError(
+            "a chosen offer needs offer_id 'off-' + 16..64 lowercase hex digits and a 16-byte random token "
+            "(kvxfer_client's new_ticket() makes both)"
+        )
+    return offer_id, bytes(token)
+
+
 def offer_block_indices(values: Sequence[int]) -> npt.NDArray[np.int64] | None:
     """A pull's positions in the offer's block list (None: all). Their range and repeats are
     checked against the offer, which only the offering daemon knows for sure."""

@@ -64,7 +64,7 @@ class LocalHandoff:
         """Claim the ticket's offer, copy its blocks (those at ``indices`` of its list, or all)
         into ``dst_ids`` of ``dst``, release the offer as pulled (as failed when the copy did
         not finish)."""
-        offer = self.offers.claim(ticket.offer_id, ticket.token)
+        offer = await self.offers.claim_soon(ticket.offer_id, ticket.token)
         record.transport = "local-copy"
         src = offer.pool
         try:

@@ -111,7 +111,7 @@ class TransferServer:
         # never sent, and the abort status that follows (which would resend them) is then
         # rejected, leaving the puller waiting for its deadline.
         await stream.send_headers()
-        offer = self.offers.claim(start.offer_id, start.token)
+        offer = await self.offers.claim_soon(start.offer_id, start.token)
         if stream.puller_gone():
             # The puller gave up (its deadline) before this side claimed: nothing moved, so
             # the offer stays pullable instead of being released as failed.

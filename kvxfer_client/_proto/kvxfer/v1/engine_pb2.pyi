@@ -183,20 +183,24 @@ class SessionStarted(_message.Message):
 
     SESSION_ID_FIELD_NUMBER: _builtins.int
     DAEMON_ID_FIELD_NUMBER: _builtins.int
+    PEER_ADDRESS_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     """The session's capability: every request acting on its pools and offers carries it. Secret
     to the engine: kvxferctl shows a separate label.
     """
     daemon_id: _builtins.str
+    peer_address: _builtins.str
+    """The address peers dial to pull this daemon's offers (tickets name it)."""
     def __init__(
         self,
         *,
         session_id: _builtins.str = ...,
         daemon_id: _builtins.str = ...,
+        peer_address: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["daemon_id", b"daemon_id", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["daemon_id", b"daemon_id", "peer_address", b"peer_address", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -362,6 +366,8 @@ class OfferRequest(_message.Message):
     BLOCK_IDS_FIELD_NUMBER: _builtins.int
     LEASE_S_FIELD_NUMBER: _builtins.int
     SESSION_ID_FIELD_NUMBER: _builtins.int
+    OFFER_ID_FIELD_NUMBER: _builtins.int
+    TOKEN_FIELD_NUMBER: _builtins.int
     pool_id: _builtins.str
     lease_s: _builtins.float
     """Seconds the blocks stay pinned if nobody pulls them; 0 means the daemon's default."""
@@ -369,6 +375,13 @@ class OfferRequest(_message.Message):
     """The session (from SessionStarted) that owns the pool or offer: only it may act on them
     (PERMISSION_DENIED otherwise; operators use AdminService).
     """
+    offer_id: _builtins.str
+    """Both or neither: an offer id ("off-" and 16 to 64 lowercase hex digits) and a 16-byte
+    token the engine chose in advance, so that a ticket could be handed out before this offer
+    was made (vLLM's scheduler answers request_finished at once; its worker offers next
+    step). A pull that arrives first waits up to the daemon's offer_wait_s for the offer.
+    """
+    token: _builtins.bytes
     @_builtins.property
     def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
@@ -378,10 +391,12 @@ class OfferRequest(_message.Message):
         block_ids: _abc.Iterable[_builtins.int] | None = ...,
         lease_s: _builtins.float = ...,
         session_id: _builtins.str = ...,
+        offer_id: _builtins.str = ...,
+        token: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "lease_s", b"lease_s", "pool_id", b"pool_id", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "lease_s", b"lease_s", "offer_id", b"offer_id", "pool_id", b"pool_id", "session_id", b"session_id", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
