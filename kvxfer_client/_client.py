@@ -407,7 +407,9 @@ class AsyncKvxferClient:
         ``request_finished``)."""
         if not self.daemon_id:
             raise UnavailableError("not connected: connect() first (the ticket names the daemon)")
-        return Ticket.in_advance(self.daemon_id, self.peer_address, pool.fingerprint, num_blocks, pool.layout)
+        return Ticket.in_advance(
+            self.daemon_id, self.peer_address, pool.fingerprint, num_blocks, pool.layout.bytes_per_block
+        )
 
     async def pull(
         self,
@@ -567,9 +569,29 @@ class KvxferClient:
         return self._run(self._async.deregister_pool(pool))
 
     def offer(
-        self, pool: Pool | str, block_ids: Sequence[int] | np.ndarray[Any, Any], *, lease_s: float = 0.0
+        self,
+        pool: Pool | str,
+        block_ids: Sequence[int] | np.ndarray[Any, Any],
+        *,
+        lease_s: float = 0.0,
+        ticket: Ticket | None = None,
     ) -> Ticket:
-        return self._run(self._async.offer(pool, block_ids, lease_s=lease_s))
+        return self.start_offer(pool, block_ids, lease_s=lease_s, ticket=ticket).result()
+
+    def start_offer(
+        self,
+        pool: Pool | str,
+        block_ids: Sequence[int] | np.ndarray[Any, Any],
+        *,
+        lease_s: float = 0.0,
+        ticket: Ticket | None = None,
+    ) -> concurrent.futures.Future[Ticket]:
+        """Like :meth:`offer` but returns at once (an engine step must not wait on the daemon)."""
+        coro = self._async.offer(pool, block_ids, lease_s=lease_s, ticket=ticket)
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def new_ticket(self, pool: Pool, num_blocks: int) -> Ticket:
+        return self._async.new_ticket(pool, num_blocks)
 
     def pull(
         self,

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._errors import InvalidRequestError
-from ._layout import Layout
 from ._proto import common_pb2
 
 __all__ = ["TICKET_VERSION", "Ticket"]
@@ -44,12 +43,13 @@ class Ticket:
     total_bytes: int
 
     @classmethod
-    def in_advance(cls, daemon_id: str, peer_address: str, fingerprint: str, num_blocks: int, layout: Layout) -> Ticket:
+    def in_advance(
+        cls, daemon_id: str, peer_address: str, fingerprint: str, num_blocks: int, bytes_per_block: int
+    ) -> Ticket:
         """A ticket for an offer not made yet: a fresh random offer id and token, which the
         offer is then made under (``OfferRequest.offer_id`` and ``token``).
 
-        >>> from kvxfer_client._layout import Layout
-        >>> t = Ticket.in_advance("d", "h:1", "f", 2, Layout.contiguous(num_blocks=8, block_bytes=64))
+        >>> t = Ticket.in_advance("d", "h:1", "f", 2, 64)
         >>> (t.offer_id[:4], len(t.offer_id), len(t.token), t.total_bytes)
         ('off-', 36, 16, 128)
         """
@@ -57,7 +57,7 @@ class Ticket:
             raise InvalidRequestError("a ticket needs at least one block")
         offer_id = "off-" + secrets.token_hex(16)
         token = secrets.token_bytes(_TOKEN_BYTES)
-        total = num_blocks * layout.bytes_per_block
+        total = num_blocks * bytes_per_block
         return cls(daemon_id, peer_address, offer_id, token, num_blocks, fingerprint, total)
 
     def to_dict(self) -> dict[str, Any]:
