@@ -17,7 +17,7 @@ import asyncio
 import concurrent.futures
 import threading
 from collections.abc import AsyncIterator, Awaitable, Coroutine, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import grpc
@@ -71,6 +71,8 @@ class Pool:
     buffers: tuple[Any, ...]
     fingerprint: str
     name: str = ""
+    #: Lets another session of this engine offer the pool's blocks (``offer(..., offer_key=)``).
+    offer_key: bytes = field(default=b"", repr=False)
 
 
 @dataclass(frozen=True)
@@ -354,7 +356,7 @@ class AsyncKvxferClient:
             session_id=self.session_id, buffers=specs, layout=layout.to_proto(), name=name
         )
         resp = await self._call(self._engine.RegisterPool, req)
-        return Pool(resp.pool_id, layout, tuple(buffers), resp.fingerprint, name)
+        return Pool(resp.pool_id, layout, tuple(buffers), resp.fingerprint, name, bytes(resp.offer_key))
 
     async def _attach_process(self) -> None:
         """Attach this process to the session (once per session) so the daemon may reach the
@@ -382,16 +384,21 @@ class AsyncKvxferClient:
         *,
         lease_s: float = 0.0,
         ticket: Ticket | None = None,
+        offer_key: bytes = b"",
     ) -> Ticket:
         """Pin blocks for a decode engine and return the ticket to hand it.
 
         ``ticket``: one made in advance by :meth:`new_ticket` (and perhaps handed out
-        already); the offer is made under its id and token.
+        already); the offer is made under its id and token. ``offer_key``: the pool's
+        (``Pool.offer_key``) when it is another session's of this engine, e.g. a vLLM worker's
+        pool offered from the scheduler process.
         """
         await self._ready()
         pool_id = pool.pool_id if isinstance(pool, Pool) else pool
         ids = _block_ids(block_ids, "block_ids")
-        req = engine_pb2.OfferRequest(pool_id=pool_id, block_ids=ids, lease_s=lease_s, session_id=self.session_id)
+        req = engine_pb2.OfferRequest(
+            pool_id=pool_id, block_ids=ids, lease_s=lease_s, session_id=self.session_id, offer_key=offer_key
+        )
         if ticket is not None:
             if ticket.num_blocks != len(ids):
                 raise InvalidRequestError(f"the ticket is for {ticket.num_blocks} blocks, {len(ids)} given")
@@ -552,6 +559,10 @@ class KvxferClient:
     def daemon_id(self) -> str:
         return self._async.daemon_id
 
+    @property
+    def peer_address(self) -> str:
+        return self._async.peer_address
+
     def _run(self, coro: Coroutine[Any, Any, T] | Awaitable[T]) -> T:
         async def wrap() -> T:
             return await coro
@@ -575,8 +586,9 @@ class KvxferClient:
         *,
         lease_s: float = 0.0,
         ticket: Ticket | None = None,
+        offer_key: bytes = b"",
     ) -> Ticket:
-        return self.start_offer(pool, block_ids, lease_s=lease_s, ticket=ticket).result()
+        return self.start_offer(pool, block_ids, lease_s=lease_s, ticket=ticket, offer_key=offer_key).result()
 
     def start_offer(
         self,
@@ -585,9 +597,10 @@ class KvxferClient:
         *,
         lease_s: float = 0.0,
         ticket: Ticket | None = None,
+        offer_key: bytes = b"",
     ) -> concurrent.futures.Future[Ticket]:
         """Like :meth:`offer` but returns at once (an engine step must not wait on the daemon)."""
-        coro = self._async.offer(pool, block_ids, lease_s=lease_s, ticket=ticket)
+        coro = self._async.offer(pool, block_ids, lease_s=lease_s, ticket=ticket, offer_key=offer_key)
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     def new_ticket(self, pool: Pool, num_blocks: int) -> Ticket:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import hmac
 import logging
 import secrets
 import socket
@@ -220,11 +221,18 @@ class Node:
         block_ids: Sequence[int],
         lease_s: float,
         chosen: tuple[str, bytes] | None = None,
+        offer_key: bytes = b"",
     ) -> tuple[Offer, Ticket]:
-        """Pin blocks under an offer (``chosen``: the id and token the engine picked in advance)."""
+        """Pin blocks under an offer (``chosen``: the id and token the engine picked in advance;
+        ``offer_key``: the pool's, when another session of its engine offers)."""
         if self.draining:
             raise UnavailableError("kvxferd is draining: no new offers")
-        pool = self.owned_pool(pool_id, session_id)
+        if offer_key:
+            pool = self.pools.get(pool_id)
+            if not hmac.compare_digest(pool.offer_key, offer_key):
+                raise PermissionDeniedError(f"wrong offer_key for pool {pool_id!r}")
+        else:
+            pool = self.owned_pool(pool_id, session_id)
         ids = check_block_ids(block_ids, pool.layout.num_blocks, "offer")
         offer = self.offers.create(pool, ids, lease_s, chosen)
         ticket = Ticket(

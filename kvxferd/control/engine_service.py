@@ -45,7 +45,9 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
         self, request: engine_pb2.RegisterPoolRequest, context: Ctx
     ) -> engine_pb2.RegisterPoolResponse:
         pool = self.node.register_pool(request.session_id, request.buffers, request.layout, request.name)
-        return engine_pb2.RegisterPoolResponse(pool_id=pool.pool_id, fingerprint=pool.fingerprint)
+        return engine_pb2.RegisterPoolResponse(
+            pool_id=pool.pool_id, fingerprint=pool.fingerprint, offer_key=pool.offer_key
+        )
 
     @rpc_method
     async def DeregisterPool(  # noqa: N802
@@ -81,7 +83,9 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
         s = self.node.settings
         lease = wire.lease_s(request.lease_s, s.default_lease_s, s.max_lease_s)
         chosen = wire.chosen_offer(request.offer_id, request.token)
-        offer, ticket = self.node.offer(request.session_id, request.pool_id, request.block_ids, lease, chosen)
+        offer, ticket = self.node.offer(
+            request.session_id, request.pool_id, request.block_ids, lease, chosen, bytes(request.offer_key)
+        )
         return engine_pb2.OfferResponse(ticket=ticket.to_proto(), lease_deadline_unix=offer.deadline)
 
     async def _pull_now(self, request: engine_pb2.PullRequest) -> engine_pb2.PullResponse:

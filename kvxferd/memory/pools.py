@@ -61,6 +61,8 @@ class Pool:
     gpu_uuid: str = ""
     #: Process pools: the engine process whose memory this is.
     process: EngineProcess | None = None
+    #: Lets another session of the same engine offer this pool's blocks (OfferRequest.offer_key).
+    offer_key: bytes = field(default_factory=lambda: secrets.token_bytes(16), repr=False)
     offers: set[str] = field(default_factory=set)
     #: Transfers currently reading or writing this pool's memory.
     busy: int = 0

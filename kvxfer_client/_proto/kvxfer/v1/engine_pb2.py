@@ -26,7 +26,7 @@ _sym_db = _symbol_database.Default()
 from . import common_pb2 as kvxfer_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvxfer/v1/engine.proto\x12\tkvxfer.v1\x1a\x16kvxfer/v1/common.proto\"\x8b\x01\n\x0b\x43\x61llRequest\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12(\n\x05offer\x18\x02 \x01(\x0b\x32\x17.kvxfer.v1.OfferRequestH\x00\x12&\n\x04pull\x18\x03 \x01(\x0b\x32\x16.kvxfer.v1.PullRequestH\x00\x12\x11\n\x07\x61\x62\x61ndon\x18\x04 \x01(\x08H\x00\x42\x06\n\x04\x63\x61ll\"\xa5\x01\n\x0c\x43\x61llResponse\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12)\n\x05offer\x18\x02 \x01(\x0b\x32\x18.kvxfer.v1.OfferResponseH\x00\x12\'\n\x04pull\x18\x03 \x01(\x0b\x32\x17.kvxfer.v1.PullResponseH\x00\x12&\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x15.kvxfer.v1.CallStatusH\x00\x42\x08\n\x06result\"k\n\nCallStatus\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07\x64\x65tails\x18\x02 \x01(\t\x12\x17\n\x0fmay_still_write\x18\x03 \x01(\x08\x12\x13\n\x0btransfer_id\x18\x04 \x01(\t\x12\x10\n\x08offer_id\x18\x05 \x01(\t\")\n\x12WatchEventsRequest\x12\x13\n\x0b\x65ngine_name\x18\x01 \x01(\t\"\xb6\x01\n\x0b\x45ngineEvent\x12\x34\n\x0fsession_started\x18\x01 \x01(\x0b\x32\x19.kvxfer.v1.SessionStartedH\x00\x12\x32\n\x0eoffer_released\x18\x02 \x01(\x0b\x32\x18.kvxfer.v1.OfferReleasedH\x00\x12\x34\n\x0ftransfer_failed\x18\x03 \x01(\x0b\x32\x19.kvxfer.v1.TransferFailedH\x00\x42\x07\n\x05\x65vent\"M\n\x0eSessionStarted\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\tdaemon_id\x18\x02 \x01(\t\x12\x14\n\x0cpeer_address\x18\x03 \x01(\t\"\x81\x01\n\rOfferReleased\x12\x10\n\x08offer_id\x18\x01 \x01(\t\x12\x0f\n\x07pool_id\x18\x02 \x01(\t\x12(\n\x06reason\x18\x03 \x01(\x0e\x32\x18.kvxfer.v1.ReleaseReason\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\x12\x13\n\x0btransfer_id\x18\x05 \x01(\t\"5\n\x0eTransferFailed\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\"\x82\x01\n\x13RegisterPoolRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12&\n\x07\x62uffers\x18\x02 \x03(\x0b\x32\x15.kvxfer.v1.BufferSpec\x12!\n\x06layout\x18\x03 \x01(\x0b\x32\x11.kvxfer.v1.Layout\x12\x0c\n\x04name\x18\x04 \x01(\t\"<\n\x14RegisterPoolResponse\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\"<\n\x15\x44\x65registerPoolRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\"1\n\x16\x44\x65registerPoolResponse\x12\x17\n\x0freleased_offers\x18\x01 \x01(\r\"x\n\x0cOfferRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x0f\n\x07lease_s\x18\x03 \x01(\x01\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12\x10\n\x08offer_id\x18\x05 \x01(\t\x12\r\n\x05token\x18\x06 \x01(\x0c\"O\n\rOfferResponse\x12!\n\x06ticket\x18\x01 \x01(\x0b\x32\x11.kvxfer.v1.Ticket\x12\x1b\n\x13lease_deadline_unix\x18\x02 \x01(\x01\"\xad\x01\n\x0bPullRequest\x12!\n\x06ticket\x18\x01 \x01(\x0b\x32\x11.kvxfer.v1.Ticket\x12\x0f\n\x07pool_id\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x13\n\x0btransfer_id\x18\x04 \x01(\t\x12\x11\n\ttimeout_s\x18\x05 \x01(\x01\x12\x12\n\nsession_id\x18\x06 \x01(\t\x12\x1b\n\x13offer_block_indices\x18\x07 \x03(\r\"\xa8\x01\n\x0cPullResponse\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12%\n\x04path\x18\x03 \x01(\x0e\x32\x17.kvxfer.v1.TransferPath\x12\x11\n\ttransport\x18\x04 \x01(\t\x12\x12\n\nduration_s\x18\x05 \x01(\x01\x12\x14\n\x0c\x64\x61ta_plane_s\x18\x06 \x01(\x01\x12\x10\n\x08\x64\x65vice_s\x18\x07 \x01(\x01\"6\n\x0eReleaseRequest\x12\x10\n\x08offer_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\"\x11\n\x0fReleaseResponse\"8\n\rCancelRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\"<\n\x0e\x43\x61ncelResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\x12\x17\n\x0fmay_still_write\x18\x02 \x01(\x08\"H\n\x12\x45xtendLeaseRequest\x12!\n\x06ticket\x18\x01 \x01(\x0b\x32\x11.kvxfer.v1.Ticket\x12\x0f\n\x07lease_s\x18\x02 \x01(\x01\"0\n\x13\x45xtendLeaseResponse\x12\x19\n\x11lease_remaining_s\x18\x01 \x01(\x01\x32\x81\x05\n\rEngineService\x12\x46\n\x0bWatchEvents\x12\x1d.kvxfer.v1.WatchEventsRequest\x1a\x16.kvxfer.v1.EngineEvent0\x01\x12O\n\x0cRegisterPool\x12\x1e.kvxfer.v1.RegisterPoolRequest\x1a\x1f.kvxfer.v1.RegisterPoolResponse\x12U\n\x0e\x44\x65registerPool\x12 .kvxfer.v1.DeregisterPoolRequest\x1a!.kvxfer.v1.DeregisterPoolResponse\x12:\n\x05Offer\x12\x17.kvxfer.v1.OfferRequest\x1a\x18.kvxfer.v1.OfferResponse\x12\x37\n\x04Pull\x12\x16.kvxfer.v1.PullRequest\x1a\x17.kvxfer.v1.PullResponse\x12@\n\x07Release\x12\x19.kvxfer.v1.ReleaseRequest\x1a\x1a.kvxfer.v1.ReleaseResponse\x12=\n\x06\x43\x61ncel\x12\x18.kvxfer.v1.CancelRequest\x1a\x19.kvxfer.v1.CancelResponse\x12L\n\x0b\x45xtendLease\x12\x1d.kvxfer.v1.ExtendLeaseRequest\x1a\x1e.kvxfer.v1.ExtendLeaseResponse\x12<\n\x05\x43\x61lls\x12\x16.kvxfer.v1.CallRequest\x1a\x17.kvxfer.v1.CallResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvxfer/v1/engine.proto\x12\tkvxfer.v1\x1a\x16kvxfer/v1/common.proto\"\x8b\x01\n\x0b\x43\x61llRequest\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12(\n\x05offer\x18\x02 \x01(\x0b\x32\x17.kvxfer.v1.OfferRequestH\x00\x12&\n\x04pull\x18\x03 \x01(\x0b\x32\x16.kvxfer.v1.PullRequestH\x00\x12\x11\n\x07\x61\x62\x61ndon\x18\x04 \x01(\x08H\x00\x42\x06\n\x04\x63\x61ll\"\xa5\x01\n\x0c\x43\x61llResponse\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12)\n\x05offer\x18\x02 \x01(\x0b\x32\x18.kvxfer.v1.OfferResponseH\x00\x12\'\n\x04pull\x18\x03 \x01(\x0b\x32\x17.kvxfer.v1.PullResponseH\x00\x12&\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x15.kvxfer.v1.CallStatusH\x00\x42\x08\n\x06result\"k\n\nCallStatus\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07\x64\x65tails\x18\x02 \x01(\t\x12\x17\n\x0fmay_still_write\x18\x03 \x01(\x08\x12\x13\n\x0btransfer_id\x18\x04 \x01(\t\x12\x10\n\x08offer_id\x18\x05 \x01(\t\")\n\x12WatchEventsRequest\x12\x13\n\x0b\x65ngine_name\x18\x01 \x01(\t\"\xb6\x01\n\x0b\x45ngineEvent\x12\x34\n\x0fsession_started\x18\x01 \x01(\x0b\x32\x19.kvxfer.v1.SessionStartedH\x00\x12\x32\n\x0eoffer_released\x18\x02 \x01(\x0b\x32\x18.kvxfer.v1.OfferReleasedH\x00\x12\x34\n\x0ftransfer_failed\x18\x03 \x01(\x0b\x32\x19.kvxfer.v1.TransferFailedH\x00\x42\x07\n\x05\x65vent\"M\n\x0eSessionStarted\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\tdaemon_id\x18\x02 \x01(\t\x12\x14\n\x0cpeer_address\x18\x03 \x01(\t\"\x81\x01\n\rOfferReleased\x12\x10\n\x08offer_id\x18\x01 \x01(\t\x12\x0f\n\x07pool_id\x18\x02 \x01(\t\x12(\n\x06reason\x18\x03 \x01(\x0e\x32\x18.kvxfer.v1.ReleaseReason\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\x12\x13\n\x0btransfer_id\x18\x05 \x01(\t\"5\n\x0eTransferFailed\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\"\x82\x01\n\x13RegisterPoolRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12&\n\x07\x62uffers\x18\x02 \x03(\x0b\x32\x15.kvxfer.v1.BufferSpec\x12!\n\x06layout\x18\x03 \x01(\x0b\x32\x11.kvxfer.v1.Layout\x12\x0c\n\x04name\x18\x04 \x01(\t\"O\n\x14RegisterPoolResponse\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x11\n\toffer_key\x18\x03 \x01(\x0c\"<\n\x15\x44\x65registerPoolRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\"1\n\x16\x44\x65registerPoolResponse\x12\x17\n\x0freleased_offers\x18\x01 \x01(\r\"\x8b\x01\n\x0cOfferRequest\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\r\x12\x0f\n\x07lease_s\x18\x03 \x01(\x01\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12\x10\n\x08offer_id\x18\x05 \x01(\t\x12\r\n\x05token\x18\x06 \x01(\x0c\x12\x11\n\toffer_key\x18\x07 \x01(\x0c\"O\n\rOfferResponse\x12!\n\x06ticket\x18\x01 \x01(\x0b\x32\x11.kvxfer.v1.Ticket\x12\x1b\n\x13lease_deadline_unix\x18\x02 \x01(\x01\"\xad\x01\n\x0bPullRequest\x12!\n\x06ticket\x18\x01 \x01(\x0b\x32\x11.kvxfer.v1.Ticket\x12\x0f\n\x07pool_id\x18\x02 \x01(\t\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x13\n\x0btransfer_id\x18\x04 \x01(\t\x12\x11\n\ttimeout_s\x18\x05 \x01(\x01\x12\x12\n\nsession_id\x18\x06 \x01(\t\x12\x1b\n\x13offer_block_indices\x18\x07 \x03(\r\"\xa8\x01\n\x0cPullResponse\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12%\n\x04path\x18\x03 \x01(\x0e\x32\x17.kvxfer.v1.TransferPath\x12\x11\n\ttransport\x18\x04 \x01(\t\x12\x12\n\nduration_s\x18\x05 \x01(\x01\x12\x14\n\x0c\x64\x61ta_plane_s\x18\x06 \x01(\x01\x12\x10\n\x08\x64\x65vice_s\x18\x07 \x01(\x01\"6\n\x0eReleaseRequest\x12\x10\n\x08offer_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\"\x11\n\x0fReleaseResponse\"8\n\rCancelRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\"<\n\x0e\x43\x61ncelResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\x12\x17\n\x0fmay_still_write\x18\x02 \x01(\x08\"H\n\x12\x45xtendLeaseRequest\x12!\n\x06ticket\x18\x01 \x01(\x0b\x32\x11.kvxfer.v1.Ticket\x12\x0f\n\x07lease_s\x18\x02 \x01(\x01\"0\n\x13\x45xtendLeaseResponse\x12\x19\n\x11lease_remaining_s\x18\x01 \x01(\x01\x32\x81\x05\n\rEngineService\x12\x46\n\x0bWatchEvents\x12\x1d.kvxfer.v1.WatchEventsRequest\x1a\x16.kvxfer.v1.EngineEvent0\x01\x12O\n\x0cRegisterPool\x12\x1e.kvxfer.v1.RegisterPoolRequest\x1a\x1f.kvxfer.v1.RegisterPoolResponse\x12U\n\x0e\x44\x65registerPool\x12 .kvxfer.v1.DeregisterPoolRequest\x1a!.kvxfer.v1.DeregisterPoolResponse\x12:\n\x05Offer\x12\x17.kvxfer.v1.OfferRequest\x1a\x18.kvxfer.v1.OfferResponse\x12\x37\n\x04Pull\x12\x16.kvxfer.v1.PullRequest\x1a\x17.kvxfer.v1.PullResponse\x12@\n\x07Release\x12\x19.kvxfer.v1.ReleaseRequest\x1a\x1a.kvxfer.v1.ReleaseResponse\x12=\n\x06\x43\x61ncel\x12\x18.kvxfer.v1.CancelRequest\x1a\x19.kvxfer.v1.CancelResponse\x12L\n\x0b\x45xtendLease\x12\x1d.kvxfer.v1.ExtendLeaseRequest\x1a\x1e.kvxfer.v1.ExtendLeaseResponse\x12<\n\x05\x43\x61lls\x12\x16.kvxfer.v1.CallRequest\x1a\x17.kvxfer.v1.CallResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -52,31 +52,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REGISTERPOOLREQUEST']._serialized_start=975
   _globals['_REGISTERPOOLREQUEST']._serialized_end=1105
   _globals['_REGISTERPOOLRESPONSE']._serialized_start=1107
-  _globals['_REGISTERPOOLRESPONSE']._serialized_end=1167
-  _globals['_DEREGISTERPOOLREQUEST']._serialized_start=1169
-  _globals['_DEREGISTERPOOLREQUEST']._serialized_end=1229
-  _globals['_DEREGISTERPOOLRESPONSE']._serialized_start=1231
-  _globals['_DEREGISTERPOOLRESPONSE']._serialized_end=1280
-  _globals['_OFFERREQUEST']._serialized_start=1282
-  _globals['_OFFERREQUEST']._serialized_end=1402
-  _globals['_OFFERRESPONSE']._serialized_start=1404
-  _globals['_OFFERRESPONSE']._serialized_end=1483
-  _globals['_PULLREQUEST']._serialized_start=1486
-  _globals['_PULLREQUEST']._serialized_end=1659
-  _globals['_PULLRESPONSE']._serialized_start=1662
-  _globals['_PULLRESPONSE']._serialized_end=1830
-  _globals['_RELEASEREQUEST']._serialized_start=1832
-  _globals['_RELEASEREQUEST']._serialized_end=1886
-  _globals['_RELEASERESPONSE']._serialized_start=1888
-  _globals['_RELEASERESPONSE']._serialized_end=1905
-  _globals['_CANCELREQUEST']._serialized_start=1907
-  _globals['_CANCELREQUEST']._serialized_end=1963
-  _globals['_CANCELRESPONSE']._serialized_start=1965
-  _globals['_CANCELRESPONSE']._serialized_end=2025
-  _globals['_EXTENDLEASEREQUEST']._serialized_start=2027
-  _globals['_EXTENDLEASEREQUEST']._serialized_end=2099
-  _globals['_EXTENDLEASERESPONSE']._serialized_start=2101
-  _globals['_EXTENDLEASERESPONSE']._serialized_end=2149
-  _globals['_ENGINESERVICE']._serialized_start=2152
-  _globals['_ENGINESERVICE']._serialized_end=2793
+  _globals['_REGISTERPOOLRESPONSE']._serialized_end=1186
+  _globals['_DEREGISTERPOOLREQUEST']._serialized_start=1188
+  _globals['_DEREGISTERPOOLREQUEST']._serialized_end=1248
+  _globals['_DEREGISTERPOOLRESPONSE']._serialized_start=1250
+  _globals['_DEREGISTERPOOLRESPONSE']._serialized_end=1299
+  _globals['_OFFERREQUEST']._serialized_start=1302
+  _globals['_OFFERREQUEST']._serialized_end=1441
+  _globals['_OFFERRESPONSE']._serialized_start=1443
+  _globals['_OFFERRESPONSE']._serialized_end=1522
+  _globals['_PULLREQUEST']._serialized_start=1525
+  _globals['_PULLREQUEST']._serialized_end=1698
+  _globals['_PULLRESPONSE']._serialized_start=1701
+  _globals['_PULLRESPONSE']._serialized_end=1869
+  _globals['_RELEASEREQUEST']._serialized_start=1871
+  _globals['_RELEASEREQUEST']._serialized_end=1925
+  _globals['_RELEASERESPONSE']._serialized_start=1927
+  _globals['_RELEASERESPONSE']._serialized_end=1944
+  _globals['_CANCELREQUEST']._serialized_start=1946
+  _globals['_CANCELREQUEST']._serialized_end=2002
+  _globals['_CANCELRESPONSE']._serialized_start=2004
+  _globals['_CANCELRESPONSE']._serialized_end=2064
+  _globals['_EXTENDLEASEREQUEST']._serialized_start=2066
+  _globals['_EXTENDLEASEREQUEST']._serialized_end=2138
+  _globals['_EXTENDLEASERESPONSE']._serialized_start=2140
+  _globals['_EXTENDLEASERESPONSE']._serialized_end=2188
+  _globals['_ENGINESERVICE']._serialized_start=2191
+  _globals['_ENGINESERVICE']._serialized_end=2832
 # @@protoc_insertion_point(module_scope)

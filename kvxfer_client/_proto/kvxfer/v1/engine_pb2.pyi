@@ -297,17 +297,24 @@ class RegisterPoolResponse(_message.Message):
 
     POOL_ID_FIELD_NUMBER: _builtins.int
     FINGERPRINT_FIELD_NUMBER: _builtins.int
+    OFFER_KEY_FIELD_NUMBER: _builtins.int
     pool_id: _builtins.str
     fingerprint: _builtins.str
+    offer_key: _builtins.bytes
+    """A capability to offer this pool's blocks from another session of the same engine (vLLM's
+    scheduler process offers what its workers registered: OfferRequest.offer_key). Secret to
+    the engine, like the session id; it dies with the pool.
+    """
     def __init__(
         self,
         *,
         pool_id: _builtins.str = ...,
         fingerprint: _builtins.str = ...,
+        offer_key: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fingerprint", b"fingerprint", "pool_id", b"pool_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fingerprint", b"fingerprint", "offer_key", b"offer_key", "pool_id", b"pool_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -368,6 +375,7 @@ class OfferRequest(_message.Message):
     SESSION_ID_FIELD_NUMBER: _builtins.int
     OFFER_ID_FIELD_NUMBER: _builtins.int
     TOKEN_FIELD_NUMBER: _builtins.int
+    OFFER_KEY_FIELD_NUMBER: _builtins.int
     pool_id: _builtins.str
     lease_s: _builtins.float
     """Seconds the blocks stay pinned if nobody pulls them; 0 means the daemon's default."""
@@ -382,6 +390,10 @@ class OfferRequest(_message.Message):
     step). A pull that arrives first waits up to the daemon's offer_wait_s for the offer.
     """
     token: _builtins.bytes
+    offer_key: _builtins.bytes
+    """The pool's offer_key (RegisterPoolResponse), when the pool belongs to another session of
+    this engine: the offer is then the pool owner's (its session hears of the release).
+    """
     @_builtins.property
     def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
@@ -393,10 +405,11 @@ class OfferRequest(_message.Message):
         session_id: _builtins.str = ...,
         offer_id: _builtins.str = ...,
         token: _builtins.bytes = ...,
+        offer_key: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "lease_s", b"lease_s", "offer_id", b"offer_id", "pool_id", b"pool_id", "session_id", b"session_id", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "lease_s", b"lease_s", "offer_id", b"offer_id", "offer_key", b"offer_key", "pool_id", b"pool_id", "session_id", b"session_id", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

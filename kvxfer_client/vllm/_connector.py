@@ -1,0 +1,175 @@
+"""``KvxferConnector``: vLLM's KV connector API over kvxferd, for both roles.
+
+vLLM builds one instance in the scheduler process (role SCHEDULER) and one per worker (role
+WORKER); the scheduler's hooks go to :class:`~._plan.SchedulerPlan`, the workers' to
+:class:`~._worker.WorkerTransfers`. Configuration, all optional, in
+``kv_connector_extra_config``: ``socket`` (the daemon's engine socket; default as for
+:class:`~kvxfer_client.KvxferClient`), ``lease_s`` (how long a prefill's blocks wait for their
+pull, 60), ``pull_timeout_s`` (60).
+
+Pull mode: ``save_kv_layer``, ``wait_for_layer_load`` and ``wait_for_save`` have nothing to do
+(the whole request moves after its prefill; layer-wise streaming is a later mode).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+
+from .._client import KvxferClient
+from .._config import default_socket_path
+from .._layout import ModelInfo
+from .._ticket import Ticket
+from ._plan import Load, RankPool, SchedulerPlan, Send
+from ._worker import WorkerTransfers
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+__all__ = ["KvxferConnector", "KvxferHandshake", "KvxferMetadata"]
+
+log = logging.getLogger("kvxfer_client.vllm")
+
+
+class KvxferMetadata(KVConnectorMetadata):
+    """Scheduler → workers, once per step: the loads and sends to start."""
+
+    def __init__(self, loads: list[Load], sends: list[Send]) -> None:
+        self.loads = loads
+        self.sends = sends
+
+
+class KvxferHandshake(KVConnectorHandshakeMetadata):
+    """Worker → scheduler, once: the rank's pool, so the scheduler can make tickets."""
+
+    def __init__(self, pool: RankPool) -> None:
+        self.pool = pool
+
+
+class KvxferConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self._block_size = int(vllm_config.cache_config.block_size)
+        self._plan: SchedulerPlan | None = None
+        self._worker: WorkerTransfers | None = None
+        self._handshake: KvxferHandshake | None = None
+        self._socket = str(extra.get("socket") or default_socket_path())
+        self._lease_s = float(extra.get("lease_s", 60.0))
+        self._offerer: KvxferClient | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._plan = SchedulerPlan(self._block_size)
+        else:
+            parallel = vllm_config.parallel_config
+            self._worker = WorkerTransfers(
+                self._socket,
+                engine_name=f"vllm-{self._kv_transfer_config.kv_role}",
+                tp_rank=int(getattr(parallel, "rank", 0)) % max(1, int(parallel.tensor_parallel_size)),
+                lease_s=self._lease_s,
+                pull_timeout_s=float(extra.get("pull_timeout_s", 60.0)),
+            )
+        self._model = ModelInfo(
+            model=str(vllm_config.model_config.model),
+            dtype=str(vllm_config.cache_config.cache_dtype),
+            block_tokens=self._block_size,
+            tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
+            tp_rank=0,  # each rank's own: set at registration
+        )
+
+    # -- worker side ----------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        assert self._worker is not None
+        model = ModelInfo(
+            self._model.model, self._model.dtype, self._model.block_tokens, self._model.tp_size, self._worker.tp_rank
+        )
+        pool = self._worker.register(kv_caches, int(self._kv_cache_config.num_blocks), model)
+        self._handshake = KvxferHandshake(pool)
+
+    def get_handshake_metadata(self) -> KvxferHandshake | None:
+        return self._handshake
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        if isinstance(meta, KvxferMetadata) and (meta.loads or meta.sends):
+            self._worker.start(meta.loads, meta.sends)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        assert self._worker is not None
+        sending, receiving, failed = self._worker.poll()
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=receiving, failed_recving=failed)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_load_errors() if self._worker is not None else set()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+        if self._offerer is not None:
+            self._offerer.close()
+
+    # -- scheduler side -------------------------------------------------------------------
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        assert self._plan is not None
+        self._plan.set_pools({rank: m.pool for rank, m in metadata.items() if isinstance(m, KvxferHandshake)})
+        if self._plan.pools and self._offerer is None:
+            # The scheduler's own session: it offers the workers' blocks (with their pools'
+            # offer keys) the moment a request finishes, without waiting for the reply.
+            self._offerer = KvxferClient(self._socket, engine_name="vllm-scheduler")
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._plan is not None
+        return self._plan.matched_tokens(request.kv_transfer_params, request.num_prompt_tokens, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        assert self._plan is not None
+        block_ids = list(blocks.get_block_ids()[0]) if num_external_tokens else []
+        new = len(blocks.get_unhashed_block_ids()) if num_external_tokens else 0
+        self._plan.after_alloc(request.request_id, request.kv_transfer_params, block_ids, num_external_tokens, new)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvxferMetadata:
+        assert self._plan is not None
+        loads, sends = self._plan.take()
+        return KvxferMetadata(loads, sends)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._plan is not None
+        delay, params, send = self._plan.finished(request.request_id, request.kv_transfer_params, list(block_ids))
+        if send is not None:
+            assert self._offerer is not None
+            for rank, pool in sorted(self._plan.pools.items()):
+                self._offerer.start_offer(
+                    pool.pool_id,
+                    send.block_ids,
+                    lease_s=self._lease_s,
+                    ticket=Ticket.from_dict(send.tickets[rank]),
+                    offer_key=bytes.fromhex(pool.offer_key),
+                )
+        return delay, params
