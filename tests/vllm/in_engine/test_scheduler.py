@@ -169,3 +169,54 @@ def test_prefill_holds_blocks_until_pulled_and_decode_waits_for_the_pull(engines
         prefill.step()
         time.sleep(0.01)
     assert prefill.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() > free_while_held
+
+
+def _run_until(engine: Engine, done: Any, what: str, limit_s: float = 20.0) -> Any:
+    deadline = time.monotonic() + limit_s
+    outputs = None
+    while not done():
+        assert time.monotonic() < deadline, what
+        outputs = engine.step()
+        time.sleep(0.01)
+    return outputs
+
+
+def test_a_prefix_cache_hit_pulls_only_the_blocks_the_decode_engine_lacks(engines: tuple[Engine, Engine]) -> None:
+    prefill, decode = engines
+    shared = list(range(500, 500 + 2 * BLOCK))  # two full blocks both requests start with
+    # The decode engine computed the shared prefix for an earlier request (its prefix cache).
+    decode.scheduler.add_request(_request("d-warm", [*shared, 1, 2, 3], 1, None))
+    _run_until(decode, lambda: "d-warm" not in decode.scheduler.requests, "the warm-up request never finished")
+    prompt = shared + list(range(900, 900 + BLOCK + 7))  # 4 blocks, 2 of them cached on decode
+    prefill.scheduler.add_request(_request("p2", prompt, 1, {"do_remote_decode": True}))
+    params = _params_of(prefill.step(), "p2")
+    assert params is not None
+    src = list(prefill.scheduler.kv_cache_manager.get_block_ids("p2")[0])
+    prefill.kv[:] = np.random.default_rng(6).integers(0, 1 << 16, prefill.kv.shape, dtype=np.uint16)
+    decode_before = decode.kv.copy()
+    decode.scheduler.add_request(_request("d2", prompt, 2, params))
+    decode.step()
+    _run_until(
+        decode,
+        lambda: decode.scheduler.requests["d2"].status != RequestStatus.WAITING_FOR_REMOTE_KVS,
+        "the pull never finished",
+    )
+    dst = list(decode.scheduler.kv_cache_manager.get_block_ids("d2")[0])[: len(src)]
+    # The cached blocks were not overwritten; the others came from the prefill's last blocks.
+    assert (decode.kv[dst[:2]] == decode_before[dst[:2]]).all()
+    assert (decode.kv[dst[2:]] == prefill.kv[src[2:]]).all()
+    _run_until(prefill, lambda: "p2" not in prefill.scheduler.requests, "finished_sending never came")
+
+
+def test_a_load_that_fails_ends_the_request_instead_of_hanging(engines: tuple[Engine, Engine]) -> None:
+    prefill, decode = engines
+    prompt = list(range(1000, 1000 + BLOCK + 3))
+    prefill.scheduler.add_request(_request("p3", prompt, 1, {"do_remote_decode": True}))
+    params = _params_of(prefill.step(), "p3")
+    assert params is not None
+    params["kvxfer_tickets"][0]["token"] = "00" * 16  # what a stale or forged ticket looks like
+    decode.scheduler.add_request(_request("d3", prompt, 4, params))
+    outputs = _run_until(decode, lambda: "d3" not in decode.scheduler.requests, "the failed load hung the request")
+    finished = [o for eo in (outputs or {}).values() for o in eo.outputs if o.request_id == "d3"]
+    assert finished and finished[0].finish_reason is not None  # vLLM's "fail" policy: an error, not a hang
+    assert decode.worker.stats["pull_failures"] >= 1
