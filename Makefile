@@ -1,6 +1,7 @@
 # kvxfer — two commands on a fresh machine:
 #   make demo   start two daemons and three engines, run verified handoffs, print results
-#   make test   install everything into .venv, then lint, type-check and run the test suite
+#   make test   install everything (.venv, and .venv-vllm for the vLLM connector's tests), then
+#               lint, type-check and run the test suite
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -44,7 +45,15 @@ typecheck: $(STAMP)
 pytest: $(STAMP)
 	$(BIN)/python -m pytest -q
 
-test: lint typecheck pytest
+# make test: lint, types and the suite in .venv while .venv-vllm is built in the background
+# (mostly downloads), then vLLM's tests once both are done.
+test:
+	@rm -f $(VLLM_VENV).rc
+	@( $(MAKE) --no-print-directory vllm-venv > $(VLLM_VENV).log 2>&1; echo $$? > $(VLLM_VENV).rc ) & \
+	$(MAKE) --no-print-directory lint typecheck pytest; status=$$?; \
+	while [ ! -f $(VLLM_VENV).rc ]; do sleep 2; done; \
+	if [ "$$(cat $(VLLM_VENV).rc)" != 0 ]; then tail -50 $(VLLM_VENV).log; echo "building $(VLLM_VENV) failed"; exit 1; fi; \
+	[ $$status = 0 ] && $(MAKE) --no-print-directory vllm-test
 
 # Regenerate kvxfer_client/_proto from proto/ (tests/unit/test_proto_stubs.py checks it is current).
 proto: $(STAMP)
