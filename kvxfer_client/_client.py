@@ -441,10 +441,11 @@ class AsyncKvxferClient:
         ticket = _as_ticket(ticket)
         ids = _block_ids(block_ids, "dst block_ids")
         indices = [] if offer_block_indices is None else _block_ids(offer_block_indices, "offer_block_indices")
-        wanted = len(indices) if offer_block_indices is not None else ticket.num_blocks
-        if len(ids) != wanted:
+        if offer_block_indices is None and len(ids) != ticket.num_blocks:
+            raise InvalidRequestError(f"the ticket holds {ticket.num_blocks} blocks, {len(ids)} destination ids given")
+        if offer_block_indices is not None and len(ids) != len(indices):
             raise InvalidRequestError(
-                f"the pull moves {wanted} of the ticket's blocks, {len(ids)} destination ids given"
+                f"the pull moves {len(indices)} of the ticket's blocks, {len(ids)} destination ids given"
             )
         if indices and max(indices) >= ticket.num_blocks:
             raise InvalidRequestError(f"offer_block_indices reach {max(indices)}; the ticket holds {ticket.num_blocks}")

@@ -63,7 +63,7 @@ class Settings:
     offer_wait_s: float = _setting(
         2.0,
         "How long a pull waits for an offer not made yet, under an id the engine chose in advance "
-        "(its ticket went out before the offer); less than peer_timeout_s.",
+        "(its ticket went out before the offer); at most half of peer_timeout_s is used.",
     )
     max_offers: int = _setting(100_000, "Most offers held at once; more are refused with RESOURCE_EXHAUSTED.")
     # Bigger chunks amortise UCX's per-message handshake; smaller ones fill the pipeline
@@ -135,8 +135,8 @@ class Settings:
         for name in ("pull_timeout_s", "peer_timeout_s", "drain_grace_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
-        if not 0 <= self.offer_wait_s < self.peer_timeout_s:
-            raise ValueError("need 0 <= offer_wait_s < peer_timeout_s (a remote puller waits peer_timeout_s for it)")
+        if self.offer_wait_s < 0:
+            raise ValueError("offer_wait_s must not be negative")
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

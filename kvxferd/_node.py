@@ -80,8 +80,14 @@ class Node:
         self.metrics = Metrics(self.snapshots.take)
         self.pools = PoolRegistry()
         self.sessions = SessionTable()
+        # A remote puller waits peer_timeout_s for "accepted": the wait for the offer must fit.
+        offer_wait_s = min(settings.offer_wait_s, settings.peer_timeout_s / 2)
+        if offer_wait_s < settings.offer_wait_s:
+            log_event(
+                "config.offer_wait_s", used=offer_wait_s, asked=settings.offer_wait_s, why="half of peer_timeout_s"
+            )
         self.offers = OfferTable(
-            settings.max_offers, self.sessions.tell_released, self.metrics.offer_released, settings.offer_wait_s
+            settings.max_offers, self.sessions.tell_released, self.metrics.offer_released, offer_wait_s
         )
         self.transfers = TransferTable(settings.history, self.metrics.transfer_finished)
         self.executor = ThreadPoolExecutor(settings.copy_threads, thread_name_prefix="kvxfer-copy")

@@ -37,6 +37,7 @@ OFFERED = "offered"
 PULLING = "pulling"
 #: Ended offers remembered with their reason (about 100 bytes each).
 ENDED_MEMORY = 100_000
+DAEMON_OFFER_PREFIX = "off-"
 #: Offer ids that pulls may wait for at once (each waiting pull holds one until its offer
 #: comes or ``wait_s`` passes).
 MAX_AWAITED = 4096
@@ -107,7 +108,7 @@ class OfferTable:
         form by the control plane), else fresh ones."""
         if len(self.offers) >= self.max_offers:
             raise ResourceExhaustedError(f"this daemon holds its maximum of {self.max_offers} offers")
-        offer_id, token = chosen or ("off-" + secrets.token_hex(8), secrets.token_bytes(16))
+        offer_id, token = chosen or (DAEMON_OFFER_PREFIX + secrets.token_hex(8), secrets.token_bytes(16))
         if offer_id in self.offers or offer_id in self._ended:
             raise AlreadyExistsError(f"offer id {offer_id!r} is taken (choose a fresh random one per offer)")
         offer = Offer(
@@ -162,7 +163,8 @@ class OfferTable:
         """:meth:`claim`, waiting up to ``wait_s`` for an offer that was never made yet: its
         ticket may have gone out first (the engine chose the id in advance). An offer that
         ended, or a wait past ``wait_s``, is refused as by :meth:`claim`."""
-        if offer_id not in self.offers and offer_id not in self._ended and self.wait_s > 0:
+        made_here = len(offer_id) == len(DAEMON_OFFER_PREFIX) + 16  # this daemon's own ids: never "not yet"
+        if offer_id not in self.offers and offer_id not in self._ended and self.wait_s > 0 and not made_here:
             if offer_id not in self._awaited and len(self._awaited) >= MAX_AWAITED:
                 raise ResourceExhaustedError(f"{MAX_AWAITED} pulls already wait for offers not made yet")
             event = self._awaited.setdefault(offer_id, asyncio.Event())

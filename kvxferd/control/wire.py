@@ -69,7 +69,9 @@ def pull_timeout_s(value: float, default: float) -> float:
     return timeout
 
 
-_CHOSEN_OFFER_ID = re.compile(r"^off-[0-9a-f]{16,64}$")
+#: An engine's offer ids are longer than the daemon's own ("off-" + 16 hex digits), so a pull
+#: for an unknown id of the daemon's shape fails at once instead of waiting for an offer.
+_CHOSEN_OFFER_ID = re.compile(r"^off-[0-9a-f]{32,64}$")
 
 
 def chosen_offer(offer_id: str, token: bytes) -> tuple[str, bytes] | None:
@@ -78,7 +80,7 @@ def chosen_offer(offer_id: str, token: bytes) -> tuple[str, bytes] | None:
         return None
     if not _CHOSEN_OFFER_ID.match(offer_id) or len(token) != 16:
         raise InvalidRequestError(
-            "a chosen offer needs offer_id 'off-' + 16..64 lowercase hex digits and a 16-byte random token "
+            "a chosen offer needs offer_id 'off-' + 32..64 lowercase hex digits and a 16-byte random token "
             "(kvxfer_client's new_ticket() makes both)"
         )
     return offer_id, bytes(token)

@@ -52,12 +52,12 @@ class ServeRequest:
     receiver_daemon_id: str
     receiver_signature: common_pb2.LayoutSignature
     num_blocks: int
-    #: Positions in the offer's block list to send (None: all).
-    offer_block_indices: npt.NDArray[np.int64] | None
     tag_base: int
     chunk_bytes: int
     #: The pull's deadline (the stream's is this plus ``peer_timeout_s``).
     timeout_s: float
+    #: Positions in the offer's block list to send (None: all).
+    offer_block_indices: npt.NDArray[np.int64] | None = None
 
 
 class OffererStream(Protocol):

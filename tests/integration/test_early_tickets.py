@@ -23,7 +23,7 @@ from kvxfer_client import (
 from kvxfer_client._proto import engine_pb2
 
 LAYOUT = Layout.paged_kv(num_layers=2, num_blocks=16, block_bytes=4096)
-WAIT_S = 3.0
+WAIT_S = 2.0  # within half of the default peer_timeout_s (5 s), so used as given
 
 
 @pytest.fixture(scope="module")

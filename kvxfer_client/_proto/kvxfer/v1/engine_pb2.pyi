@@ -384,7 +384,7 @@ class OfferRequest(_message.Message):
     (PERMISSION_DENIED otherwise; operators use AdminService).
     """
     offer_id: _builtins.str
-    """Both or neither: an offer id ("off-" and 16 to 64 lowercase hex digits) and a 16-byte
+    """Both or neither: an offer id ("off-" and 32 to 64 lowercase hex digits) and a 16-byte
     token the engine chose in advance, so that a ticket could be handed out before this offer
     was made (vLLM's scheduler answers request_finished at once; its worker offers next
     step). A pull that arrives first waits up to the daemon's offer_wait_s for the offer.
