@@ -101,6 +101,9 @@ class Engine:
         self.worker.close()
 
 
+init_none_hash(sha256)  # vLLM's prefix-cache hashing, once per process
+
+
 def _request(rid: str, prompt: list[int], max_tokens: int, params: dict[str, Any] | None) -> Request:
     sampling = SamplingParams(max_tokens=max_tokens)
     sampling.update_from_generation_config({}, 2)
@@ -117,7 +120,6 @@ def _request(rid: str, prompt: list[int], max_tokens: int, params: dict[str, Any
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engine, Engine]]:
-    init_none_hash(sha256)
     model = write_model(str(tmp_path_factory.mktemp("model")))
     with Cluster() as cluster:
         a = cluster.daemon("a")
@@ -220,3 +222,54 @@ def test_a_load_that_fails_ends_the_request_instead_of_hanging(engines: tuple[En
     finished = [o for eo in (outputs or {}).values() for o in eo.outputs if o.request_id == "d3"]
     assert finished and finished[0].finish_reason is not None  # vLLM's "fail" policy: an error, not a hang
     assert decode.worker.stats["pull_failures"] >= 1
+
+
+def test_a_request_aborted_while_loading_leaks_no_blocks(engines: tuple[Engine, Engine]) -> None:
+    """Aborted while its pull is in flight (here: its offer is never made, so the pull waits on
+    the daemon): the scheduler neither crashes nor keeps the blocks once the pull has ended."""
+    _, decode = engines
+    pool = decode.worker.pool
+    assert pool is not None
+    free_before = decode.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+    ticket = decode.worker.client.new_ticket(pool, 2)  # an offer nobody will make
+    params = {"do_remote_prefill": True, "do_remote_decode": False, "kvxfer_tickets": [ticket.to_dict()]}
+    prompt = list(range(2000, 2000 + BLOCK + 9))
+    decode.scheduler.add_request(_request("d4", prompt, 4, params))
+    decode.step()
+    assert decode.scheduler.requests["d4"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    decode.scheduler.finish_requests(["d4"], RequestStatus.FINISHED_ABORTED)
+    decode.step()
+    assert decode.worker._loading, "the pull should still be waiting for its offer here"
+    # Its blocks stay allocated while the pull may still write into them.
+    assert decode.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() < free_before
+    _run_until(
+        decode,
+        lambda: "d4" not in decode.scheduler.requests and not decode.worker._loading,
+        "the aborted request was never cleaned up",
+    )
+    for _ in range(3):
+        decode.step()
+    assert decode.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == free_before
+
+
+def test_a_dead_daemon_fails_the_load_instead_of_hanging(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The daemon dies between the prefill and the decode: the decode request ends (vLLM's
+    fail policy) within the pull's bounds, and nothing in the scheduler hangs."""
+    model = write_model(str(tmp_path_factory.mktemp("model-dead")))
+    with Cluster() as cluster:
+        a = cluster.daemon("a")
+        prefill, decode = Engine(model, "kv_producer", a.socket), Engine(model, "kv_consumer", a.socket)
+        try:
+            prompt = list(range(3000, 3000 + BLOCK + 1))
+            prefill.scheduler.add_request(_request("p5", prompt, 1, {"do_remote_decode": True}))
+            params = _params_of(prefill.step(), "p5")
+            assert params is not None
+            a.kill()
+            decode.scheduler.add_request(_request("d5", prompt, 4, params))
+            outputs = _run_until(decode, lambda: "d5" not in decode.scheduler.requests, "the load hung", 40)
+            finished = [o for eo in (outputs or {}).values() for o in eo.outputs if o.request_id == "d5"]
+            assert finished and finished[0].finish_reason is not None
+            assert decode.worker.stats["pull_failures"] == 1
+        finally:
+            prefill.close()
+            decode.close()
