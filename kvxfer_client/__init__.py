@@ -5,7 +5,8 @@ and gets a JSON :class:`Ticket`, the decode side pulls the ticket into its own b
 prefill side receives an :class:`OfferReleased` event once it may free them.
 """
 
-from ._client import AsyncKvxferClient, CancelResult, KvxferClient, Pool, PullResult
+from ._blocking import KvxferClient
+from ._client import AsyncKvxferClient, CancelResult, Pool, PullResult
 from ._config import default_socket_path
 from ._connector import ConnectorMetadata, ConnectorScheduler, ConnectorWorker, LoadSpec, SendSpec
 from ._errors import (

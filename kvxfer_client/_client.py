@@ -1,4 +1,4 @@
-"""The engine-facing SDK: :class:`AsyncKvxferClient` and its blocking twin :class:`KvxferClient`.
+"""The engine-facing SDK: :class:`AsyncKvxferClient` (its blocking twin is ``_blocking``).
 
 An engine opens one client per process; the client holds an event stream that is also the
 engine's session with the daemon (pools die with it).
@@ -14,18 +14,16 @@ engine's session with the daemon (pools die with it).
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import threading
-from collections.abc import AsyncIterator, Awaitable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import grpc
 import numpy as np
 
+from ._buffers import buffer_spec
 from ._call_stream import CallStream, CallStreamUnsupportedError
-from ._config import call_stream_enabled, channel_options, default_socket_path, huge_pages_enabled
-from ._cuda import describe_cuda_tensor, is_cuda_tensor
+from ._config import call_stream_enabled, channel_options, default_socket_path
 from ._errors import (
     DeadlineExceededError,
     InvalidRequestError,
@@ -35,13 +33,13 @@ from ._errors import (
 )
 from ._events import OfferReleased, TransferFailed, event_from_proto
 from ._fds import attach_process, pass_fds
-from ._host_tensor import advise_huge_pages, allow_daemon, host_tensor_extent, is_host_tensor
+from ._host_tensor import allow_daemon
 from ._layout import MAX_BLOCKS, Layout
 from ._memory import HostBuffer
 from ._proto import common_pb2, engine_pb2, engine_pb2_grpc
 from ._ticket import Ticket
 
-__all__ = ["AsyncKvxferClient", "CancelResult", "KvxferClient", "Pool", "PullResult"]
+__all__ = ["AsyncKvxferClient", "CancelResult", "Pool", "PullResult"]
 
 T = TypeVar("T")
 Event = OfferReleased | TransferFailed
@@ -340,7 +338,7 @@ class AsyncKvxferClient:
     async def _register(self, buffers: Sequence[Any], layout: Layout, name: str) -> Pool:
         if not buffers:
             raise InvalidRequestError("a pool needs at least one buffer")
-        specs = [_buffer_spec(b) for b in buffers]
+        specs = [buffer_spec(b) for b in buffers]
         layout.validate([s.size for s in specs])
         host = [i for i, b in enumerate(buffers) if isinstance(b, HostBuffer)]
         if host:
@@ -518,205 +516,3 @@ class AsyncKvxferClient:
             return await asyncio.wait_for(asyncio.shield(fut), timeout_s)
         except TimeoutError:
             raise DeadlineExceededError(f"offer {offer_id} was not released in time") from None
-
-
-class KvxferClient:
-    """Blocking client with the same methods as :class:`AsyncKvxferClient`.
-
-    It runs an asyncio loop on a private thread, so it is safe to use from engines that are
-    not asyncio applications.
-    """
-
-    def __init__(
-        self,
-        socket_path: str | None = None,
-        *,
-        engine_name: str = "",
-        timeout_s: float = 30.0,
-        call_stream: bool | None = None,
-        auto_reconnect: bool = False,
-    ) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="kvxfer-client", daemon=True)
-        self._thread.start()
-        self._async = AsyncKvxferClient(
-            socket_path,
-            engine_name=engine_name,
-            timeout_s=timeout_s,
-            call_stream=call_stream,
-            auto_reconnect=auto_reconnect,
-        )
-        try:
-            self._run(self._async.connect())
-        except BaseException:
-            self._stop_loop()
-            raise
-
-    @property
-    def session_id(self) -> str:
-        return self._async.session_id
-
-    @property
-    def daemon_id(self) -> str:
-        return self._async.daemon_id
-
-    @property
-    def peer_address(self) -> str:
-        return self._async.peer_address
-
-    def _run(self, coro: Coroutine[Any, Any, T] | Awaitable[T]) -> T:
-        async def wrap() -> T:
-            return await coro
-
-        return asyncio.run_coroutine_threadsafe(wrap(), self._loop).result()
-
-    def reconnect(self) -> KvxferClient:
-        self._run(self._async.reconnect())
-        return self
-
-    def register_pool(self, buffers: Sequence[Any], layout: Layout, *, name: str = "") -> Pool:
-        return self._run(self._async.register_pool(buffers, layout, name=name))
-
-    def deregister_pool(self, pool: Pool | str) -> int:
-        return self._run(self._async.deregister_pool(pool))
-
-    def offer(
-        self,
-        pool: Pool | str,
-        block_ids: Sequence[int] | np.ndarray[Any, Any],
-        *,
-        lease_s: float = 0.0,
-        ticket: Ticket | None = None,
-        offer_key: bytes = b"",
-    ) -> Ticket:
-        return self.start_offer(pool, block_ids, lease_s=lease_s, ticket=ticket, offer_key=offer_key).result()
-
-    def start_offer(
-        self,
-        pool: Pool | str,
-        block_ids: Sequence[int] | np.ndarray[Any, Any],
-        *,
-        lease_s: float = 0.0,
-        ticket: Ticket | None = None,
-        offer_key: bytes = b"",
-    ) -> concurrent.futures.Future[Ticket]:
-        """Like :meth:`offer` but returns at once (an engine step must not wait on the daemon)."""
-        coro = self._async.offer(pool, block_ids, lease_s=lease_s, ticket=ticket, offer_key=offer_key)
-        return asyncio.run_coroutine_threadsafe(coro, self._loop)
-
-    def new_ticket(self, pool: Pool, num_blocks: int) -> Ticket:
-        return self._async.new_ticket(pool, num_blocks)
-
-    def pull(
-        self,
-        ticket: Ticket | str | dict[str, Any],
-        pool: Pool | str,
-        block_ids: Sequence[int] | np.ndarray[Any, Any],
-        *,
-        transfer_id: str = "",
-        timeout_s: float = 60.0,
-        offer_block_indices: Sequence[int] | np.ndarray[Any, Any] | None = None,
-    ) -> PullResult:
-        future = self.start_pull(
-            ticket,
-            pool,
-            block_ids,
-            transfer_id=transfer_id,
-            timeout_s=timeout_s,
-            offer_block_indices=offer_block_indices,
-        )
-        return future.result()
-
-    def start_pull(
-        self,
-        ticket: Ticket | str | dict[str, Any],
-        pool: Pool | str,
-        block_ids: Sequence[int] | np.ndarray[Any, Any],
-        *,
-        transfer_id: str = "",
-        timeout_s: float = 60.0,
-        offer_block_indices: Sequence[int] | np.ndarray[Any, Any] | None = None,
-    ) -> concurrent.futures.Future[PullResult]:
-        """Like :meth:`pull` but returns at once; the future completes when the bytes landed
-        (or holds the :class:`KvxferError` that ended the pull)."""
-        coro = self._async.pull(
-            ticket,
-            pool,
-            block_ids,
-            transfer_id=transfer_id,
-            timeout_s=timeout_s,
-            offer_block_indices=offer_block_indices,
-        )
-        return asyncio.run_coroutine_threadsafe(coro, self._loop)
-
-    def watch_release(self, offer_id: str, timeout_s: float | None = None) -> concurrent.futures.Future[OfferReleased]:
-        """Like :meth:`wait_released` but returns at once with a future."""
-        return asyncio.run_coroutine_threadsafe(self._async.wait_released(offer_id, timeout_s), self._loop)
-
-    def release(self, offer_id: str) -> None:
-        self._run(self._async.release(offer_id))
-
-    def cancel(self, transfer_id: str) -> CancelResult:
-        return self._run(self._async.cancel(transfer_id))
-
-    def extend_lease(self, ticket: Ticket | str | dict[str, Any], lease_s: float) -> float:
-        return self._run(self._async.extend_lease(ticket, lease_s))
-
-    def next_event(self, timeout_s: float | None = None) -> Event:
-        return self._run(self._async.next_event(timeout_s))
-
-    def wait_released(self, offer_id: str, timeout_s: float | None = None) -> OfferReleased:
-        return self._run(self._async.wait_released(offer_id, timeout_s))
-
-    def _stop_loop(self) -> None:
-        # gRPC leaves tasks of its own on the loop (a call's status handler); end them here,
-        # as asyncio.run does, or they are reported destroyed while pending at exit.
-        self._run(_finish_tasks())
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=5)
-        self._loop.close()
-
-    def close(self) -> None:
-        if self._loop.is_closed():
-            return
-        self._run(self._async.close())
-        self._stop_loop()
-
-    def __enter__(self) -> KvxferClient:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-
-async def _finish_tasks() -> None:
-    """Cancel and await every other task of the running loop, then its async generators."""
-    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-    await asyncio.get_running_loop().shutdown_asyncgens()
-
-
-def _buffer_spec(buf: Any) -> common_pb2.BufferSpec:
-    """A :class:`HostBuffer`, a CPU tensor or a GPU tensor as the daemon's ``BufferSpec``."""
-    if isinstance(buf, HostBuffer):
-        return common_pb2.BufferSpec(kind=common_pb2.MEMORY_KIND_HOST_SHM, size=buf.size)
-    if not is_cuda_tensor(buf):
-        if not is_host_tensor(buf):
-            raise InvalidRequestError(
-                f"a {type(buf).__name__} is not a buffer kvxfer can register: pass HostBuffer objects, CPU tensors "
-                "(numpy, torch: __array_interface__ or DLPack) or GPU tensors (__cuda_array_interface__ or DLPack)"
-            )
-        address, size = host_tensor_extent(buf)
-        if huge_pages_enabled():
-            advise_huge_pages(address, size)
-        return common_pb2.BufferSpec(kind=common_pb2.MEMORY_KIND_HOST_PROCESS, size=size, process_address=address)
-    spec = describe_cuda_tensor(buf)
-    return common_pb2.BufferSpec(
-        kind=common_pb2.MEMORY_KIND_CUDA_IPC,
-        size=spec.size,
-        cuda_ipc_handle=spec.ipc_handle,
-        cuda_alloc_offset=spec.alloc_offset,
-        gpu_uuid=spec.gpu_uuid,
-    )

@@ -35,7 +35,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._client import KvxferClient, Pool, PullResult
+from ._blocking import KvxferClient
+from ._client import Pool, PullResult
 from ._errors import CancelledError, InternalError, InvalidRequestError, KvxferError
 from ._events import OfferReleased, ReleaseReason
 from ._ticket import Ticket

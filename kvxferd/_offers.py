@@ -90,8 +90,8 @@ class OfferTable:
         self.max_offers = max_offers
         #: How long a pull waits for an offer not made yet (:meth:`claim_soon`).
         self.wait_s = wait_s
-        #: Pulls waiting for an offer id not made yet, by id.
-        self._awaited: dict[str, asyncio.Event] = {}
+        #: Pulls waiting for an offer id not made yet: the event the offer sets, and how many wait.
+        self._awaited: dict[str, tuple[asyncio.Event, int]] = {}
         self.offers: dict[str, Offer] = {}
         self._on_release = on_release
         self._count = count  # by reason name (the metrics)
@@ -124,7 +124,7 @@ class OfferTable:
         pool.offers.add(offer.offer_id)
         awaited = self._awaited.pop(offer_id, None)
         if awaited is not None:
-            awaited.set()
+            awaited[0].set()
         return offer
 
     def _arm(self, offer: Offer) -> None:
@@ -167,7 +167,8 @@ class OfferTable:
         if offer_id not in self.offers and offer_id not in self._ended and self.wait_s > 0 and not made_here:
             if offer_id not in self._awaited and len(self._awaited) >= MAX_AWAITED:
                 raise ResourceExhaustedError(f"{MAX_AWAITED} pulls already wait for offers not made yet")
-            event = self._awaited.setdefault(offer_id, asyncio.Event())
+            event, waiting = self._awaited.get(offer_id, (asyncio.Event(), 0))
+            self._awaited[offer_id] = (event, waiting + 1)
             log_event("offer.awaited", offer_id=offer_id, wait_s=self.wait_s)
             try:
                 async with asyncio.timeout(self.wait_s):
@@ -175,8 +176,13 @@ class OfferTable:
             except TimeoutError:
                 pass
             finally:
-                if not event.is_set() and self._awaited.get(offer_id) is event:
-                    del self._awaited[offer_id]
+                # The last waiter to give up forgets the id; the offer's creation pops it.
+                current = self._awaited.get(offer_id)
+                if current is not None and current[0] is event:
+                    if current[1] <= 1:
+                        del self._awaited[offer_id]
+                    else:
+                        self._awaited[offer_id] = (event, current[1] - 1)
         return self.claim(offer_id, token)
 
     def claim(self, offer_id: str, token: bytes) -> Offer:

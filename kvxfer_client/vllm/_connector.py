@@ -24,7 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
 )
 
-from .._client import KvxferClient
+from .._blocking import KvxferClient
 from .._config import default_socket_path
 from .._layout import ModelInfo
 from .._ticket import Ticket
@@ -80,20 +80,18 @@ class KvxferConnector(KVConnectorBase_V1):
                 lease_s=self._lease_s,
                 pull_timeout_s=float(extra.get("pull_timeout_s", 60.0)),
             )
-        self._model = ModelInfo(
-            model=str(vllm_config.model_config.model),
-            dtype=str(vllm_config.cache_config.cache_dtype),
-            block_tokens=self._block_size,
-            tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
-            tp_rank=0,  # each rank's own: set at registration
-        )
 
     # -- worker side ----------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         assert self._worker is not None
+        config = self._vllm_config
         model = ModelInfo(
-            self._model.model, self._model.dtype, self._model.block_tokens, self._model.tp_size, self._worker.tp_rank
+            model=str(config.model_config.model),
+            dtype=str(config.cache_config.cache_dtype),
+            block_tokens=self._block_size,
+            tp_size=int(config.parallel_config.tensor_parallel_size),
+            tp_rank=self._worker.tp_rank,
         )
         pool = self._worker.register(kv_caches, int(self._kv_cache_config.num_blocks), model)
         self._handshake = KvxferHandshake(pool)

@@ -21,7 +21,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .._client import KvxferClient, Pool, PullResult
+from .._blocking import KvxferClient
+from .._client import Pool, PullResult
 from .._errors import KvxferError
 from .._events import OfferReleased
 from .._layout import ModelInfo
