@@ -10,6 +10,7 @@ Points (where the daemon calls :meth:`Faults.hit`):
 * ``after_accepted`` — offering side, right after it wrote ``accepted``;
 * ``after_chunk_sent:N`` — offering side, once chunk ``N`` (0-based) has been sent;
 * ``before_done`` — pulling side, every byte landed, before it writes ``done``;
+* ``before_local_copy`` — local handoff, the offer claimed, before the first byte is copied;
 * ``after_done_read`` — offering side, after it read ``done``, before it releases and closes;
 * ``before_closed_read`` — pulling side, after ``done`` went out, before it reads ``closed``;
 * ``peer_endpoint`` — both sides, before an endpoint to a peer is made from its worker address;
@@ -48,6 +49,7 @@ POINTS = (
     "after_done_read",
     "before_closed_read",
     "before_done",
+    "before_local_copy",
     "endpoint_broken",
     "peer_endpoint",
 )

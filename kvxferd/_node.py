@@ -103,7 +103,13 @@ class Node:
         self.recv_staging = StagingPool(settings.staging_bytes, settings.chunk_bytes)
         self._gpu: GpuDevices | None = None  # made on first GPU use (see ``gpu``)
         local = LocalHandoff(
-            self.offers, settings.local_chunk_bytes, settings.copy_threads, self.executor, single_pass, self.gpu
+            self.offers,
+            settings.local_chunk_bytes,
+            settings.copy_threads,
+            self.executor,
+            single_pass,
+            self.gpu,
+            self.faults,
         )
         self.pulls = Pulls(self.daemon_id, self.transfers, local, None)
         # Made by start_peers(), once the peer listener's address is known:

@@ -20,6 +20,7 @@ from kvxfer_client._layout import signature_mismatch
 from kvxfer_client._proto import common_pb2
 from kvxfer_client._ticket import Ticket
 
+from .._faults import Faults
 from .._offers import OfferTable
 from .._transfers import TransferRecord
 from ..dataplane.aligned import CACHE_LINE, aligned_empty
@@ -45,6 +46,7 @@ class LocalHandoff:
         executor: Executor,
         single_pass: bool,
         gpu: Callable[[], GpuDevices],
+        faults: Faults,
     ) -> None:
         self.offers = offers
         self.chunk_bytes = chunk_bytes
@@ -52,6 +54,7 @@ class LocalHandoff:
         self.executor = executor
         self.single_pass = single_pass
         self._gpu = gpu
+        self.faults = faults
 
     async def pull(
         self,
@@ -78,6 +81,7 @@ class LocalHandoff:
             self.offers.unclaim(offer)  # refused before anything moved: the offer stays pullable
             raise
         try:
+            await self.faults.hit("before_local_copy", transfer_id=record.transfer_id)
             started = time.perf_counter()
             if src.on_gpu or dst.on_gpu:
                 with src.in_use():

@@ -103,34 +103,42 @@ async def test_offers_pulls_and_their_errors_are_the_same_on_the_stream_and_as_u
         await e.decode.close()
 
 
-async def test_answers_come_back_in_completion_order_not_request_order(engines: Engines) -> None:
-    big = list(range(0, 64, 2))  # 8 MiB, copied while the offer behind it is answered
-    pull_ticket = await engines.prefill.offer(engines.src, big)
-    async with grpc.aio.insecure_channel("unix:" + engines.daemon.socket) as channel:
-        calls = engine_pb2_grpc.EngineServiceStub(channel).Calls()
-        pull = engine_pb2.PullRequest(
-            ticket=pull_ticket.to_proto(),
-            pool_id=engines.dst.pool_id,
-            block_ids=list(range(1, 64, 2)),
-            timeout_s=30,
-            session_id=engines.decode.session_id,
-        )
-        await calls.write(engine_pb2.CallRequest(call_id=41, pull=pull))
-        await calls.write(
-            engine_pb2.CallRequest(
-                call_id=42,
-                offer=engine_pb2.OfferRequest(
-                    pool_id=engines.src.pool_id, block_ids=[1], session_id=engines.prefill.session_id
-                ),
+async def test_answers_come_back_in_completion_order_not_request_order(cluster: Cluster) -> None:
+    # The pull is held at a fault point before its first byte, so the offer sent after it on
+    # the same stream must be answered first, however fast the copy would have been.
+    daemon = cluster.daemon("a", "--fault-injection", "--faults", "before_local_copy=pause:3")
+    engines = await _engines(daemon, call_stream=True)
+    try:
+        big = list(range(0, 64, 2))
+        pull_ticket = await engines.prefill.offer(engines.src, big)
+        async with grpc.aio.insecure_channel("unix:" + engines.daemon.socket) as channel:
+            calls = engine_pb2_grpc.EngineServiceStub(channel).Calls()
+            pull = engine_pb2.PullRequest(
+                ticket=pull_ticket.to_proto(),
+                pool_id=engines.dst.pool_id,
+                block_ids=list(range(1, 64, 2)),
+                timeout_s=30,
+                session_id=engines.decode.session_id,
             )
-        )
-        first, second = await calls.read(), await calls.read()
-        await calls.done_writing()
-        assert await calls.read() is grpc.aio.EOF  # both answered: the daemon ends the stream
-    assert (first.call_id, first.WhichOneof("result")) == (42, "offer")
-    assert (second.call_id, second.WhichOneof("result")) == (41, "pull")
-    assert second.pull.bytes == len(big) * LAYOUT.bytes_per_block
-    assert _blocks(engines.dst_buffers, list(range(1, 64, 2))) == _blocks(engines.src_buffers, big)
+            await calls.write(engine_pb2.CallRequest(call_id=41, pull=pull))
+            await calls.write(
+                engine_pb2.CallRequest(
+                    call_id=42,
+                    offer=engine_pb2.OfferRequest(
+                        pool_id=engines.src.pool_id, block_ids=[1], session_id=engines.prefill.session_id
+                    ),
+                )
+            )
+            first, second = await calls.read(), await calls.read()
+            await calls.done_writing()
+            assert await calls.read() is grpc.aio.EOF  # both answered: the daemon ends the stream
+        assert (first.call_id, first.WhichOneof("result")) == (42, "offer")
+        assert (second.call_id, second.WhichOneof("result")) == (41, "pull")
+        assert second.pull.bytes == len(big) * LAYOUT.bytes_per_block
+        assert _blocks(engines.dst_buffers, list(range(1, 64, 2))) == _blocks(engines.src_buffers, big)
+    finally:
+        await engines.prefill.close()
+        await engines.decode.close()
 
 
 async def test_callers_cancelled_midway_do_not_disturb_the_other_calls_on_the_stream(engines: Engines) -> None:

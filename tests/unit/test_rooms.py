@@ -56,7 +56,9 @@ class Daemonless:
             16, lambda role, path, transport, result, reason, n, s: self.observed.append((path, transport, result, n))
         )
         self.executor = ThreadPoolExecutor(2)
-        local = LocalHandoff(self.offers, 64 << 10, 2, self.executor, single_pass=True, gpu=self._no_gpu)
+        local = LocalHandoff(
+            self.offers, 64 << 10, 2, self.executor, single_pass=True, gpu=self._no_gpu, faults=Faults()
+        )
         self.pulls = Pulls("here", self.transfers, local, None)
 
     @staticmethod
