@@ -82,7 +82,7 @@ vllm-venv: $(VLLM_STAMP)
 # vLLM's own scheduler driving the connector (in .venv-vllm), then two real vLLM engines
 # (in .venv-vllm) handing off through real daemons (run from .venv).
 vllm-test: $(STAMP) $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/python -m pytest -q -o addopts="-p no:cacheprovider" tests/vllm/in_engine
+	KVXFER_DAEMON_PYTHON=$(BIN)/python $(VLLM_VENV)/bin/python -m pytest -q -o addopts="-p no:cacheprovider" --doctest-modules kvxfer_client/vllm tests/vllm/in_engine
 	KVXFER_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(BIN)/python -m pytest -q -m vllm tests/vllm
 
 clean:

@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: The interpreter daemons run under: this one, unless ``KVXFER_DAEMON_PYTHON`` names another
+#: (the vLLM tests run in a venv without UCX; their daemons run from the main one).
+DAEMON_PYTHON = os.environ.get("KVXFER_DAEMON_PYTHON") or sys.executable
 
 
 def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -48,7 +51,7 @@ class Daemon:
             os.unlink(ready)
         cmd = [
             *self.prefix,
-            sys.executable,
+            DAEMON_PYTHON,
             "-m",
             "kvxferd",
             "--engine-socket",

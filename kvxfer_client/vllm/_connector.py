@@ -23,13 +23,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorTransferResults,
 )
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from .._blocking import KvxferClient
 from .._config import default_socket_path
 from .._layout import ModelInfo
 from .._ticket import Ticket
 from ._plan import Load, RankPool, SchedulerPlan, Send
-from ._worker import WorkerTransfers
+from ._stats import KvxferStats
+from ._worker import SENTINEL_BLOCKS, WorkerTransfers
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -59,6 +61,9 @@ class KvxferHandshake(KVConnectorHandshakeMetadata):
 
 
 class KvxferConnector(KVConnectorBase_V1):
+    #: Loaded tokens come from another engine (vLLM's cache-hit metrics by source).
+    _cache_hit_source = CacheHitSource.P2P
+
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
@@ -77,6 +82,7 @@ class KvxferConnector(KVConnectorBase_V1):
                 self._socket,
                 engine_name=f"vllm-{self._kv_transfer_config.kv_role}",
                 tp_rank=int(getattr(parallel, "rank", 0)) % max(1, int(parallel.tensor_parallel_size)),
+                tp_size=max(1, int(parallel.tensor_parallel_size)),
                 lease_s=self._lease_s,
                 pull_timeout_s=float(extra.get("pull_timeout_s", 60.0)),
             )
@@ -88,12 +94,13 @@ class KvxferConnector(KVConnectorBase_V1):
         config = self._vllm_config
         model = ModelInfo(
             model=str(config.model_config.model),
-            dtype=str(config.cache_config.cache_dtype),
+            dtype=_kv_dtype(config),
             block_tokens=self._block_size,
             tp_size=int(config.parallel_config.tensor_parallel_size),
             tp_rank=self._worker.tp_rank,
         )
-        pool = self._worker.register(kv_caches, int(self._kv_cache_config.num_blocks), model)
+        num_blocks = int(self._kv_cache_config.num_blocks)
+        pool = self._worker.register(kv_caches, num_blocks, model, _backend_shape(config, self._kv_cache_config))
         self._handshake = KvxferHandshake(pool)
 
     def get_handshake_metadata(self) -> KvxferHandshake | None:
@@ -125,6 +132,17 @@ class KvxferConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()
+
+    def get_kv_connector_stats(self) -> KvxferStats | None:
+        """This worker's counters since the last step (None in the scheduler, or when idle)."""
+        if self._worker is None:
+            return None
+        stats = KvxferStats(self._worker.take_stats())
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvxferStats:
+        return KvxferStats(data)
 
     def shutdown(self) -> None:
         if self._worker is not None:
@@ -171,3 +189,25 @@ class KvxferConnector(KVConnectorBase_V1):
                     offer_key=bytes.fromhex(pool.offer_key),
                 )
         return delay, params
+
+
+def _kv_dtype(config: VllmConfig) -> str:
+    """The KV cache's element type, as the fingerprint names it: ``cache_dtype`` unless it is
+    ``auto`` (then the model's dtype), so an fp8 cache never meets a bf16 one."""
+    cache_dtype = str(config.cache_config.cache_dtype)
+    return cache_dtype if cache_dtype != "auto" else str(config.model_config.dtype).removeprefix("torch.")
+
+
+def _backend_shape(config: VllmConfig, kv_cache_config: KVCacheConfig) -> tuple[int, ...] | None:
+    """The attention backend's KV shape for :data:`SENTINEL_BLOCKS` blocks, or None when vLLM
+    has no attention layers to ask (the shape alone then decides, see ``block_dim_of``)."""
+    from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+
+    try:
+        backends = get_current_attn_backends(config)
+        spec: Any = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        shape = backends[0].get_kv_cache_shape(SENTINEL_BLOCKS, spec.block_size, spec.num_kv_heads, spec.head_size)
+    except (AttributeError, IndexError, NotImplementedError, TypeError, ValueError) as exc:  # the shape decides
+        log.info("kvxfer: the attention backend's KV shape is unknown (%s); reading the tensors' shapes", exc)
+        return None
+    return tuple(int(n) for n in shape)

@@ -23,14 +23,14 @@ from typing import Any
 
 from .._blocking import KvxferClient
 from .._client import Pool, PullResult
-from .._errors import KvxferError
+from .._errors import IncompatibleError, KvxferError
 from .._events import OfferReleased
 from .._layout import ModelInfo
 from .._tensor_layout import layout_from_tensors, tensor_geometry
 from .._ticket import Ticket
 from ._plan import Load, RankPool, Send
 
-__all__ = ["QUARANTINE_S", "WorkerTransfers"]
+__all__ = ["QUARANTINE_S", "SENTINEL_BLOCKS", "WorkerTransfers", "block_dim_of"]
 
 log = logging.getLogger("kvxfer_client.vllm")
 
@@ -47,8 +47,17 @@ class _Loading:
 
 
 class WorkerTransfers:
-    def __init__(self, socket_path: str, engine_name: str, tp_rank: int, lease_s: float, pull_timeout_s: float) -> None:
+    def __init__(
+        self,
+        socket_path: str,
+        engine_name: str,
+        tp_rank: int,
+        lease_s: float,
+        pull_timeout_s: float,
+        tp_size: int = 1,
+    ) -> None:
         self.tp_rank = tp_rank
+        self.tp_size = tp_size
         self.lease_s = lease_s
         self.pull_timeout_s = pull_timeout_s
         self.client = KvxferClient(socket_path, engine_name=engine_name)
@@ -56,13 +65,24 @@ class WorkerTransfers:
         self._loading: dict[str, _Loading] = {}
         self._released: dict[str, concurrent.futures.Future[OfferReleased]] = {}
         self.load_errors: set[int] = set()
-        #: Counters for vLLM's connector stats (a snapshot is taken and reset each interval).
-        self.stats = {"pulls": 0, "pull_failures": 0, "pulled_bytes": 0, "pull_seconds": 0.0, "offers": 0}
+        #: Counters since the last :meth:`take_stats` (vLLM's connector stats, per step).
+        self.stats = _zero_stats()
+        #: The same counters since the start (never reset; what the tests and logs read).
+        self.totals = _zero_stats()
 
-    def register(self, kv_caches: Mapping[str, Any], num_blocks: int, model: ModelInfo) -> RankPool:
-        """Register the rank's KV tensors (one buffer per layer, in vLLM's layer order)."""
+    def register(
+        self,
+        kv_caches: Mapping[str, Any],
+        num_blocks: int,
+        model: ModelInfo,
+        backend_shape: tuple[int, ...] | None = None,
+    ) -> RankPool:
+        """Register the rank's KV tensors (one buffer per layer, in vLLM's layer order);
+        ``backend_shape`` as :func:`block_dim_of` takes it."""
         tensors = list(kv_caches.values())
-        layout = layout_from_tensors(tensors, block_dim=_block_dim(tensors[0], num_blocks), model=model)
+        layout = layout_from_tensors(
+            tensors, block_dim=block_dim_of(tensors[0], num_blocks, backend_shape), model=model
+        )
         self.pool = self.client.register_pool(tensors, layout, name=f"vllm-tp{self.tp_rank}")
         log.info(
             "kvxfer: registered %d KV tensors of TP rank %d as pool %s (%d blocks, %d regions, %d bytes per block)",
@@ -89,13 +109,17 @@ class WorkerTransfers:
         for send in sends:
             ticket = Ticket.from_dict(send.tickets[self.tp_rank])
             self._released[send.request_id] = self.client.watch_release(ticket.offer_id)
-            self.stats["offers"] += 1
+            self._count("offers")
         for load in loads:
-            if len(load.tickets) <= self.tp_rank:
-                raise KvxferError(
-                    f"request {load.request_id}: the prefill engine sent {len(load.tickets)} tickets, this is TP rank "
-                    f"{self.tp_rank} (prefill and decode need the same tensor-parallel size)"
+            if len(load.tickets) != self.tp_size:
+                # Refused here, reported as a failed load (vLLM's policy then applies): an
+                # exception out of a step would stop the engine.
+                error = IncompatibleError(
+                    f"request {load.request_id}: the prefill engine has tensor-parallel size {len(load.tickets)} "
+                    f"(one ticket per rank), this decode engine {self.tp_size}; they must be equal"
                 )
+                self._loading[load.request_id] = _Loading(load.request_id, load.block_ids, _failed(error))
+                continue
             future = self.client.start_pull(
                 Ticket.from_dict(load.tickets[self.tp_rank]),
                 self.pool,
@@ -124,17 +148,26 @@ class WorkerTransfers:
                 continue
             del self._loading[rid]
             receiving.add(rid)
-            self.stats["pulls"] += 1
+            self._count("pulls")
             if error is not None:
                 failed.add(rid)
                 self.load_errors.update(loading.block_ids)
-                self.stats["pull_failures"] += 1
+                self._count("pull_failures")
                 log.warning("kvxfer: pull for request %s failed: %s", rid, error)
             else:
                 result = loading.future.result()
-                self.stats["pulled_bytes"] += result.bytes
-                self.stats["pull_seconds"] += result.duration_s
+                self._count("pulled_bytes", result.bytes)
+                self._count("pull_seconds", result.duration_s)
         return sending, receiving, failed
+
+    def take_stats(self) -> dict[str, Any]:
+        """The counters since the last call; they start again from zero."""
+        taken, self.stats = self.stats, _zero_stats()
+        return taken
+
+    def _count(self, key: str, value: float = 1) -> None:
+        self.stats[key] += value
+        self.totals[key] += value
 
     def take_load_errors(self) -> set[int]:
         errors, self.load_errors = self.load_errors, set()
@@ -144,11 +177,43 @@ class WorkerTransfers:
         self.client.close()
 
 
-def _block_dim(tensor: Any, num_blocks: int) -> int:
-    """Which dimension of a KV tensor counts blocks: the first of the first two whose size is
-    ``num_blocks`` (``[num_blocks, ...]`` or ``[2, num_blocks, ...]``)."""
+def _failed(error: BaseException) -> concurrent.futures.Future[PullResult]:
+    future: concurrent.futures.Future[PullResult] = concurrent.futures.Future()
+    future.set_exception(error)
+    return future
+
+
+def _zero_stats() -> dict[str, Any]:
+    return {"pulls": 0, "pull_failures": 0, "pulled_bytes": 0, "pull_seconds": 0.0, "offers": 0}
+
+
+def block_dim_of(tensor: Any, num_blocks: int, backend_shape: tuple[int, ...] | None = None) -> int:
+    """Which dimension of a KV tensor counts blocks.
+
+    ``backend_shape`` is the attention backend's ``get_kv_cache_shape`` for a block count no
+    other dimension has (the connector asks the backend): where that count sits is the block
+    dimension. Without it, the first of the first two dimensions whose size is ``num_blocks``
+    (``[num_blocks, ...]`` or ``[2, num_blocks, ...]``), refused when both are.
+
+    >>> import numpy as np
+    >>> block_dim_of(np.zeros((2, 5, 4)), 5), block_dim_of(np.zeros((5, 2, 4)), 5)
+    (1, 0)
+    >>> block_dim_of(np.zeros((2, 2, 4)), 2, backend_shape=(2, SENTINEL_BLOCKS, 4))
+    1
+    """
     shape = tensor_geometry(tensor)[0]
-    for dim in (0, 1):
-        if dim < len(shape) and shape[dim] == num_blocks:
-            return dim
-    raise KvxferError(f"cannot find the block dimension ({num_blocks} blocks) in a KV tensor of shape {shape}")
+    if backend_shape is not None and backend_shape.count(SENTINEL_BLOCKS) == 1 and len(backend_shape) == len(shape):
+        return backend_shape.index(SENTINEL_BLOCKS)
+    dims = [dim for dim in (0, 1) if dim < len(shape) and shape[dim] == num_blocks]
+    if len(dims) == 1:
+        return dims[0]
+    if not dims:
+        raise KvxferError(f"cannot find the block dimension ({num_blocks} blocks) in a KV tensor of shape {shape}")
+    raise KvxferError(
+        f"a KV tensor of shape {shape} with {num_blocks} blocks: dimensions 0 and 1 could both count blocks, "
+        "and the attention backend was not found to tell (give the engine more KV blocks)"
+    )
+
+
+#: A block count no KV dimension has, to find where the backend puts the blocks.
+SENTINEL_BLOCKS = 7919

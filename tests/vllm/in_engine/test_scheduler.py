@@ -1,7 +1,9 @@
 """vLLM's real scheduler driving the connector against a real daemon: the prefill side keeps a
 request's blocks until its offer is pulled, the decode side waits for the pull, and the bytes
-move. The model runner is replaced by this test (it reports what a worker would), the
-connector's worker side is the real one, registering numpy "KV caches" with the daemon.
+move. The model runner is replaced by this test: it drives the connector's real worker side
+(one ``KvxferConnector`` of role WORKER per tensor-parallel rank, registering numpy "KV caches"
+with the daemon) in the order vLLM's model runner does, and aggregates the ranks' outputs with
+vLLM's own ``KVOutputAggregator``.
 
 Run inside the vLLM venv (``make vllm-test`` does): it imports vLLM.
 """
@@ -16,7 +18,18 @@ import numpy as np
 import pytest
 import torch
 from vllm import SamplingParams
-from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -27,22 +40,23 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from bench.cluster import Cluster
 from bench.vllm_engine import write_model
-from kvxfer_client._layout import ModelInfo
-from kvxfer_client.vllm._connector import KvxferHandshake
-from kvxfer_client.vllm._worker import WorkerTransfers
+from kvxfer_client.vllm._connector import KvxferConnector
 
 BLOCK = 32
 NUM_BLOCKS = 64
-HEADS, HEAD = 1, 128  # one layer of [num_blocks, heads, block, 2 * head] (the CPU backend's shape)
+HEADS, HEAD = 2, 128  # one layer of [num_blocks, heads, block, 2 * head] (the CPU backend's shape)
 
 
-def _config(model: str, role: str, socket_path: str) -> VllmConfig:
+def _config(model: str, role: str, socket_path: str, tp: int = 1, rank: int = 0) -> VllmConfig:
+    parallel = ParallelConfig(tensor_parallel_size=tp)
+    parallel.rank = rank
     return VllmConfig(
         model_config=ModelConfig(model=model, skip_tokenizer_init=True, dtype="bfloat16", seed=0),
         scheduler_config=SchedulerConfig(
             max_num_seqs=16, max_num_batched_tokens=512, max_model_len=1024, is_encoder_decoder=False
         ),
         cache_config=CacheConfig(block_size=BLOCK, gpu_memory_utilization=0.9, enable_prefix_caching=True),
+        parallel_config=parallel,
         kv_transfer_config=KVTransferConfig(
             kv_connector="KvxferConnector",
             kv_connector_module_path="kvxfer_client.vllm",
@@ -54,15 +68,15 @@ def _config(model: str, role: str, socket_path: str) -> VllmConfig:
 
 
 class Engine:
-    """vLLM's scheduler plus the connector's real worker side over numpy KV caches."""
+    """vLLM's scheduler plus the connector's real worker side (``tp`` ranks) over numpy KV caches."""
 
-    def __init__(self, model: str, role: str, socket_path: str) -> None:
-        config = _config(model, role, socket_path)
-        spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16)
+    def __init__(self, model: str, role: str, socket_path: str, tp: int = 1, num_blocks: int = NUM_BLOCKS) -> None:
+        config = _config(model, role, socket_path, tp)
+        spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS // tp, head_size=HEAD, dtype=torch.bfloat16)
         kv_cache_config = KVCacheConfig(
-            num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer0"], spec)]
+            num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer0"], spec)]
         )
-        config.cache_config.num_gpu_blocks = NUM_BLOCKS
+        config.cache_config.num_gpu_blocks = num_blocks
         self.scheduler = Scheduler(
             vllm_config=config,
             kv_cache_config=kv_cache_config,
@@ -70,35 +84,62 @@ class Engine:
             structured_output_manager=StructuredOutputManager(config),
             block_size=BLOCK,
         )
-        self.kv = np.zeros((NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD), dtype=np.uint16)  # bf16 bits
-        self.worker = WorkerTransfers(socket_path, f"test-{role}", tp_rank=0, lease_s=30, pull_timeout_s=30)
-        pool = self.worker.register({"layer0": self.kv}, NUM_BLOCKS, ModelInfo("tiny", "bf16", BLOCK, 1, 0))
-        self.scheduler.connector.set_xfer_handshake_metadata({0: KvxferHandshake(pool)})
+        # Each rank's KV: its share of the heads (bf16 bits as uint16).
+        self.kvs = [np.zeros((num_blocks, HEADS // tp, BLOCK, 2 * HEAD), dtype=np.uint16) for _ in range(tp)]
+        self.kv = self.kvs[0]
+        self.workers = [
+            KvxferConnector(_config(model, role, socket_path, tp, rank), KVConnectorRole.WORKER, kv_cache_config)
+            for rank in range(tp)
+        ]
+        for worker, kv in zip(self.workers, self.kvs, strict=True):
+            worker.register_kv_caches({"layer0": kv})
+        handshakes = {rank: w.get_handshake_metadata() for rank, w in enumerate(self.workers)}
+        self.scheduler.connector.set_xfer_handshake_metadata(handshakes)
+        self.aggregator = KVOutputAggregator(expected_finished_count=tp)
+        self.stats: list[dict[str, Any]] = []  # what vLLM's scheduler reported, step by step
+
+    @property
+    def worker(self) -> Any:
+        """Rank 0's transfers (what the tests inspect)."""
+        return self.workers[0]._worker
 
     def step(self, token: int = 7) -> Any:
-        """One engine step: schedule, let the worker side act on the metadata, report back."""
+        """One engine step: schedule; each rank's worker acts on the metadata as vLLM's model
+        runner does; vLLM aggregates the ranks' outputs; the scheduler takes them."""
         out = self.scheduler.schedule()
-        meta = out.kv_connector_metadata
-        if meta is not None:
-            self.worker.start(meta.loads, meta.sends)
-        sending, receiving, failed = self.worker.poll()
         req_ids = [r.req_id for r in out.scheduled_new_reqs] + list(out.scheduled_cached_reqs.req_ids)
-        runner = ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=[[token] for _ in req_ids],
-            kv_connector_output=KVConnectorOutput(
-                finished_sending=sending or None,
-                finished_recving=receiving or None,
-                failed_recving=failed,
-                invalid_block_ids=self.worker.take_load_errors(),
-            ),
-        )
-        return self.scheduler.update_from_output(out, runner)
+        outputs = []
+        for worker in self.workers:
+            worker.bind_connector_metadata(out.kv_connector_metadata)
+            worker.start_load_kv(None)
+            worker.wait_for_save()
+            results = worker.get_transfer_results(out.finished_req_ids)
+            outputs.append(
+                ModelRunnerOutput(
+                    req_ids=req_ids,
+                    req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                    sampled_token_ids=[[token] for _ in req_ids],
+                    kv_connector_output=KVConnectorOutput(
+                        finished_sending=results.finished_sending or None,
+                        finished_recving=results.finished_recving or None,
+                        failed_recving=results.failed_recving,
+                        invalid_block_ids=worker.get_block_ids_with_load_errors(),
+                        kv_connector_stats=worker.get_kv_connector_stats(),
+                    ),
+                )
+            )
+            worker.clear_connector_metadata()
+        runner = self.aggregator.aggregate(outputs)
+        engine_outputs = self.scheduler.update_from_output(out, runner)
+        for eo in engine_outputs.values():
+            if eo.scheduler_stats is not None and eo.scheduler_stats.kv_connector_stats:
+                self.stats.append(eo.scheduler_stats.kv_connector_stats)
+        return engine_outputs
 
     def close(self) -> None:
         self.scheduler.connector.shutdown()
-        self.worker.close()
+        for worker in self.workers:
+            worker.shutdown()
 
 
 init_none_hash(sha256)  # vLLM's prefix-cache hashing, once per process
@@ -221,7 +262,7 @@ def test_a_load_that_fails_ends_the_request_instead_of_hanging(engines: tuple[En
     outputs = _run_until(decode, lambda: "d3" not in decode.scheduler.requests, "the failed load hung the request")
     finished = [o for eo in (outputs or {}).values() for o in eo.outputs if o.request_id == "d3"]
     assert finished and finished[0].finish_reason is not None  # vLLM's "fail" policy: an error, not a hang
-    assert decode.worker.stats["pull_failures"] >= 1
+    assert decode.worker.totals["pull_failures"] >= 1
 
 
 def test_a_request_aborted_while_loading_leaks_no_blocks(engines: tuple[Engine, Engine]) -> None:
@@ -269,7 +310,136 @@ def test_a_dead_daemon_fails_the_load_instead_of_hanging(tmp_path_factory: pytes
             outputs = _run_until(decode, lambda: "d5" not in decode.scheduler.requests, "the load hung", 40)
             finished = [o for eo in (outputs or {}).values() for o in eo.outputs if o.request_id == "d5"]
             assert finished and finished[0].finish_reason is not None
-            assert decode.worker.stats["pull_failures"] == 1
+            assert decode.worker.totals["pull_failures"] == 1
         finally:
             prefill.close()
             decode.close()
+
+
+def _handoff(prefill: Engine, decode: Engine, rid: str, prompt: list[int], max_tokens: int, seed: int) -> list[int]:
+    """Prefill ``prompt``, fill the prefill ranks' KV with recognisable bytes, let the decode
+    engine load it; returns the prefill's block ids."""
+    prefill.scheduler.add_request(_request("p-" + rid, prompt, 1, {"do_remote_decode": True}))
+    params = _params_of(prefill.step(), "p-" + rid)
+    assert params is not None
+    src = list(prefill.scheduler.kv_cache_manager.get_block_ids("p-" + rid)[0])
+    for rank, kv in enumerate(prefill.kvs):
+        kv[:] = np.random.default_rng((seed, rank)).integers(0, 1 << 16, kv.shape, dtype=np.uint16)
+    decode.scheduler.add_request(_request(rid, prompt, max_tokens, params))
+    decode.step()
+    _run_until(
+        decode,
+        lambda: decode.scheduler.requests[rid].status == RequestStatus.RUNNING,
+        f"{rid}: the pull never finished",
+    )
+    return src
+
+
+def test_finished_sending_comes_only_after_the_pull_however_many_steps_pass(engines: tuple[Engine, Engine]) -> None:
+    prefill, decode = engines
+    prompt = list(range(4000, 4000 + 2 * BLOCK + 1))
+    prefill.scheduler.add_request(_request("p6", prompt, 1, {"do_remote_decode": True}))
+    params = _params_of(prefill.step(), "p6")
+    assert params is not None
+    for _ in range(50):  # the offer waits for its pull: no step may free the blocks
+        prefill.step()
+        time.sleep(0.002)
+    assert "p6" in prefill.scheduler.requests
+    decode.scheduler.add_request(_request("d6", prompt, 2, params))
+    _run_until(decode, lambda: decode.scheduler.requests["d6"].status == RequestStatus.RUNNING, "no pull")
+    pulled_at = time.monotonic()
+    _run_until(prefill, lambda: "p6" not in prefill.scheduler.requests, "finished_sending never came")
+    assert time.monotonic() >= pulled_at
+
+
+def test_a_loaded_request_that_is_preempted_recomputes_and_never_pulls_again(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """vLLM preempts the newest running request when KV runs out; a loaded one must then be
+    recomputed locally (its ticket is spent), finish normally, and leak no blocks."""
+    model = write_model(str(tmp_path_factory.mktemp("model-preempt")))
+    with Cluster() as cluster:
+        a = cluster.daemon("a")
+        prefill = Engine(model, "kv_producer", a.socket)
+        decode = Engine(model, "kv_consumer", a.socket, num_blocks=8)
+        try:
+            free_at_start = decode.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+            # A local request takes 3 blocks (31 free slots), the loaded one the other 4 (27 free
+            # slots) and runs after it: whichever needs a fifth block first, the loaded one is
+            # the newest running request, so vLLM preempts it.
+            decode.scheduler.add_request(_request("local", list(range(5000, 5000 + 2 * BLOCK + 1)), 70, None))
+            decode.step()
+            _handoff(prefill, decode, "d7", list(range(6000, 6000 + 3 * BLOCK + 5)), 60, seed=7)
+            loaded = decode.scheduler.requests["d7"]
+            _run_until(decode, lambda: loaded.num_preemptions > 0, "the loaded request was never preempted", 40)
+            _run_until(
+                decode,
+                lambda: "d7" not in decode.scheduler.requests and "local" not in decode.scheduler.requests,
+                "the preempted request never finished",
+                60,
+            )
+            assert loaded.status == RequestStatus.FINISHED_LENGTH_CAPPED
+            assert loaded.num_output_tokens == 60
+            assert decode.worker.totals["pulls"] == 1 and decode.worker.totals["pull_failures"] == 0
+            for _ in range(3):
+                decode.step()
+            assert decode.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == free_at_start
+        finally:
+            prefill.close()
+            decode.close()
+
+
+def test_tensor_parallel_ranks_each_pull_their_own_ticket(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """TP 2 on both sides: one pool and one ticket per rank; each decode rank pulls its rank's
+    heads; vLLM sees the load finished only when both ranks have, and the prefill's blocks are
+    freed only when both offers are released."""
+    model = write_model(str(tmp_path_factory.mktemp("model-tp")))
+    with Cluster() as cluster:
+        a, b = cluster.daemon("a"), cluster.daemon("b")
+        prefill, decode = Engine(model, "kv_producer", a.socket, tp=2), Engine(model, "kv_consumer", b.socket, tp=2)
+        try:
+            prompt = list(range(7000, 7000 + 2 * BLOCK + 9))
+            src = _handoff(prefill, decode, "d8", prompt, 2, seed=8)
+            dst = list(decode.scheduler.kv_cache_manager.get_block_ids("d8")[0])[: len(src)]
+            for rank in range(2):
+                assert (decode.kvs[rank][dst] == prefill.kvs[rank][src]).all(), f"rank {rank}"
+            assert not (prefill.kvs[0][src] == prefill.kvs[1][src]).all()  # the ranks' bytes differ
+            _run_until(prefill, lambda: "p-d8" not in prefill.scheduler.requests, "finished_sending never came")
+            assert [w._worker.totals["pulls"] for w in decode.workers] == [1, 1]
+        finally:
+            prefill.close()
+            decode.close()
+
+
+def test_a_tensor_parallel_mismatch_fails_the_load_with_the_reason(tmp_path_factory: pytest.TempPathFactory) -> None:
+    model = write_model(str(tmp_path_factory.mktemp("model-tp-mismatch")))
+    with Cluster() as cluster:
+        a = cluster.daemon("a")
+        prefill, decode = Engine(model, "kv_producer", a.socket), Engine(model, "kv_consumer", a.socket, tp=2)
+        try:
+            prompt = list(range(8000, 8000 + BLOCK + 1))
+            prefill.scheduler.add_request(_request("p9", prompt, 1, {"do_remote_decode": True}))
+            params = _params_of(prefill.step(), "p9")
+            decode.scheduler.add_request(_request("d9", prompt, 2, params))
+            outputs = _run_until(decode, lambda: "d9" not in decode.scheduler.requests, "the mismatch hung the load")
+            finished = [o for eo in (outputs or {}).values() for o in eo.outputs if o.request_id == "d9"]
+            assert finished and finished[0].finish_reason is not None
+            assert [w._worker.totals["pull_failures"] for w in decode.workers] == [1, 1]
+        finally:
+            prefill.close()
+            decode.close()
+
+
+def test_transfer_counters_reach_vllms_connector_stats_and_its_log_line(engines: tuple[Engine, Engine]) -> None:
+    prefill, decode = engines
+    decode.stats.clear()
+    _handoff(prefill, decode, "d10", list(range(9000, 9000 + 2 * BLOCK + 3)), 2, seed=10)
+    # vLLM's logger turns the scheduler's stats into the connector's class and logs them.
+    logging = KVConnectorLogging(decode.scheduler.vllm_config.kv_transfer_config)
+    for data in decode.stats:
+        logging.observe(data)
+    lines: list[str] = []
+    logging.log(lambda fmt, *args: lines.append(fmt % args))
+    assert len(lines) == 1 and "pulls=1" in lines[0] and "pull_failures=0" in lines[0], lines
+    pulled = sum(d["pulled_bytes"] for d in decode.stats)
+    assert pulled == 3 * BLOCK * HEADS * 2 * HEAD * 2  # three blocks of [heads, block, 2*head] bf16
