@@ -42,7 +42,29 @@ if TYPE_CHECKING:
 
 __all__ = ["KvxferConnector", "KvxferHandshake", "KvxferMetadata"]
 
-log = logging.getLogger("kvxfer_client.vllm")
+#: A child of vLLM's logger, so these lines go where vLLM's own go.
+log = logging.getLogger("vllm.kvxfer")
+
+
+def _settings(given: dict[str, Any], role: KVConnectorRole) -> dict[str, Any]:
+    """``kv_connector_extra_config`` checked (unknown keys refused: a typo must not silently
+    fall back to a default) and completed; every default taken is logged."""
+    defaults: dict[str, Any] = {"socket": default_socket_path(), "lease_s": 60.0, "pull_timeout_s": 60.0}
+    unknown = sorted(set(given) - set(defaults))
+    if unknown:
+        raise ValueError(
+            f"kv_connector_extra_config: unknown key(s) {unknown} for KvxferConnector (known: {sorted(defaults)})"
+        )
+    for key, value in defaults.items():
+        if key not in given:
+            log.info("kvxfer (%s): %s not set in kv_connector_extra_config, using %r", role.name, key, value)
+    settings = {**defaults, **given}
+    for key in ("lease_s", "pull_timeout_s"):
+        if not float(settings[key]) > 0:
+            raise ValueError(
+                f"kv_connector_extra_config: {key} must be a positive number of seconds, got {settings[key]!r}"
+            )
+    return settings
 
 
 class KvxferMetadata(KVConnectorMetadata):
@@ -66,13 +88,13 @@ class KvxferConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
         super().__init__(vllm_config, role, kv_cache_config)
-        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        extra = _settings(self._kv_transfer_config.kv_connector_extra_config or {}, role)
         self._block_size = int(vllm_config.cache_config.block_size)
         self._plan: SchedulerPlan | None = None
         self._worker: WorkerTransfers | None = None
         self._handshake: KvxferHandshake | None = None
-        self._socket = str(extra.get("socket") or default_socket_path())
-        self._lease_s = float(extra.get("lease_s", 60.0))
+        self._socket = str(extra["socket"])
+        self._lease_s = float(extra["lease_s"])
         self._offerer: KvxferClient | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._plan = SchedulerPlan(self._block_size)
@@ -84,7 +106,7 @@ class KvxferConnector(KVConnectorBase_V1):
                 tp_rank=int(getattr(parallel, "rank", 0)) % max(1, int(parallel.tensor_parallel_size)),
                 tp_size=max(1, int(parallel.tensor_parallel_size)),
                 lease_s=self._lease_s,
-                pull_timeout_s=float(extra.get("pull_timeout_s", 60.0)),
+                pull_timeout_s=float(extra["pull_timeout_s"]),
             )
 
     # -- worker side ----------------------------------------------------------------------

