@@ -58,6 +58,8 @@ class WorkerTransfers:
     ) -> None:
         self.tp_rank = tp_rank
         self.tp_size = tp_size
+        #: How long blocks a failed pull may still write are held back (see ``QUARANTINE_S``).
+        self.quarantine_s = QUARANTINE_S
         self.lease_s = lease_s
         self.pull_timeout_s = pull_timeout_s
         self.client = KvxferClient(socket_path, engine_name=engine_name)
@@ -143,8 +145,8 @@ class WorkerTransfers:
                 continue
             error = loading.future.exception()
             if isinstance(error, KvxferError) and error.may_still_write and not loading.held_until:
-                loading.held_until = now + QUARANTINE_S
-                log.warning("kvxfer: pull for %s failed and may still be written; blocks held %.0fs", rid, QUARANTINE_S)
+                loading.held_until = now + self.quarantine_s
+                log.warning("kvxfer: pull for %s failed, may still write; blocks held %.0fs", rid, self.quarantine_s)
                 continue
             del self._loading[rid]
             receiving.add(rid)
