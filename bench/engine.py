@@ -10,7 +10,8 @@ command line gets one JSON reply line on stdout (``{"ok": true, ...}`` or ``{"ok
   memory, the default), ``"numpy"`` (plain numpy arrays on this process's heap), ``"torch"``
   (torch CPU bfloat16 tensors, as vLLM on CPU allocates its KV caches) or ``"gpu"`` (a CuPy
   tensor per layer on GPU 0; ``"gpu_offset": 4096`` places each tensor that many bytes into
-  its allocation, as torch's caching allocator does);
+  its allocation, as torch's caching allocator does; ``"vllm_shape": true`` shapes each as
+  vLLM's flash-attention KV tensor and derives the layout from it);
 * ``offer``: ``{"op": "offer", "requests": [[ids...], ...], "lease_s": 30}`` → tickets;
 * ``pull``: ``{"op": "pull", "pulls": [[ticket, [ids...]], ...]}`` runs all pulls at once;
 * ``verify``: ``{"op": "verify", "seed": 7, "pairs": [[[src ids], [dst ids]], ...]}`` checks
@@ -72,7 +73,7 @@ def _host_buffer(size: int, memory: str) -> Any:
 def _bytes_of(buf: Any, memory: str) -> npt.NDArray[np.uint8]:
     """A buffer's bytes as a uint8 numpy array: a view, except for GPU memory (a copy)."""
     if memory == "gpu":
-        return buf.get()  # type: ignore[no-any-return]
+        return buf.view("uint8").reshape(-1).get()  # type: ignore[no-any-return]
     if memory == "host":
         return buf.array()  # type: ignore[no-any-return]
     if memory == "torch":
@@ -106,6 +107,7 @@ class Engine:
         model: dict[str, Any] | None = None,
         memory: str = "host",
         gpu_offset: int = 0,
+        vllm_shape: bool = False,
     ) -> Any:
         layout = Layout.paged_kv(
             num_layers=shape["layers"],
@@ -121,11 +123,24 @@ class Engine:
 
             # Each layer's tensor sits ``gpu_offset`` bytes into its own allocation.
             buffers = [cupy.zeros(size + gpu_offset, dtype=cupy.uint8)[gpu_offset:] for size in layout.buffer_sizes()]
+            if vllm_shape:
+                # vLLM's flash-attention KV tensor: [2, num_blocks, block_size, kv_heads, head_dim]
+                # fp16, its layout read off the tensor by the connector's own code.
+                from kvxfer_client import layout_from_tensors
+                from kvxfer_client.vllm._worker import block_dim_of
+
+                heads, head_dim = shape["block_bytes"] // (16 * 128 * 2), 128
+                dims = (2, shape["blocks"], 16, heads, head_dim)
+                buffers = [b.view(cupy.float16).reshape(dims) for b in buffers]
+                derived = layout_from_tensors(buffers, block_dim=block_dim_of(buffers[0], shape["blocks"]), model=MODEL)
+                if derived.regions != layout.regions or derived.num_blocks != layout.num_blocks:
+                    raise ValueError(f"derived layout {derived.regions[:2]} differs from {layout.regions[:2]}")
+                layout = derived
             if seed is not None:
                 host = [np.empty(size, dtype=np.uint8) for size in layout.buffer_sizes()]
                 fill_random(host, seed)
                 for dev, h in zip(buffers, host, strict=True):
-                    dev.set(h)
+                    dev.view(cupy.uint8).reshape(-1).set(h)
             cupy.cuda.Device().synchronize()  # written before anything is offered
         else:
             buffers = [_host_buffer(size, memory) for size in layout.buffer_sizes()]

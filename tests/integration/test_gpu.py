@@ -82,6 +82,24 @@ def test_mixed_host_and_gpu_pools_arrive_exact(two_daemons: Cluster, path: str, 
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("path", PATHS)
+def test_vllm_shaped_cuda_kv_tensors_get_their_layout_from_the_tensors_and_hand_off(
+    two_daemons: Cluster, path: str
+) -> None:
+    """What the vLLM connector registers on a GPU: per-layer [2, num_blocks, 16, heads, 128]
+    fp16 tensors, the layout read off them (the engine checks it equals the hand-written one),
+    registered through CUDA IPC, handed off byte-exact."""
+    a, b = two_daemons.daemons
+    shape = {"layers": 4, "blocks": 96, "block_bytes": 16 * 8 * 128 * 2}  # 8 KV heads
+    prefill = two_daemons.engine(a, f"prefill-vllmshape-{path}")
+    decode = two_daemons.engine(a if path == "local" else b, f"decode-vllmshape-{path}")
+    prefill("pool", shape=shape, seed=12, memory="gpu", vllm_shape=True)
+    decode("pool", shape=shape, memory="gpu", vllm_shape=True)
+    [(pairs, _)] = handoffs(prefill, decode, 96, per=24, count=2, seed=6)
+    assert decode("verify", seed=12, pairs=pairs)["verified"]
+
+
+@pytest.mark.gpu
 def test_engine_owned_cpu_memory_meets_gpu_pools_remotely_and_is_refused_locally(two_daemons: Cluster) -> None:
     """GPU kernels reach only memory mapped into the daemon: a local handoff between a GPU pool
     and an engine's own numpy memory is refused before the offer is touched; between daemons
