@@ -86,6 +86,12 @@ class KvxferConnector(KVConnectorBase_V1):
     #: Loaded tokens come from another engine (vLLM's cache-hit metrics by source).
     _cache_hit_source = CacheHitSource.P2P
 
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """No (vLLM 0.33 asks): sleep mode remaps the KV caches in VMM memory, which the daemon
+        cannot map yet, and a re-registered pool would need a new handshake with the scheduler."""
+        return False
+
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = _settings(self._kv_transfer_config.kv_connector_extra_config or {}, role)
