@@ -47,7 +47,7 @@ NUM_BLOCKS = 64
 HEADS, HEAD = 2, 128  # one layer of [num_blocks, heads, block, 2 * head] (the CPU backend's shape)
 
 
-def _config(model: str, role: str, socket_path: str, tp: int = 1, rank: int = 0) -> VllmConfig:
+def _config(model: str, role: str, socket_path: str, tp: int = 1, rank: int = 0, lease_s: float = 30) -> VllmConfig:
     parallel = ParallelConfig(tensor_parallel_size=tp)
     parallel.rank = rank
     return VllmConfig(
@@ -61,7 +61,7 @@ def _config(model: str, role: str, socket_path: str, tp: int = 1, rank: int = 0)
             kv_connector="KvxferConnector",
             kv_connector_module_path="kvxfer_client.vllm",
             kv_role=role,
-            kv_connector_extra_config={"socket": socket_path, "lease_s": 30},
+            kv_connector_extra_config={"socket": socket_path, "lease_s": lease_s},
         ),
         device_config=DeviceConfig("cpu"),
     )
@@ -70,8 +70,10 @@ def _config(model: str, role: str, socket_path: str, tp: int = 1, rank: int = 0)
 class Engine:
     """vLLM's scheduler plus the connector's real worker side (``tp`` ranks) over numpy KV caches."""
 
-    def __init__(self, model: str, role: str, socket_path: str, tp: int = 1, num_blocks: int = NUM_BLOCKS) -> None:
-        config = _config(model, role, socket_path, tp)
+    def __init__(
+        self, model: str, role: str, socket_path: str, tp: int = 1, num_blocks: int = NUM_BLOCKS, lease_s: float = 30
+    ) -> None:
+        config = _config(model, role, socket_path, tp, lease_s=lease_s)
         spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS // tp, head_size=HEAD, dtype=torch.bfloat16)
         kv_cache_config = KVCacheConfig(
             num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer0"], spec)]
@@ -88,7 +90,9 @@ class Engine:
         self.kvs = [np.zeros((num_blocks, HEADS // tp, BLOCK, 2 * HEAD), dtype=np.uint16) for _ in range(tp)]
         self.kv = self.kvs[0]
         self.workers = [
-            KvxferConnector(_config(model, role, socket_path, tp, rank), KVConnectorRole.WORKER, kv_cache_config)
+            KvxferConnector(
+                _config(model, role, socket_path, tp, rank, lease_s), KVConnectorRole.WORKER, kv_cache_config
+            )
             for rank in range(tp)
         ]
         for worker, kv in zip(self.workers, self.kvs, strict=True):
@@ -443,3 +447,34 @@ def test_transfer_counters_reach_vllms_connector_stats_and_its_log_line(engines:
     assert len(lines) == 1 and "pulls=1" in lines[0] and "pull_failures=0" in lines[0], lines
     pulled = sum(d["pulled_bytes"] for d in decode.stats)
     assert pulled == 3 * BLOCK * HEADS * 2 * HEAD * 2  # three blocks of [heads, block, 2*head] bf16
+
+
+def test_an_expired_ticket_frees_the_prefill_blocks_and_fails_the_late_decode(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Nobody pulls within the lease: the prefill engine gets its blocks back when the offer
+    expires (finished_sending), and a decode that comes later fails its load instead of hanging."""
+    model = write_model(str(tmp_path_factory.mktemp("model-lease")))
+    with Cluster() as cluster:
+        a = cluster.daemon("a")
+        prefill = Engine(model, "kv_producer", a.socket, lease_s=1.0)
+        decode = Engine(model, "kv_consumer", a.socket)
+        try:
+            free_before = prefill.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+            prompt = list(range(10000, 10000 + 2 * BLOCK + 3))
+            prefill.scheduler.add_request(_request("p11", prompt, 1, {"do_remote_decode": True}))
+            params = _params_of(prefill.step(), "p11")
+            assert params is not None and "p11" in prefill.scheduler.requests
+            expired_at = time.monotonic() + 1.0
+            _run_until(prefill, lambda: "p11" not in prefill.scheduler.requests, "the lease never freed the blocks")
+            assert time.monotonic() >= expired_at - 0.05  # freed by the lease's end, not before
+            prefill.step()
+            assert prefill.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == free_before
+            decode.scheduler.add_request(_request("d11", prompt, 2, params))
+            outputs = _run_until(decode, lambda: "d11" not in decode.scheduler.requests, "the late load hung")
+            finished = [o for eo in (outputs or {}).values() for o in eo.outputs if o.request_id == "d11"]
+            assert finished and finished[0].finish_reason is not None
+            assert decode.worker.totals["pull_failures"] == 1
+        finally:
+            prefill.close()
+            decode.close()
