@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["ChunkPlan", "RegionTable", "Run", "SidePlan", "build_plan", "stream_plan"]
+__all__ = ["ChunkPlan", "RegionTable", "Run", "SidePlan", "build_plan", "plan_segments", "stream_plan"]
 
 I64 = npt.NDArray[np.int64]
 
@@ -97,6 +97,14 @@ def build_plan(regions: RegionTable, block_ids: npt.NDArray[np.integer], chunk_b
     seg_off = (regions.offset[:, None] + ids[None, :] * regions.stride[:, None]).ravel()
     seg_len = np.repeat(regions.nbytes, n)
     seg_buf = np.repeat(regions.buffer, n)
+    return plan_segments(seg_buf, seg_off, seg_len, chunk_bytes)
+
+
+def plan_segments(seg_buf: I64, seg_off: I64, seg_len: I64, chunk_bytes: int) -> SidePlan:
+    """Plan one side from its segments, given in stream order (``build_plan`` makes them from
+    a layout; ``remap`` from two geometries)."""
+    if chunk_bytes <= 0:
+        raise ValueError("chunk_bytes must be positive")
     seg_end = np.cumsum(seg_len)
     seg_start = seg_end - seg_len
     total = int(seg_end[-1]) if len(seg_end) else 0

@@ -56,6 +56,26 @@ socket (its pid comes from the socket's peer credentials, never from a request).
 """
 Global___MemoryKind: _TypeAlias = MemoryKind  # noqa: Y015
 
+class _HeadOrder:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _HeadOrderEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_HeadOrder.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    HEAD_ORDER_HND: _HeadOrder.ValueType  # 0
+    """Heads-major: all tokens of head 0, then of head 1 ([heads, block_tokens, head])."""
+    HEAD_ORDER_NHD: _HeadOrder.ValueType  # 1
+    """Tokens-major: all heads of token 0, then of token 1 ([block_tokens, heads, head])."""
+
+class HeadOrder(_HeadOrder, metaclass=_HeadOrderEnumTypeWrapper):
+    """How the heads of one block are ordered in memory."""
+
+HEAD_ORDER_HND: HeadOrder.ValueType  # 0
+"""Heads-major: all tokens of head 0, then of head 1 ([heads, block_tokens, head])."""
+HEAD_ORDER_NHD: HeadOrder.ValueType  # 1
+"""Tokens-major: all heads of token 0, then of token 1 ([block_tokens, heads, head])."""
+Global___HeadOrder: _TypeAlias = HeadOrder  # noqa: Y015
+
 class _ReleaseReason:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -244,27 +264,68 @@ class ModelInfo(_message.Message):
 Global___ModelInfo: _TypeAlias = ModelInfo  # noqa: Y015
 
 @_typing.final
+class KvGeometry(_message.Message):
+    """What is inside every block of every region, when the engine declares it: each region is one
+    K or V plane of one layer, a block is block_tokens x (this TP rank's heads) x head_bytes.
+    With it, pools that differ in tensor parallelism, head order or block size can exchange
+    blocks (the daemon maps every token and head to its place on both sides). Absent
+    (block_tokens 0): blocks are opaque and must match exactly.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BLOCK_TOKENS_FIELD_NUMBER: _builtins.int
+    TOTAL_KV_HEADS_FIELD_NUMBER: _builtins.int
+    HEAD_BYTES_FIELD_NUMBER: _builtins.int
+    ORDER_FIELD_NUMBER: _builtins.int
+    block_tokens: _builtins.int
+    total_kv_heads: _builtins.int
+    """The model's KV heads before any tensor-parallel split (1 for MLA's latent KV)."""
+    head_bytes: _builtins.int
+    """Bytes of one head of one token: head size times element size."""
+    order: Global___HeadOrder.ValueType
+    def __init__(
+        self,
+        *,
+        block_tokens: _builtins.int = ...,
+        total_kv_heads: _builtins.int = ...,
+        head_bytes: _builtins.int = ...,
+        order: Global___HeadOrder.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_tokens", b"block_tokens", "head_bytes", b"head_bytes", "order", b"order", "total_kv_heads", b"total_kv_heads"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KvGeometry: _TypeAlias = KvGeometry  # noqa: Y015
+
+@_typing.final
 class Layout(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     NUM_BLOCKS_FIELD_NUMBER: _builtins.int
     REGIONS_FIELD_NUMBER: _builtins.int
     MODEL_FIELD_NUMBER: _builtins.int
+    GEOMETRY_FIELD_NUMBER: _builtins.int
     num_blocks: _builtins.int
     @_builtins.property
     def regions(self) -> _containers.RepeatedCompositeFieldContainer[Global___Region]: ...
     @_builtins.property
     def model(self) -> Global___ModelInfo: ...
+    @_builtins.property
+    def geometry(self) -> Global___KvGeometry: ...
     def __init__(
         self,
         *,
         num_blocks: _builtins.int = ...,
         regions: _abc.Iterable[Global___Region] | None = ...,
         model: Global___ModelInfo | None = ...,
+        geometry: Global___KvGeometry | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["model", b"model"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["geometry", b"geometry", "model", b"model"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["model", b"model", "num_blocks", b"num_blocks", "regions", b"regions"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["geometry", b"geometry", "model", b"model", "num_blocks", b"num_blocks", "regions", b"regions"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -272,25 +333,31 @@ Global___Layout: _TypeAlias = Layout  # noqa: Y015
 
 @_typing.final
 class LayoutSignature(_message.Message):
-    """What two layouts must agree on for a transfer: the per-region segment sizes and the model."""
+    """What two layouts must agree on for a transfer: the per-region segment sizes and the model;
+    with a geometry on both sides, only what no mapping can change (see KvGeometry).
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
     BLOCK_BYTES_FIELD_NUMBER: _builtins.int
     MODEL_FIELD_NUMBER: _builtins.int
+    GEOMETRY_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def block_bytes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
     def model(self) -> Global___ModelInfo: ...
+    @_builtins.property
+    def geometry(self) -> Global___KvGeometry: ...
     def __init__(
         self,
         *,
         block_bytes: _abc.Iterable[_builtins.int] | None = ...,
         model: Global___ModelInfo | None = ...,
+        geometry: Global___KvGeometry | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["model", b"model"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["geometry", b"geometry", "model", b"model"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_bytes", b"block_bytes", "model", b"model"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_bytes", b"block_bytes", "geometry", b"geometry", "model", b"model"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,153 @@
+"""Segments of a handoff between two geometries: other heads, other head order, other block size.
+
+When both pools declare a :class:`~kvxfer_client.KvGeometry`, the stream is the source's own
+order restricted to what moves: for each region (one K or V plane of one layer), each source
+block in the ticket's order, its tokens and heads as the source stores them, only the heads
+both ranks hold. Each side turns every (region, token, head) unit of that stream into an offset
+in its own memory, then merges units that touch into segments; the sender gathers its
+segments into chunks, the receiver scatters the same chunks into its own. Same geometry on
+both sides: one segment per region and block, exactly what :func:`~.plan.build_plan` makes.
+
+Units are as large as both orders allow: a head's run of tokens when both sides are
+heads-major (``HND``), a token's run of heads when both are tokens-major (``NHD``), one head of
+one token when the orders differ (the conversion happens in the same copy, no second pass).
+Everything is numpy arithmetic over the units, no Python loop over blocks, tokens or heads.
+
+>>> import numpy as np
+>>> from kvxfer_client._geometry import HeadRange
+>>> two_heads = RegionTable.from_regions([(0, 0, 64, 64)])  # blocks of 4 tokens x 2 heads x 8 bytes
+>>> one_head = RegionTable.from_regions([(0, 0, 32, 32)])
+>>> src = Side(two_heads, np.array([1, 0]), block_tokens=4, heads=HeadRange(0, 2), head_bytes=8, order="HND")
+>>> dst = Side(one_head, np.array([0, 2]), block_tokens=4, heads=HeadRange(1, 1), head_bytes=8, order="HND")
+>>> s, d = remap(src, dst)  # a decode rank of TP 2 takes head 1: one run per block and side
+>>> s.offset.tolist(), s.nbytes.tolist(), d.offset.tolist(), d.nbytes.tolist()
+([96, 32], [32, 32], [0, 64], [32, 32])
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from kvxfer_client._errors import IncompatibleError, InvalidRequestError
+from kvxfer_client._geometry import HeadRange
+
+from .plan import RegionTable, SidePlan, plan_segments
+
+__all__ = ["Segments", "Side", "plan_remap", "remap"]
+
+I64 = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True)
+class Side:
+    """One end of a remapped handoff: its regions, the blocks it moves, what is inside them."""
+
+    regions: RegionTable
+    block_ids: I64
+    block_tokens: int
+    #: The global KV heads this side's pool holds.
+    heads: HeadRange
+    head_bytes: int
+    order: Literal["HND", "NHD"]
+
+    def offsets(self, region: I64, token: I64, head: I64) -> I64:
+        """Byte offsets of (region, token, global head) units in this side's buffers."""
+        slot = token % self.block_tokens
+        local = head - self.heads.first
+        inner = local * self.block_tokens + slot if self.order == "HND" else slot * self.heads.count + local
+        block = self.block_ids[token // self.block_tokens]
+        return self.regions.offset[region] + block * self.regions.stride[region] + inner * self.head_bytes  # type: ignore[no-any-return]
+
+
+@dataclass(frozen=True)
+class Segments:
+    """One side's segments in stream order."""
+
+    buffer: I64
+    offset: I64
+    nbytes: I64
+
+
+def remap(src: Side, dst: Side) -> tuple[Segments, Segments]:
+    """Both sides' segments for moving the heads both hold, for every token of ``src``'s
+    blocks that ``dst``'s blocks have room for."""
+    if len(src.regions.offset) != len(dst.regions.offset):
+        raise IncompatibleError(f"region count differs: {len(src.regions.offset)} vs {len(dst.regions.offset)}")
+    if src.head_bytes != dst.head_bytes:
+        raise IncompatibleError(f"head size differs: {src.head_bytes} vs {dst.head_bytes} bytes per head and token")
+    small, large = sorted((src.block_tokens, dst.block_tokens))
+    if large % small:
+        raise IncompatibleError(f"block sizes {src.block_tokens} and {dst.block_tokens}: one must divide the other")
+    heads = src.heads.overlap(dst.heads)
+    if heads is None:
+        raise IncompatibleError(f"the offer holds heads {_span(src.heads)}, this pool {_span(dst.heads)}: none shared")
+    tokens = min(len(src.block_ids) * src.block_tokens, len(dst.block_ids) * dst.block_tokens)
+    for side, name in ((src, "offered"), (dst, "destination")):
+        if len(side.block_ids) * side.block_tokens - tokens >= side.block_tokens:
+            raise InvalidRequestError(
+                f"{len(side.block_ids)} {name} blocks of {side.block_tokens} tokens for {tokens} tokens: "
+                f"{name} blocks go unused (offered {len(src.block_ids)} x {src.block_tokens}, "
+                f"destination {len(dst.block_ids)} x {dst.block_tokens})"
+            )
+    region, token, head, unit = _units(src, dst, heads, tokens, small)
+    return _merge(src, region, token, head, unit), _merge(dst, region, token, head, unit)
+
+
+def plan_remap(src: Side, dst: Side, chunk_bytes: int, side: Literal["src", "dst"]) -> SidePlan:
+    """One side's chunk plan of a remapped handoff (each daemon plans only its own side)."""
+    segs = remap(src, dst)[0 if side == "src" else 1]
+    return plan_segments(segs.buffer, segs.offset, segs.nbytes, chunk_bytes)
+
+
+def _units(src: Side, dst: Side, heads: HeadRange, tokens: int, small: int) -> tuple[I64, I64, I64, int]:
+    """(region, first token, first head) of every unit in stream order, and the unit's bytes."""
+    num_regions, hb = len(src.regions.offset), src.head_bytes
+    r = np.arange(num_regions, dtype=np.int64)
+    h = np.arange(heads.first, heads.end, dtype=np.int64)
+    if src.order == dst.order == "HND":
+        # Units: one head's run of `small` tokens (`tokens` is a multiple of it); order region,
+        # source block, head, run.
+        bb, hh, jj = np.meshgrid(
+            np.arange(-(-tokens // src.block_tokens)), h, np.arange(src.block_tokens // small), indexing="ij"
+        )
+        tok = (bb * src.block_tokens + jj * small).ravel()
+        keep = tok < tokens
+        tok, hh = tok[keep], hh.ravel()[keep]
+        return np.repeat(r, len(tok)), np.tile(tok, num_regions), np.tile(hh, num_regions), small * hb
+    t = np.arange(tokens, dtype=np.int64)
+    if src.order == dst.order == "NHD":
+        # Units: one token's run of the shared heads; order region, token.
+        region = np.repeat(r, tokens)
+        return region, np.tile(t, num_regions), np.full(num_regions * tokens, heads.first), heads.count * hb
+    # Orders differ: one head of one token; order region, source block, then the source's order.
+    if src.order == "HND":
+        bb, hh, kk = np.meshgrid(
+            np.arange(-(-tokens // src.block_tokens)), h, np.arange(src.block_tokens), indexing="ij"
+        )
+    else:
+        bb, kk, hh = np.meshgrid(
+            np.arange(-(-tokens // src.block_tokens)), np.arange(src.block_tokens), h, indexing="ij"
+        )
+    tok = (bb * src.block_tokens + kk).ravel()
+    keep = tok < tokens
+    tok, hh = tok[keep], hh.ravel()[keep]
+    return np.repeat(r, len(tok)), np.tile(tok, num_regions), np.tile(hh, num_regions), hb
+
+
+def _merge(side: Side, region: I64, token: I64, head: I64, unit: int) -> Segments:
+    """This side's offsets of the units, touching ones merged into one segment."""
+    buf = side.regions.buffer[region]
+    off = side.offsets(region, token, head)
+    starts = np.ones(len(off), dtype=bool)
+    starts[1:] = (buf[1:] != buf[:-1]) | (off[1:] != off[:-1] + unit)
+    first = np.flatnonzero(starts)
+    lengths = np.diff(np.append(first, len(off))) * unit
+    return Segments(buf[first], off[first], lengths.astype(np.int64))
+
+
+def _span(heads: HeadRange) -> str:
+    return f"{heads.first}..{heads.end - 1}"
