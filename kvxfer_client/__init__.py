@@ -23,6 +23,7 @@ from ._errors import (
     UnavailableError,
 )
 from ._events import OfferReleased, ReleaseReason, TransferFailed
+from ._geometry import KvGeometry
 from ._layout import Layout, ModelInfo, Region
 from ._memory import HostBuffer
 from ._tensor_layout import layout_from_tensors
@@ -42,6 +43,7 @@ __all__ = [
     "IncompatibleError",
     "InternalError",
     "InvalidRequestError",
+    "KvGeometry",
     "KvxferClient",
     "KvxferError",
     "Layout",

@@ -104,13 +104,14 @@ class KvxferClient:
         lease_s: float = 0.0,
         ticket: Ticket | None = None,
         offer_key: bytes = b"",
+        readers: int | None = None,
     ) -> concurrent.futures.Future[Ticket]:
         """Like :meth:`offer` but returns at once (an engine step must not wait on the daemon)."""
-        coro = self._async.offer(pool, block_ids, lease_s=lease_s, ticket=ticket, offer_key=offer_key)
+        coro = self._async.offer(pool, block_ids, lease_s=lease_s, ticket=ticket, offer_key=offer_key, readers=readers)
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
-    def new_ticket(self, pool: Pool, num_blocks: int) -> Ticket:
-        return self._async.new_ticket(pool, num_blocks)
+    def new_ticket(self, pool: Pool, num_blocks: int, readers: int = 1) -> Ticket:
+        return self._async.new_ticket(pool, num_blocks, readers)
 
     def pull(
         self,

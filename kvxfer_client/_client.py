@@ -87,6 +87,9 @@ class PullResult:
     data_plane_s: float = 0.0
     #: GPU local path: the copy's GPU time (CUDA events); 0.0 where not measured.
     device_s: float = 0.0
+    #: How the blocks were remapped between geometries (other TP, head order, block size);
+    #: "" when they moved as they are.
+    mapping: str = ""
 
     @property
     def gbps(self) -> float:
@@ -383,19 +386,27 @@ class AsyncKvxferClient:
         lease_s: float = 0.0,
         ticket: Ticket | None = None,
         offer_key: bytes = b"",
+        readers: int | None = None,
     ) -> Ticket:
         """Pin blocks for a decode engine and return the ticket to hand it.
 
         ``ticket``: one made in advance by :meth:`new_ticket` (and perhaps handed out
         already); the offer is made under its id and token. ``offer_key``: the pool's
         (``Pool.offer_key``) when it is another session's of this engine, e.g. a vLLM worker's
-        pool offered from the scheduler process.
+        pool offered from the scheduler process. ``readers``: how many pulls the offer serves
+        before it is released (decode ranks that each take their heads; default the ticket's,
+        else one).
         """
         await self._ready()
         pool_id = pool.pool_id if isinstance(pool, Pool) else pool
         ids = _block_ids(block_ids, "block_ids")
         req = engine_pb2.OfferRequest(
-            pool_id=pool_id, block_ids=ids, lease_s=lease_s, session_id=self.session_id, offer_key=offer_key
+            pool_id=pool_id,
+            block_ids=ids,
+            lease_s=lease_s,
+            session_id=self.session_id,
+            offer_key=offer_key,
+            readers=readers if readers is not None else (ticket.readers if ticket is not None else 1),
         )
         if ticket is not None:
             if ticket.num_blocks != len(ids):
@@ -404,7 +415,7 @@ class AsyncKvxferClient:
         resp = await self._hot_call("offer", self._engine.Offer, req)
         return Ticket.from_proto(resp.ticket)
 
-    def new_ticket(self, pool: Pool, num_blocks: int) -> Ticket:
+    def new_ticket(self, pool: Pool, num_blocks: int, readers: int = 1) -> Ticket:
         """A ticket for an offer of ``num_blocks`` blocks of ``pool`` not made yet: no round trip
         to the daemon. Hand it out at once and make the offer with ``offer(..., ticket=...)``
         soon; a pull that arrives first waits for the offer (the daemon's ``offer_wait_s``).
@@ -413,7 +424,7 @@ class AsyncKvxferClient:
         if not self.daemon_id:
             raise UnavailableError("not connected: connect() first (the ticket names the daemon)")
         return Ticket.in_advance(
-            self.daemon_id, self.peer_address, pool.fingerprint, num_blocks, pool.layout.bytes_per_block
+            self.daemon_id, self.peer_address, pool.fingerprint, num_blocks, pool.layout.bytes_per_block, readers
         )
 
     async def pull(
@@ -469,6 +480,7 @@ class AsyncKvxferClient:
             resp.duration_s,
             resp.data_plane_s,
             resp.device_s,
+            resp.mapping,
         )
 
     async def release(self, offer_id: str) -> None:

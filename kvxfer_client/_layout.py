@@ -18,9 +18,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ._errors import InvalidRequestError
+from ._geometry import KvGeometry, rank_heads
 from ._proto import common_pb2
 
-__all__ = ["MAX_BLOCKS", "MAX_REGIONS", "Layout", "ModelInfo", "Region"]
+__all__ = ["MAX_BLOCKS", "MAX_REGIONS", "Layout", "ModelInfo", "Region", "mapping_between"]
 
 #: Upper bound on ``Layout.num_blocks`` (block ids travel as uint32).
 MAX_BLOCKS = 1 << 24
@@ -73,6 +74,9 @@ class Layout:
     num_blocks: int
     regions: tuple[Region, ...]
     model: ModelInfo = field(default_factory=ModelInfo)
+    #: What is inside each block (heads, order, tokens), when declared: then pools of other
+    #: TP, head order or block size can exchange blocks with this one (see ``_geometry``).
+    geometry: KvGeometry | None = None
 
     @classmethod
     def paged_kv(
@@ -82,6 +86,7 @@ class Layout:
         num_blocks: int,
         block_bytes: int,
         model: ModelInfo | None = None,
+        geometry: KvGeometry | None = None,
     ) -> Layout:
         """The layout of one ``[2, num_blocks, ...]`` tensor per layer (K then V), one buffer
         per layer: ``2 * num_layers`` regions of ``block_bytes`` each.
@@ -90,7 +95,7 @@ class Layout:
         for layer in range(num_layers):
             for kv in range(2):
                 regions.append(Region(layer, kv * num_blocks * block_bytes, block_bytes, block_bytes))
-        return cls(num_blocks, tuple(regions), model or ModelInfo())
+        return cls(num_blocks, tuple(regions), model or ModelInfo(), geometry)
 
     @classmethod
     def contiguous(cls, *, num_blocks: int, block_bytes: int, model: ModelInfo | None = None) -> Layout:
@@ -136,6 +141,8 @@ class Layout:
                 raise InvalidRequestError(
                     f"region {i}: block_stride {r.block_stride} < block_bytes {r.block_bytes} would make blocks overlap"
                 )
+            if self.geometry is not None:
+                self.geometry.check(max(1, self.model.tp_size), self.model.tp_rank, r.block_bytes)
             end = r.end(self.num_blocks)
             if end > buffer_sizes[r.buffer_index]:
                 raise InvalidRequestError(
@@ -146,7 +153,9 @@ class Layout:
     def signature(self) -> common_pb2.LayoutSignature:
         """What a peer's layout must match, field by field."""
         return common_pb2.LayoutSignature(
-            block_bytes=[r.block_bytes for r in self.regions], model=self.model.to_proto()
+            block_bytes=[r.block_bytes for r in self.regions],
+            model=self.model.to_proto(),
+            geometry=self.geometry.to_proto() if self.geometry else None,
         )
 
     def fingerprint(self) -> str:
@@ -166,34 +175,99 @@ class Layout:
                 for r in self.regions
             ],
             model=self.model.to_proto(),
+            geometry=self.geometry.to_proto() if self.geometry else None,
         )
 
     @classmethod
     def from_proto(cls, msg: common_pb2.Layout) -> Layout:
         regions = tuple(Region(r.buffer_index, r.offset, r.block_stride, r.block_bytes) for r in msg.regions)
-        return cls(msg.num_blocks, regions, ModelInfo.from_proto(msg.model))
+        return cls(msg.num_blocks, regions, ModelInfo.from_proto(msg.model), KvGeometry.from_proto(msg.geometry))
 
 
 def signature_fingerprint(sig: common_pb2.LayoutSignature) -> str:
-    """Hash a layout signature into the fingerprint carried by tickets."""
-    m = sig.model
-    canonical = json.dumps(
-        [list(sig.block_bytes), [m.model, m.dtype, m.block_tokens, m.tp_size, m.tp_rank]],
-        separators=(",", ":"),
-    )
+    """Hash a layout signature into the fingerprint carried by tickets. With a geometry, only
+    what no mapping changes counts (pools of other TP, head order or block size share it)."""
+    m, g = sig.model, KvGeometry.from_proto(sig.geometry)
+    if g is None:
+        facts: list[object] = [list(sig.block_bytes), [m.model, m.dtype, m.block_tokens, m.tp_size, m.tp_rank]]
+    else:
+        facts = ["mappable", len(sig.block_bytes), [m.model, m.dtype], [g.total_kv_heads, g.head_bytes]]
+    canonical = json.dumps(facts, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()[:32]
 
 
 def signature_mismatch(ours: common_pb2.LayoutSignature, theirs: common_pb2.LayoutSignature) -> str | None:
-    """Name the first difference between two signatures, or return None when they match."""
+    """Name the first difference between two signatures that no mapping bridges, or return
+    None when blocks can move between them (see :func:`mapping_between` for how)."""
+    a, b = KvGeometry.from_proto(ours.geometry), KvGeometry.from_proto(theirs.geometry)
+    if a is not None and b is not None:
+        return _geometry_mismatch(ours, theirs, a, b)
     if list(ours.block_bytes) != list(theirs.block_bytes):
         if len(ours.block_bytes) != len(theirs.block_bytes):
             return f"region count differs: {len(ours.block_bytes)} vs {len(theirs.block_bytes)}"
-        for i, (a, b) in enumerate(zip(ours.block_bytes, theirs.block_bytes, strict=True)):
-            if a != b:
-                return f"region {i} block_bytes differs: {a} vs {b}"
+        for i, (x, y) in enumerate(zip(ours.block_bytes, theirs.block_bytes, strict=True)):
+            if x != y:
+                return f"region {i} block_bytes differs: {x} vs {y}"
     for name in ("model", "dtype", "block_tokens", "tp_size", "tp_rank"):
-        a, b = getattr(ours.model, name), getattr(theirs.model, name)
-        if a != b:
-            return f"model {name} differs: {a!r} vs {b!r}"
+        x, y = getattr(ours.model, name), getattr(theirs.model, name)
+        if x != y:
+            return f"model {name} differs: {x!r} vs {y!r}"
     return None
+
+
+def _geometry_mismatch(
+    ours: common_pb2.LayoutSignature, theirs: common_pb2.LayoutSignature, a: KvGeometry, b: KvGeometry
+) -> str | None:
+    if len(ours.block_bytes) != len(theirs.block_bytes):
+        return f"region count (layers x K/V) differs: {len(ours.block_bytes)} vs {len(theirs.block_bytes)}"
+    for name in ("model", "dtype"):
+        x, y = getattr(ours.model, name), getattr(theirs.model, name)
+        if x != y:
+            return f"model {name} differs: {x!r} vs {y!r}"
+    if a.total_kv_heads != b.total_kv_heads:
+        return f"KV heads differ: {a.total_kv_heads} vs {b.total_kv_heads}"
+    if a.head_bytes != b.head_bytes:
+        return f"bytes per head and token differ: {a.head_bytes} vs {b.head_bytes}"
+    small, large = sorted((a.block_tokens, b.block_tokens))
+    if large % small:
+        return f"block sizes {a.block_tokens} and {b.block_tokens} tokens: one must divide the other"
+    src_heads = rank_heads(a.total_kv_heads, max(1, ours.model.tp_size), ours.model.tp_rank)
+    dst_heads = rank_heads(b.total_kv_heads, max(1, theirs.model.tp_size), theirs.model.tp_rank)
+    if src_heads.overlap(dst_heads) is None:
+        return (
+            f"no KV head in common: TP rank {ours.model.tp_rank} of {ours.model.tp_size} holds heads "
+            f"{src_heads.first}..{src_heads.end - 1}, rank {theirs.model.tp_rank} of {theirs.model.tp_size} "
+            f"{dst_heads.first}..{dst_heads.end - 1}"
+        )
+    return None
+
+
+def mapping_between(src: common_pb2.LayoutSignature, dst: common_pb2.LayoutSignature) -> str:
+    """How blocks are remapped from ``src`` to ``dst`` ("" when they move as they are): what a
+    pull result names.
+
+    >>> from kvxfer_client._geometry import KvGeometry
+    >>> def sig(tp, rank, order, block):
+    ...     g = KvGeometry(block, total_kv_heads=8, head_bytes=256, order=order)
+    ...     return Layout.paged_kv(num_layers=1, num_blocks=4, block_bytes=block * 8 // tp * 256,
+    ...                            model=ModelInfo("m", "bf16", block, tp, rank), geometry=g).signature()
+    >>> mapping_between(sig(1, 0, "NHD", 16), sig(2, 1, "HND", 32))
+    'TP 1->2 (heads 4..7), NHD->HND, block 16->32 tokens'
+    >>> mapping_between(sig(1, 0, "HND", 16), sig(1, 0, "HND", 16))
+    ''
+    """
+    a, b = KvGeometry.from_proto(src.geometry), KvGeometry.from_proto(dst.geometry)
+    if a is None or b is None:
+        return ""
+    parts = []
+    if (src.model.tp_size, src.model.tp_rank) != (dst.model.tp_size, dst.model.tp_rank):
+        heads = rank_heads(a.total_kv_heads, max(1, src.model.tp_size), src.model.tp_rank).overlap(
+            rank_heads(b.total_kv_heads, max(1, dst.model.tp_size), dst.model.tp_rank)
+        )
+        span = f"heads {heads.first}..{heads.end - 1}" if heads else "no heads"
+        parts.append(f"TP {max(1, src.model.tp_size)}->{max(1, dst.model.tp_size)} ({span})")
+    if a.order != b.order:
+        parts.append(f"{a.order}->{b.order}")
+    if a.block_tokens != b.block_tokens:
+        parts.append(f"block {a.block_tokens}->{b.block_tokens} tokens")
+    return ", ".join(parts)

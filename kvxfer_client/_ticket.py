@@ -23,6 +23,7 @@ __all__ = ["TICKET_VERSION", "Ticket"]
 TICKET_VERSION = 1
 _TOKEN_BYTES = 16
 _MAX_FIELD = 256
+_MAX_READERS = 1024
 
 
 @dataclass(frozen=True)
@@ -30,8 +31,9 @@ class Ticket:
     """A JSON-serialisable claim on one offer. Its repr leaves the token out (logs and
     tracebacks must not hand the offer to whoever reads them).
 
-    >>> Ticket("d", "h:1", "off-1", b"\\x01" * 16, 2, "f", 8192)
-    Ticket(daemon_id='d', peer_address='h:1', offer_id='off-1', num_blocks=2, fingerprint='f', total_bytes=8192)
+    >>> Ticket("d", "h:1", "off-1", b"\\x01" * 16, 2, "f", 8192)  # doctest: +NORMALIZE_WHITESPACE
+    Ticket(daemon_id='d', peer_address='h:1', offer_id='off-1', num_blocks=2, fingerprint='f',
+           total_bytes=8192, readers=1)
     """
 
     daemon_id: str
@@ -41,10 +43,18 @@ class Ticket:
     num_blocks: int
     fingerprint: str
     total_bytes: int
+    #: Pulls the offer serves before it is released (decode ranks that each take their heads).
+    readers: int = 1
 
     @classmethod
     def in_advance(
-        cls, daemon_id: str, peer_address: str, fingerprint: str, num_blocks: int, bytes_per_block: int
+        cls,
+        daemon_id: str,
+        peer_address: str,
+        fingerprint: str,
+        num_blocks: int,
+        bytes_per_block: int,
+        readers: int = 1,
     ) -> Ticket:
         """A ticket for an offer not made yet: a fresh random offer id and token, which the
         offer is then made under (``OfferRequest.offer_id`` and ``token``).
@@ -58,7 +68,7 @@ class Ticket:
         offer_id = "off-" + secrets.token_hex(16)
         token = secrets.token_bytes(_TOKEN_BYTES)
         total = num_blocks * bytes_per_block
-        return cls(daemon_id, peer_address, offer_id, token, num_blocks, fingerprint, total)
+        return cls(daemon_id, peer_address, offer_id, token, num_blocks, fingerprint, total, readers)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -70,6 +80,7 @@ class Ticket:
             "num_blocks": self.num_blocks,
             "fingerprint": self.fingerprint,
             "total_bytes": self.total_bytes,
+            "readers": self.readers,
         }
 
     def to_json(self) -> str:
@@ -85,6 +96,7 @@ class Ticket:
         try:
             strings = {k: data[k] for k in ("daemon_id", "peer_address", "offer_id", "fingerprint")}
             ints = {k: data[k] for k in ("num_blocks", "total_bytes")}
+            ints["readers"] = data.get("readers", 1)
             token = bytes.fromhex(data["token"])
         except (KeyError, TypeError, ValueError) as exc:
             raise InvalidRequestError(f"malformed ticket: {exc!r}") from None
@@ -94,6 +106,8 @@ class Ticket:
         for k, v in ints.items():
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise InvalidRequestError(f"ticket field {k!r} must be a positive integer")
+        if ints["readers"] > _MAX_READERS:
+            raise InvalidRequestError(f"ticket field 'readers' must be at most {_MAX_READERS}")
         if len(token) != _TOKEN_BYTES:
             raise InvalidRequestError("ticket token must be 128 bits")
         return cls(
@@ -104,6 +118,7 @@ class Ticket:
             ints["num_blocks"],
             strings["fingerprint"],
             ints["total_bytes"],
+            ints["readers"],
         )
 
     @classmethod
@@ -124,6 +139,7 @@ class Ticket:
             num_blocks=self.num_blocks,
             fingerprint=self.fingerprint,
             total_bytes=self.total_bytes,
+            readers=self.readers,
         )
 
     @classmethod
@@ -136,4 +152,5 @@ class Ticket:
             msg.num_blocks,
             msg.fingerprint,
             msg.total_bytes,
+            max(1, msg.readers),
         )

@@ -234,9 +234,11 @@ class Node:
         lease_s: float,
         chosen: tuple[str, bytes] | None = None,
         offer_key: bytes = b"",
+        readers: int = 1,
     ) -> tuple[Offer, Ticket]:
         """Pin blocks under an offer (``chosen``: the id and token the engine picked in advance;
-        ``offer_key``: the pool's, when another session of its engine offers)."""
+        ``offer_key``: the pool's, when another session of its engine offers; ``readers``: the
+        pulls it serves before it is released as pulled)."""
         if self.draining:
             raise UnavailableError("kvxferd is draining: no new offers")
         if offer_key:
@@ -246,7 +248,7 @@ class Node:
         else:
             pool = self.owned_pool(pool_id, session_id)
         ids = check_block_ids(block_ids, pool.layout.num_blocks, "offer")
-        offer = self.offers.create(pool, ids, lease_s, chosen)
+        offer = self.offers.create(pool, ids, lease_s, chosen, readers)
         ticket = Ticket(
             daemon_id=self.daemon_id,
             peer_address=self.peer_address,
@@ -255,8 +257,16 @@ class Node:
             num_blocks=len(ids),
             fingerprint=pool.fingerprint,
             total_bytes=offer.nbytes,
+            readers=readers,
         )
-        log_event("offer.create", offer_id=offer.offer_id, pool_id=pool.pool_id, blocks=len(ids), lease_s=lease_s)
+        log_event(
+            "offer.create",
+            offer_id=offer.offer_id,
+            pool_id=pool.pool_id,
+            blocks=len(ids),
+            lease_s=lease_s,
+            readers=readers,
+        )
         return offer, ticket
 
     def release(self, offer_id: str, session_id: str) -> None:

@@ -64,6 +64,10 @@ class Offer:
     nbytes: int
     state: str = OFFERED
     timer: asyncio.TimerHandle | None = None
+    #: Pulls this offer serves before it is released as pulled; how many landed, how many run.
+    readers: int = 1
+    pulled: int = 0
+    pulling: int = 0
 
     def blocks_at(self, indices: npt.NDArray[np.int64] | None) -> npt.NDArray[np.int64]:
         """The blocks a pull moves: all of the offer's (``indices`` None), or those at these
@@ -102,10 +106,15 @@ class OfferTable:
         self.expiries = 0
 
     def create(
-        self, pool: Pool, block_ids: npt.NDArray[np.int64], lease_s: float, chosen: tuple[str, bytes] | None = None
+        self,
+        pool: Pool,
+        block_ids: npt.NDArray[np.int64],
+        lease_s: float,
+        chosen: tuple[str, bytes] | None = None,
+        readers: int = 1,
     ) -> Offer:
         """A new offer; ``chosen``: the id and token the engine picked in advance (checked for
-        form by the control plane), else fresh ones."""
+        form by the control plane), else fresh ones; ``readers``: pulls it serves."""
         if len(self.offers) >= self.max_offers:
             raise ResourceExhaustedError(f"this daemon holds its maximum of {self.max_offers} offers")
         offer_id, token = chosen or (DAEMON_OFFER_PREFIX + secrets.token_hex(8), secrets.token_bytes(16))
@@ -118,6 +127,7 @@ class OfferTable:
             token=token,
             deadline=time.time() + lease_s,
             nbytes=len(block_ids) * pool.layout.bytes_per_block,
+            readers=readers,
         )
         self._arm(offer)
         self.offers[offer.offer_id] = offer
@@ -157,7 +167,10 @@ class OfferTable:
         offer = self.offers.get(offer_id)
         if offer is not None and offer.state == OFFERED:
             self.expiries += 1
-            self.release(offer, common_pb2.RELEASE_REASON_EXPIRED, "lease ended before any pull")
+            detail = "lease ended before any pull"
+            if offer.pulled:
+                detail = f"lease ended with {offer.pulled} of its {offer.readers} readers pulled"
+            self.release(offer, common_pb2.RELEASE_REASON_EXPIRED, detail)
 
     async def claim_soon(self, offer_id: str, token: bytes) -> Offer:
         """:meth:`claim`, waiting up to ``wait_s`` for an offer that was never made yet: its
@@ -186,17 +199,38 @@ class OfferTable:
         return self.claim(offer_id, token)
 
     def claim(self, offer_id: str, token: bytes) -> Offer:
-        """Check the token and mark the offer as being pulled (one pull at a time)."""
+        """Check the token and mark the offer as being pulled (as many pulls at once as it
+        has readers left)."""
         offer = self._checked(offer_id, token)
-        if offer.state != OFFERED:
-            raise IncompatibleError(f"offer {offer_id!r} is already being pulled")
+        if offer.pulled + offer.pulling >= offer.readers:
+            raise IncompatibleError(
+                f"offer {offer_id!r} is already being pulled"
+                + (f" by all of its {offer.readers} readers" if offer.readers > 1 else "")
+            )
+        offer.pulling += 1
         offer.state = PULLING
         return offer
 
     def unclaim(self, offer: Offer) -> None:
         """A pull was refused before any byte moved: the offer is pullable again (and expires
         at once if its lease ended meanwhile)."""
-        if offer.offer_id in self.offers:
+        offer.pulling = max(0, offer.pulling - 1)
+        if offer.offer_id in self.offers and offer.pulling == 0:
+            offer.state = OFFERED
+            self._arm(offer)
+
+    def pulled(self, offer: Offer, transfer_id: str) -> None:
+        """A pull of ``offer`` landed: released as pulled once every reader has pulled; until
+        then the others may come (within the lease)."""
+        offer.pulling = max(0, offer.pulling - 1)
+        offer.pulled += 1
+        if offer.pulled >= offer.readers:
+            self.release(offer, common_pb2.RELEASE_REASON_PULLED, "", transfer_id)
+            return
+        log_event(
+            "offer.read", offer_id=offer.offer_id, transfer_id=transfer_id, pulled=offer.pulled, readers=offer.readers
+        )
+        if offer.pulling == 0:
             offer.state = OFFERED
             self._arm(offer)
 

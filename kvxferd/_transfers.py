@@ -83,6 +83,8 @@ class TransferRecord:
     data_plane_s: float = 0.0
     #: GPU time of a GPU local copy (see PullResponse.device_s).
     device_s: float = 0.0
+    #: How blocks were remapped between geometries (see PullResponse.mapping); "" if not.
+    mapping: str = ""
     detail: str = ""
     #: Pools whose memory this transfer touches (cancelled if one is deregistered).
     pools: tuple[str, ...] = ()
@@ -116,6 +118,7 @@ class TransferRecord:
             started_unix=self.started,
             duration_s=duration,
             detail=self.detail,
+            mapping=self.mapping,
         )
 
 

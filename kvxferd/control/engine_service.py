@@ -84,7 +84,13 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
         lease = wire.lease_s(request.lease_s, s.default_lease_s, s.max_lease_s)
         chosen = wire.chosen_offer(request.offer_id, request.token)
         offer, ticket = self.node.offer(
-            request.session_id, request.pool_id, request.block_ids, lease, chosen, bytes(request.offer_key)
+            request.session_id,
+            request.pool_id,
+            request.block_ids,
+            lease,
+            chosen,
+            bytes(request.offer_key),
+            wire.readers(request.readers),
         )
         return engine_pb2.OfferResponse(ticket=ticket.to_proto(), lease_deadline_unix=offer.deadline)
 
@@ -104,6 +110,7 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
             duration_s=record.duration_s,
             data_plane_s=record.data_plane_s,
             device_s=record.device_s,
+            mapping=record.mapping,
         )
 
     @rpc_method

@@ -8,7 +8,7 @@ from typing import Any
 import grpc
 
 from kvxfer_client._errors import InvalidRequestError
-from kvxfer_client._proto import peer_pb2, peer_pb2_grpc
+from kvxfer_client._proto import common_pb2, peer_pb2, peer_pb2_grpc
 
 from .._log import log_event
 from .._node import Node
@@ -73,8 +73,12 @@ class _OffererStream:
     async def send_headers(self) -> None:
         await self._context.send_initial_metadata(())
 
-    async def accepted(self, total_bytes: int, num_chunks: int, chunk_bytes: int) -> None:
-        msg = peer_pb2.TransferAccepted(total_bytes=total_bytes, num_chunks=num_chunks, chunk_bytes=chunk_bytes)
+    async def accepted(
+        self, total_bytes: int, num_chunks: int, chunk_bytes: int, signature: common_pb2.LayoutSignature
+    ) -> None:
+        msg = peer_pb2.TransferAccepted(
+            total_bytes=total_bytes, num_chunks=num_chunks, chunk_bytes=chunk_bytes, sender_signature=signature
+        )
         await self._context.write(peer_pb2.TransferServerMessage(accepted=msg))
 
     async def sent(self, nbytes: int, transport: str) -> None:

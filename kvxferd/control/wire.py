@@ -74,6 +74,17 @@ def pull_timeout_s(value: float, default: float) -> float:
 _CHOSEN_OFFER_ID = re.compile(r"^off-[0-9a-f]{32,64}$")
 
 
+#: The most pulls one offer may serve (OfferRequest.readers): more than any TP size.
+MAX_READERS = 1024
+
+
+def readers(value: int) -> int:
+    """``OfferRequest.readers``: 0 means one."""
+    if value > MAX_READERS:
+        raise InvalidRequestError(f"readers must be at most {MAX_READERS}, got {value}")
+    return max(1, value)
+
+
 def chosen_offer(offer_id: str, token: bytes) -> tuple[str, bytes] | None:
     """An offer id and token the engine picked in advance (both or neither), or None."""
     if not offer_id and not token:
@@ -104,6 +115,8 @@ def serve_request(msg: peer_pb2.TransferStart, default_timeout_s: float) -> Serv
     transfer_id(msg.transfer_id, required=True)
     if len(msg.offer_id) > 128 or len(msg.receiver_daemon_id) > 256:
         raise InvalidRequestError("offer_id or receiver_daemon_id too long")
+    if msg.num_blocks > MAX_BLOCKS:
+        raise InvalidRequestError(f"num_blocks must be at most {MAX_BLOCKS}")
     return ServeRequest(
         transfer_id=msg.transfer_id,
         offer_id=msg.offer_id,

@@ -27,19 +27,23 @@ Everything is numpy arithmetic over the units, no Python loop over blocks, token
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 from kvxfer_client._errors import IncompatibleError, InvalidRequestError
-from kvxfer_client._geometry import HeadRange
+from kvxfer_client._geometry import HeadRange, KvGeometry, rank_heads
+from kvxfer_client._layout import Layout, ModelInfo
+from kvxfer_client._proto import common_pb2
 
 from .plan import RegionTable, SidePlan, plan_segments
 
-__all__ = ["Segments", "Side", "plan_remap", "remap"]
+__all__ = ["MAX_UNITS", "Segments", "Side", "peer_side", "plan_remap", "remap", "remap_plans", "side_of"]
 
 I64 = npt.NDArray[np.int64]
+#: The most (region, token, head) units one remap plans: its arrays take ~40 bytes per unit.
+MAX_UNITS = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,11 @@ def remap(src: Side, dst: Side) -> tuple[Segments, Segments]:
                 f"{name} blocks go unused (offered {len(src.block_ids)} x {src.block_tokens}, "
                 f"destination {len(dst.block_ids)} x {dst.block_tokens})"
             )
+    units = _unit_count(src, dst, heads, tokens, small)
+    if units > MAX_UNITS:
+        raise InvalidRequestError(
+            f"this remap moves {units} pieces (more than {MAX_UNITS}): declare larger head_bytes or pull fewer blocks"
+        )
     region, token, head, unit = _units(src, dst, heads, tokens, small)
     return _merge(src, region, token, head, unit), _merge(dst, region, token, head, unit)
 
@@ -101,6 +110,51 @@ def plan_remap(src: Side, dst: Side, chunk_bytes: int, side: Literal["src", "dst
     """One side's chunk plan of a remapped handoff (each daemon plans only its own side)."""
     segs = remap(src, dst)[0 if side == "src" else 1]
     return plan_segments(segs.buffer, segs.offset, segs.nbytes, chunk_bytes)
+
+
+class _Pool(Protocol):
+    @property
+    def layout(self) -> Layout: ...
+    @property
+    def regions(self) -> RegionTable: ...
+
+
+def side_of(layout: Layout, regions: RegionTable, block_ids: I64) -> Side:
+    """A pool with a declared geometry as one side of a remap (``regions``: its RegionTable;
+    a peer's side may be described by its signature and a stand-in table)."""
+    g = layout.geometry
+    if g is None:
+        raise IncompatibleError("only pools that declare a KvGeometry can be remapped")
+    heads = rank_heads(g.total_kv_heads, max(1, layout.model.tp_size), layout.model.tp_rank)
+    return Side(regions, np.asarray(block_ids, dtype=np.int64), g.block_tokens, heads, g.head_bytes, g.order)
+
+
+def peer_side(signature: common_pb2.LayoutSignature, num_blocks: int) -> Side:
+    """The other daemon's side, from its signature: enough to plan this side (its regions are
+    stand-ins, their offsets are never used here)."""
+    layout = Layout(
+        max(1, num_blocks), (), ModelInfo.from_proto(signature.model), KvGeometry.from_proto(signature.geometry)
+    )
+    regions = RegionTable.from_regions([(0, 0, 0, n) for n in signature.block_bytes])
+    return side_of(layout, regions, np.arange(num_blocks, dtype=np.int64))
+
+
+def remap_plans(src: _Pool, src_ids: I64, dst: _Pool, dst_ids: I64, chunk_bytes: int) -> tuple[SidePlan, SidePlan]:
+    """Both sides' plans of a local remapped handoff."""
+    s, d = remap(side_of(src.layout, src.regions, src_ids), side_of(dst.layout, dst.regions, dst_ids))
+    return (
+        plan_segments(s.buffer, s.offset, s.nbytes, chunk_bytes),
+        plan_segments(d.buffer, d.offset, d.nbytes, chunk_bytes),
+    )
+
+
+def _unit_count(src: Side, dst: Side, heads: HeadRange, tokens: int, small: int) -> int:
+    regions = len(src.regions.offset)
+    if src.order == dst.order == "HND":
+        return regions * heads.count * (tokens // small)
+    if src.order == dst.order == "NHD":
+        return regions * tokens
+    return regions * tokens * heads.count
 
 
 def _units(src: Side, dst: Side, heads: HeadRange, tokens: int, small: int) -> tuple[I64, I64, I64, int]:

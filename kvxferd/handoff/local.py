@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from kvxfer_client._errors import IncompatibleError
-from kvxfer_client._layout import signature_mismatch
+from kvxfer_client._layout import mapping_between, signature_mismatch
 from kvxfer_client._proto import common_pb2
 from kvxfer_client._ticket import Ticket
 
@@ -28,6 +28,7 @@ from ..dataplane.gpu_kernel import BlockSide
 from ..dataplane.gpucopy import GpuDevices
 from ..dataplane.hostmem import HostMemory, copy_between
 from ..dataplane.plan import SidePlan, build_plan
+from ..dataplane.remap import remap_plans
 from ..memory.pools import PROCESS_MEMORY_OFF_GPU, Pool
 
 __all__ = ["INLINE_COPY_BYTES", "LocalHandoff"]
@@ -77,6 +78,10 @@ class LocalHandoff:
             if (src.on_gpu or dst.on_gpu) and (src.process or dst.process):
                 raise IncompatibleError(PROCESS_MEMORY_OFF_GPU)
             src_ids = offer.blocks_at(indices)
+            record.mapping = mapping_between(src.layout.signature(), dst.layout.signature())
+            if record.mapping and (src.on_gpu or dst.on_gpu):
+                raise IncompatibleError(f"GPU pools move blocks as they are; this pull needs {record.mapping}")
+            plans = remap_plans(src, src_ids, dst, dst_ids, self.chunk_bytes) if record.mapping else None
         except BaseException:
             self.offers.unclaim(offer)  # refused before anything moved: the offer stays pullable
             raise
@@ -88,8 +93,10 @@ class LocalHandoff:
                     record.transport, record.device_s = await self._copy_gpu(src, src_ids, dst, dst_ids)
                 record.nbytes = len(src_ids) * src.layout.bytes_per_block
             else:
-                src_plan = build_plan(src.regions, src_ids, self.chunk_bytes)
-                dst_plan = build_plan(dst.regions, dst_ids, self.chunk_bytes)
+                src_plan, dst_plan = plans or (
+                    build_plan(src.regions, src_ids, self.chunk_bytes),
+                    build_plan(dst.regions, dst_ids, self.chunk_bytes),
+                )
                 record.nbytes = src_plan.total_bytes
                 with src.in_use():
                     await self._copy_host(src, src_plan, dst, dst_plan)
@@ -98,7 +105,7 @@ class LocalHandoff:
             detail = f"local pull failed: {exc!r}"
             self.offers.release(offer, common_pb2.RELEASE_REASON_FAILED, detail, record.transfer_id)
             raise
-        self.offers.release(offer, common_pb2.RELEASE_REASON_PULLED, "", record.transfer_id)
+        self.offers.pulled(offer, record.transfer_id)
 
     async def _copy_host(self, src: Pool, src_plan: SidePlan, dst: Pool, dst_plan: SidePlan) -> None:
         """Inline when small, else the chunks dealt round-robin to the copy threads (a lone

@@ -134,10 +134,11 @@ class TransferCall:
         )
         await self._write(peer_pb2.TransferClientMessage(start=start))
 
-    async def accepted(self, timeout: float) -> tuple[int, int]:
-        """The offerer's ``(chunk_bytes, total_bytes)``; 0 chunk bytes: as offered."""
+    async def accepted(self, timeout: float) -> tuple[int, int, common_pb2.LayoutSignature]:
+        """The offerer's ``(chunk_bytes, total_bytes, its pool's signature)``; 0 chunk bytes:
+        as offered."""
         msg = await self._read("accepted", timeout)
-        return int(msg.chunk_bytes), int(msg.total_bytes)
+        return int(msg.chunk_bytes), int(msg.total_bytes), msg.sender_signature
 
     async def sent(self) -> None:
         """The offerer has sent every chunk (or ends the stream with its failure)."""

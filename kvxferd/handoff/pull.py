@@ -113,11 +113,13 @@ class Pulls:
 def _check_against(
     ticket: Ticket, dst: Pool, dst_ids: np.ndarray[Any, Any], indices: np.ndarray[Any, Any] | None
 ) -> None:
-    """The ticket fits the destination: block count, layout fingerprint, byte count."""
-    if indices is None and len(dst_ids) != ticket.num_blocks:
+    """The ticket fits the destination: block count, layout fingerprint, byte count. With a
+    declared geometry, counts and bytes depend on the mapping: the planner checks them."""
+    mapped = dst.layout.geometry is not None
+    if indices is None and len(dst_ids) != ticket.num_blocks and not mapped:
         raise InvalidRequestError(f"ticket holds {ticket.num_blocks} blocks, {len(dst_ids)} destination ids given")
     if indices is not None:
-        if len(dst_ids) != len(indices):
+        if len(dst_ids) != len(indices) and not mapped:
             raise InvalidRequestError(f"{len(indices)} offer_block_indices, {len(dst_ids)} destination ids given")
         check_block_ids(indices, ticket.num_blocks, "offer_block_indices")  # the offerer checks again
     if ticket.fingerprint != dst.fingerprint:
@@ -125,7 +127,7 @@ def _check_against(
             f"layout fingerprint mismatch: offer {ticket.fingerprint}, destination pool {dst.fingerprint}"
         )
     # Same fingerprint, same bytes per block: a ticket's byte count is derived, never trusted.
-    if ticket.total_bytes != ticket.num_blocks * dst.layout.bytes_per_block:
+    if not mapped and ticket.total_bytes != ticket.num_blocks * dst.layout.bytes_per_block:
         raise InvalidRequestError(
             f"malformed ticket: total_bytes {ticket.total_bytes} is not {ticket.num_blocks} blocks of "
             f"{dst.layout.bytes_per_block} bytes"

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from kvxfer_client._errors import DeadlineExceededError, IncompatibleError, UnavailableError
+from kvxfer_client._layout import mapping_between
 from kvxfer_client._ticket import Ticket
 
 from .._config import Settings
@@ -28,6 +29,7 @@ from .._transfers import TransferRecord
 from ..dataplane.gpu_kernel import BlockSide
 from ..dataplane.gpucopy import GpuDevices
 from ..dataplane.plan import SidePlan, build_plan, stream_plan
+from ..dataplane.remap import peer_side, plan_remap, side_of
 from ..dataplane.staging import StagingLease
 from ..dataplane.ucp_iov import CANCEL_CONFIRM_S
 from ..memory.pools import Pool
@@ -103,13 +105,25 @@ class RemotePull:
                 record.mark("start_sent")
                 # Planned while the offerer claims and plans its side (the sender nearly
                 # always takes the offered chunk size).
-                expected = _receive_plan(dst, side, dst_ids, max_chunk)
-                chunk, total_bytes = await call.accepted(self.settings.peer_timeout_s)
+                mapped = dst.layout.geometry is not None
+                expected = None if mapped else _receive_plan(dst, side, dst_ids, max_chunk)
+                chunk, total_bytes, sender = await call.accepted(self.settings.peer_timeout_s)
                 record.mark("accepted")
                 chunk = chunk or max_chunk
                 if not MIN_CHUNK <= chunk <= max_chunk:
                     raise IncompatibleError(f"peer chose {chunk}-byte chunks; this side takes {MIN_CHUNK}..{max_chunk}")
-                plan = expected if chunk == max_chunk else _receive_plan(dst, side, dst_ids, chunk)
+                record.mapping = mapping_between(sender, dst.layout.signature()) if mapped else ""
+                if record.mapping:
+                    if side is not None:
+                        raise IncompatibleError(f"GPU pools move blocks as they are; this pull needs {record.mapping}")
+                    sender_blocks = len(indices) if indices is not None else ticket.num_blocks
+                    src_side = peer_side(sender, sender_blocks)
+                    plan = plan_remap(src_side, side_of(dst.layout, dst.regions, dst_ids), chunk, "dst")
+                    record.nbytes = plan.total_bytes
+                elif expected is not None and chunk == max_chunk:
+                    plan = expected
+                else:
+                    plan = _receive_plan(dst, side, dst_ids, chunk)
                 if total_bytes != plan.total_bytes:
                     raise IncompatibleError(f"peer sends {total_bytes} bytes, destination expects {plan.total_bytes}")
                 staging, need = self.plane.staging_for(dst, plan, "receive")

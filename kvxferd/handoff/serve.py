@@ -25,7 +25,7 @@ from kvxfer_client._errors import (
     KvxferError,
     UnavailableError,
 )
-from kvxfer_client._layout import signature_mismatch
+from kvxfer_client._layout import mapping_between, signature_mismatch
 from kvxfer_client._proto import common_pb2
 
 from .._config import Settings
@@ -35,6 +35,7 @@ from .._transfers import TransferRecord, TransferTable
 from ..dataplane.gpu_kernel import BlockSide
 from ..dataplane.gpucopy import GpuDevices
 from ..dataplane.plan import SidePlan, build_plan, num_chunks, stream_plan
+from ..dataplane.remap import peer_side, plan_remap, side_of
 from .peers import Peer
 from .remote import RemotePlane
 from .steps import COMMIT_MARGIN_S
@@ -74,7 +75,9 @@ class OffererStream(Protocol):
 
     async def send_headers(self) -> None: ...
 
-    async def accepted(self, total_bytes: int, num_chunks: int, chunk_bytes: int) -> None: ...
+    async def accepted(
+        self, total_bytes: int, num_chunks: int, chunk_bytes: int, signature: common_pb2.LayoutSignature
+    ) -> None: ...
 
     async def sent(self, nbytes: int, transport: str) -> None: ...
 
@@ -132,9 +135,23 @@ class TransferServer:
             if mismatch:
                 raise IncompatibleError(f"incompatible layouts: {mismatch}")
             src_ids = offer.blocks_at(start.offer_block_indices)
-            if start.num_blocks != len(src_ids):
+            record.mapping = mapping_between(offer.pool.layout.signature(), start.receiver_signature)
+            if record.mapping and offer.pool.on_gpu:
+                raise IncompatibleError(f"GPU pools move blocks as they are; this pull needs {record.mapping}")
+            if not record.mapping and start.num_blocks != len(src_ids):
                 raise InvalidRequestError(f"the pull moves {len(src_ids)} blocks, its start says {start.num_blocks}")
             record.nbytes = len(src_ids) * offer.pool.layout.bytes_per_block
+            if record.mapping:  # checked and sized now: a refusal leaves the offer pullable
+                geometry = offer.pool.layout.geometry
+                if geometry is None or start.num_blocks > len(src_ids) * geometry.block_tokens:
+                    raise InvalidRequestError(f"{start.num_blocks} destination blocks for {len(src_ids)} offered")
+                remapped = plan_remap(
+                    side_of(offer.pool.layout, offer.pool.regions, src_ids),
+                    peer_side(start.receiver_signature, start.num_blocks),
+                    min(start.chunk_bytes, self.settings.chunk_bytes),
+                    "src",
+                )
+                record.nbytes = remapped.total_bytes
             self.transfers.begin(record)
         except BaseException:
             self.offers.unclaim(offer)
@@ -191,7 +208,14 @@ class TransferServer:
         chunk = min(start.chunk_bytes, own)
         plan: SidePlan | None = None
         side: BlockSide | None = None
-        if pool.device is not None:
+        if record.mapping:
+            plan = plan_remap(
+                side_of(pool.layout, pool.regions, src_ids),
+                peer_side(start.receiver_signature, start.num_blocks),
+                chunk,
+                "src",
+            )
+        elif pool.device is not None:
             side = BlockSide.of(pool.device, pool.base, pool.regions, src_ids)
             plan = stream_plan(side.total_bytes, chunk)
         elif not self.ucx.gather_send or pool.process is not None:
@@ -204,7 +228,7 @@ class TransferServer:
         staging, need = self.plane.staging_for(pool, plan, "send")
         async with staging.lease(need) as lease:
             record.mark("staging")
-            await stream.accepted(record.nbytes, num_chunks(record.nbytes, chunk), chunk)
+            await stream.accepted(record.nbytes, num_chunks(record.nbytes, chunk), chunk, pool.layout.signature())
             await self.faults.hit("after_accepted", transfer_id=record.transfer_id)
             if plan is None:
                 # UCX gathers from the pool: planned while the receiver posts receives.
@@ -251,5 +275,5 @@ class TransferServer:
                 f"deadline left (under {COMMIT_MARGIN_S}s): too late to commit"
             )
         record.committed = True  # with the release below, in one step of the loop
-        self.offers.release(offer, common_pb2.RELEASE_REASON_PULLED, "", record.transfer_id)
+        self.offers.pulled(offer, record.transfer_id)
         await stream.closed()

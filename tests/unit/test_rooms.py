@@ -218,7 +218,7 @@ class RecordingStream:
     async def send_headers(self) -> None:
         self.written.append("headers")
 
-    async def accepted(self, total_bytes: int, num_chunks: int, chunk_bytes: int) -> None:
+    async def accepted(self, total_bytes: int, num_chunks: int, chunk_bytes: int, signature: Any = None) -> None:
         self.written.append("accepted")
 
     async def sent(self, nbytes: int, transport: str) -> None:

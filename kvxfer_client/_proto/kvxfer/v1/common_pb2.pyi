@@ -377,6 +377,7 @@ class Ticket(_message.Message):
     NUM_BLOCKS_FIELD_NUMBER: _builtins.int
     FINGERPRINT_FIELD_NUMBER: _builtins.int
     TOTAL_BYTES_FIELD_NUMBER: _builtins.int
+    READERS_FIELD_NUMBER: _builtins.int
     version: _builtins.int
     daemon_id: _builtins.str
     peer_address: _builtins.str
@@ -386,6 +387,8 @@ class Ticket(_message.Message):
     num_blocks: _builtins.int
     fingerprint: _builtins.str
     total_bytes: _builtins.int
+    readers: _builtins.int
+    """Pulls the offer serves (OfferRequest.readers); 0 means 1."""
     def __init__(
         self,
         *,
@@ -397,10 +400,11 @@ class Ticket(_message.Message):
         num_blocks: _builtins.int = ...,
         fingerprint: _builtins.str = ...,
         total_bytes: _builtins.int = ...,
+        readers: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["daemon_id", b"daemon_id", "fingerprint", b"fingerprint", "num_blocks", b"num_blocks", "offer_id", b"offer_id", "peer_address", b"peer_address", "token", b"token", "total_bytes", b"total_bytes", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["daemon_id", b"daemon_id", "fingerprint", b"fingerprint", "num_blocks", b"num_blocks", "offer_id", b"offer_id", "peer_address", b"peer_address", "readers", b"readers", "token", b"token", "total_bytes", b"total_bytes", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -376,6 +376,7 @@ class OfferRequest(_message.Message):
     OFFER_ID_FIELD_NUMBER: _builtins.int
     TOKEN_FIELD_NUMBER: _builtins.int
     OFFER_KEY_FIELD_NUMBER: _builtins.int
+    READERS_FIELD_NUMBER: _builtins.int
     pool_id: _builtins.str
     lease_s: _builtins.float
     """Seconds the blocks stay pinned if nobody pulls them; 0 means the daemon's default."""
@@ -394,6 +395,11 @@ class OfferRequest(_message.Message):
     """The pool's offer_key (RegisterPoolResponse), when the pool belongs to another session of
     this engine: the offer is then the pool owner's (its session hears of the release).
     """
+    readers: _builtins.int
+    """How many pulls the offer serves before it is released as pulled (0 or 1: one): decode
+    ranks of a larger tensor-parallel size each pull their heads from the one offer. A reader
+    that never comes leaves the offer to its lease.
+    """
     @_builtins.property
     def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
@@ -406,10 +412,11 @@ class OfferRequest(_message.Message):
         offer_id: _builtins.str = ...,
         token: _builtins.bytes = ...,
         offer_key: _builtins.bytes = ...,
+        readers: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "lease_s", b"lease_s", "offer_id", b"offer_id", "offer_key", b"offer_key", "pool_id", b"pool_id", "session_id", b"session_id", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "lease_s", b"lease_s", "offer_id", b"offer_id", "offer_key", b"offer_key", "pool_id", b"pool_id", "readers", b"readers", "session_id", b"session_id", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -497,6 +504,7 @@ class PullResponse(_message.Message):
     DURATION_S_FIELD_NUMBER: _builtins.int
     DATA_PLANE_S_FIELD_NUMBER: _builtins.int
     DEVICE_S_FIELD_NUMBER: _builtins.int
+    MAPPING_FIELD_NUMBER: _builtins.int
     transfer_id: _builtins.str
     bytes: _builtins.int
     path: _common_pb2.TransferPath.ValueType
@@ -510,6 +518,10 @@ class PullResponse(_message.Message):
     """GPU local path: GPU time of the copy (table upload and kernel, timed with CUDA events on
     the copy's stream, like a cudaMemcpy); 0 where it is not measured.
     """
+    mapping: _builtins.str
+    """How the blocks were remapped between the two pools' geometries ("TP 1->2 (heads 4..7),
+    NHD->HND, block 16->32 tokens"); empty when they moved as they are.
+    """
     def __init__(
         self,
         *,
@@ -520,10 +532,11 @@ class PullResponse(_message.Message):
         duration_s: _builtins.float = ...,
         data_plane_s: _builtins.float = ...,
         device_s: _builtins.float = ...,
+        mapping: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "data_plane_s", b"data_plane_s", "device_s", b"device_s", "duration_s", b"duration_s", "path", b"path", "transfer_id", b"transfer_id", "transport", b"transport"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "data_plane_s", b"data_plane_s", "device_s", b"device_s", "duration_s", b"duration_s", "mapping", b"mapping", "path", b"path", "transfer_id", b"transfer_id", "transport", b"transport"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -185,7 +185,10 @@ class TransferStart(_message.Message):
     def receiver_signature(self) -> _common_pb2.LayoutSignature: ...
     @_builtins.property
     def offer_block_indices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Positions in the offer's block list to send (empty: all of them); num_blocks counts them."""
+        """Positions in the offer's block list to send (empty: all of them); num_blocks counts them,
+        except when both layouts declare a geometry: then num_blocks counts the receiver's
+        destination blocks (block sizes may differ), and the offerer's planner checks both counts.
+        """
 
     def __init__(
         self,
@@ -264,20 +267,28 @@ class TransferAccepted(_message.Message):
     TOTAL_BYTES_FIELD_NUMBER: _builtins.int
     NUM_CHUNKS_FIELD_NUMBER: _builtins.int
     CHUNK_BYTES_FIELD_NUMBER: _builtins.int
+    SENDER_SIGNATURE_FIELD_NUMBER: _builtins.int
     total_bytes: _builtins.int
     num_chunks: _builtins.int
     chunk_bytes: _builtins.int
     """The chunk size the sender uses (at most TransferStart.chunk_bytes; 0 = as asked)."""
+    @_builtins.property
+    def sender_signature(self) -> _common_pb2.LayoutSignature:
+        """The offered pool's signature: with geometries on both sides, the receiver plans its side
+        of the remapped stream from it.
+        """
+
     def __init__(
         self,
         *,
         total_bytes: _builtins.int = ...,
         num_chunks: _builtins.int = ...,
         chunk_bytes: _builtins.int = ...,
+        sender_signature: _common_pb2.LayoutSignature | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["sender_signature", b"sender_signature"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_bytes", b"chunk_bytes", "num_chunks", b"num_chunks", "total_bytes", b"total_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_bytes", b"chunk_bytes", "num_chunks", b"num_chunks", "sender_signature", b"sender_signature", "total_bytes", b"total_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
