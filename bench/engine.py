@@ -11,11 +11,14 @@ command line gets one JSON reply line on stdout (``{"ok": true, ...}`` or ``{"ok
   (torch CPU bfloat16 tensors, as vLLM on CPU allocates its KV caches) or ``"gpu"`` (a CuPy
   tensor per layer on GPU 0; ``"gpu_offset": 4096`` places each tensor that many bytes into
   its allocation, as torch's caching allocator does; ``"vllm_shape": true`` shapes each as
-  vLLM's flash-attention KV tensor and derives the layout from it);
-* ``offer``: ``{"op": "offer", "requests": [[ids...], ...], "lease_s": 30}`` → tickets;
+  vLLM's flash-attention KV tensor and derives the layout from it); ``"geometry": {...}``
+  declares a ``KvGeometry`` (with ``"model"`` naming the TP rank) and ``"data"`` (base64, one
+  string per buffer) gives the pool's bytes;
+* ``offer``: ``{"op": "offer", "requests": [[ids...], ...], "lease_s": 30, "readers": 1}`` → tickets;
 * ``pull``: ``{"op": "pull", "pulls": [[ticket, [ids...]], ...]}`` runs all pulls at once;
 * ``verify``: ``{"op": "verify", "seed": 7, "pairs": [[[src ids], [dst ids]], ...]}`` checks
   every destination byte against the prefill pool regenerated from its seed;
+* ``dump``: the pool's bytes, base64, one string per buffer;
 * ``released``: ``{"op": "released", "offer_ids": [...], "timeout_s": 10}`` waits for events;
 * ``exit``.
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import json
 import os
 import sys
@@ -35,7 +39,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvxfer_client import AsyncKvxferClient, HostBuffer, KvxferError, Layout, ModelInfo, Pool
+from kvxfer_client import AsyncKvxferClient, HostBuffer, KvGeometry, KvxferError, Layout, ModelInfo, Pool
 
 MODEL = ModelInfo(model="llama-3-8b-shape", dtype="bfloat16", block_tokens=16, tp_size=1, tp_rank=0)
 
@@ -108,12 +112,15 @@ class Engine:
         memory: str = "host",
         gpu_offset: int = 0,
         vllm_shape: bool = False,
+        geometry: dict[str, Any] | None = None,
+        data: list[str] | None = None,
     ) -> Any:
         layout = Layout.paged_kv(
             num_layers=shape["layers"],
             num_blocks=shape["blocks"],
             block_bytes=shape["block_bytes"],
             model=ModelInfo(**model) if model else MODEL,
+            geometry=KvGeometry(**geometry) if geometry else None,
         )
         self.shape = shape
         self.memory = memory
@@ -146,14 +153,17 @@ class Engine:
             buffers = [_host_buffer(size, memory) for size in layout.buffer_sizes()]
             if seed is not None:
                 fill_random([_bytes_of(b, memory) for b in buffers], seed)
+            for b, text in zip(buffers, data or [], strict=False):
+                _bytes_of(b, memory)[:] = np.frombuffer(base64.b64decode(text), dtype=np.uint8)
         self.pool = await self.client.register_pool(buffers, layout, name=self.client.engine_name)
         return {"pool_id": self.pool.pool_id, "fingerprint": self.pool.fingerprint}
 
-    async def op_offer(self, requests: list[list[int]], lease_s: float = 0.0) -> Any:
+    async def op_offer(self, requests: list[list[int]], lease_s: float = 0.0, readers: int = 1) -> Any:
         assert self.pool is not None
         pool = self.pool
         t0 = time.perf_counter()
-        tickets = await asyncio.gather(*(self.client.offer(pool, ids, lease_s=lease_s) for ids in requests))
+        offers = (self.client.offer(pool, ids, lease_s=lease_s, readers=readers) for ids in requests)
+        tickets = await asyncio.gather(*offers)
         return {"tickets": [t.to_dict() for t in tickets], "offer_s": time.perf_counter() - t0}
 
     async def op_pull(self, pulls: list[tuple[dict[str, Any], list[int]]], timeout_s: float = 60.0) -> Any:
@@ -175,6 +185,7 @@ class Engine:
                 "daemon_s": r.duration_s,
                 "data_plane_s": r.data_plane_s,
                 "device_s": r.device_s,
+                "mapping": r.mapping,
                 "latency_s": time.perf_counter() - t0,
             }
 
@@ -195,13 +206,21 @@ class Engine:
                 bad += int(np.count_nonzero(e != g))
         return {"verified": bad == 0, "bad_bytes": bad}
 
+    async def op_dump(self) -> Any:
+        """The pool's bytes, one base64 string per buffer (small pools: the tests' reference check)."""
+        return {"buffers": [base64.b64encode(a.tobytes()).decode() for a in self.arrays()]}
+
     async def op_withdraw(self, offer_id: str) -> Any:
         await self.client.release(offer_id)
         return {}
 
     async def op_released(self, offer_ids: list[str], timeout_s: float = 10.0) -> Any:
         events = await asyncio.gather(*(self.client.wait_released(o, timeout_s) for o in offer_ids))
-        return {"reasons": [e.reason.value for e in events], "transfer_ids": [e.transfer_id for e in events]}
+        return {
+            "reasons": [e.reason.value for e in events],
+            "transfer_ids": [e.transfer_id for e in events],
+            "details": [e.detail for e in events],
+        }
 
 
 async def main_async(args: argparse.Namespace) -> None:

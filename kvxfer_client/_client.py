@@ -244,13 +244,14 @@ class AsyncKvxferClient:
                 if event is None:
                     continue
                 if isinstance(event, OfferReleased):
+                    # Kept even when someone waits: a waiter that gave up (its timeout) and
+                    # asks again must still hear of it.
+                    if len(self._released) >= _RELEASED_MEMORY:
+                        self._released.pop(next(iter(self._released)))
+                    self._released[event.offer_id] = event
                     waiter = self._waiters.pop(event.offer_id, None)
                     if waiter is not None and not waiter.done():
                         waiter.set_result(event)
-                    else:
-                        if len(self._released) >= _RELEASED_MEMORY:
-                            self._released.pop(next(iter(self._released)))
-                        self._released[event.offer_id] = event
                 if self._events.full():
                     self._events.get_nowait()
                     self.events_dropped += 1
@@ -450,9 +451,11 @@ class AsyncKvxferClient:
         ticket = _as_ticket(ticket)
         ids = _block_ids(block_ids, "dst block_ids")
         indices = [] if offer_block_indices is None else _block_ids(offer_block_indices, "offer_block_indices")
-        if offer_block_indices is None and len(ids) != ticket.num_blocks:
+        # With a declared geometry, block counts may differ (other block sizes): the daemon checks.
+        counted = not (isinstance(pool, Pool) and pool.layout.geometry is not None)
+        if counted and offer_block_indices is None and len(ids) != ticket.num_blocks:
             raise InvalidRequestError(f"the ticket holds {ticket.num_blocks} blocks, {len(ids)} destination ids given")
-        if offer_block_indices is not None and len(ids) != len(indices):
+        if counted and offer_block_indices is not None and len(ids) != len(indices):
             raise InvalidRequestError(
                 f"the pull moves {len(indices)} of the ticket's blocks, {len(ids)} destination ids given"
             )

@@ -11,77 +11,15 @@ not own must still be zero.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import pytest
 
+from bench.heads import HEAD_BYTES, LAYERS, POOL_BLOCKS, Pool, logical_kv
 from kvxfer_client._errors import IncompatibleError, InvalidRequestError
 from kvxfer_client._geometry import HeadRange, head_sources, rank_heads, readers
 from kvxferd.dataplane.hostmem import MappedMemory
-from kvxferd.dataplane.plan import RegionTable, build_plan
+from kvxferd.dataplane.plan import build_plan
 from kvxferd.dataplane.remap import Side, plan_remap, remap
-
-LAYERS, HEAD_BYTES, POOL_BLOCKS = 3, 8, 24
-
-
-@dataclass
-class Pool:
-    """One rank's pool: per-layer ``[2, POOL_BLOCKS, inner]`` tensors, flat as the daemon sees them."""
-
-    heads: HeadRange
-    block_tokens: int
-    order: str
-    buffers: list[np.ndarray]
-
-    @classmethod
-    def empty(cls, heads: HeadRange, block_tokens: int, order: str) -> Pool:
-        size = 2 * POOL_BLOCKS * block_tokens * heads.count * HEAD_BYTES
-        return cls(heads, block_tokens, order, [np.zeros(size, dtype=np.uint8) for _ in range(LAYERS)])
-
-    @property
-    def block_bytes(self) -> int:
-        return self.block_tokens * self.heads.count * HEAD_BYTES
-
-    def regions(self) -> RegionTable:
-        bb = self.block_bytes
-        return RegionTable.from_regions(
-            [(layer, kv * POOL_BLOCKS * bb, bb, bb) for layer in range(LAYERS) for kv in (0, 1)]
-        )
-
-    def blocks(self, layer: int) -> np.ndarray:
-        """``[2, blocks, heads, block_tokens, head_bytes]`` (HND view, whatever the order)."""
-        shape = (2, POOL_BLOCKS, self.block_tokens, self.heads.count, HEAD_BYTES)
-        if self.order == "HND":
-            return self.buffers[layer].reshape(2, POOL_BLOCKS, self.heads.count, self.block_tokens, HEAD_BYTES)
-        return self.buffers[layer].reshape(shape).transpose(0, 1, 3, 2, 4)
-
-    def fill(self, logical: np.ndarray, ids: list[int]) -> None:
-        """Write the request's tokens (logical ``[L, 2, T, K, hb]``) into blocks ``ids``."""
-        for layer in range(LAYERS):
-            view = self.blocks(layer)
-            for i, b in enumerate(ids):
-                tokens = logical[
-                    layer, :, i * self.block_tokens : (i + 1) * self.block_tokens, self.heads.first : self.heads.end
-                ]
-                view[:, b, :, : tokens.shape[1]] = tokens.transpose(0, 2, 1, 3)
-
-    def expected(self, logical: np.ndarray, ids: list[int], heads: HeadRange, tokens: int) -> list[np.ndarray]:
-        """This (empty) pool after receiving ``heads`` of the first ``tokens`` tokens in ``ids``."""
-        out = Pool.empty(self.heads, self.block_tokens, self.order)
-        for layer in range(LAYERS):
-            view = out.blocks(layer)
-            for i, b in enumerate(ids):
-                lo, hi = i * self.block_tokens, min((i + 1) * self.block_tokens, tokens)
-                if hi <= lo:
-                    continue
-                part = logical[layer, :, lo:hi, heads.first : heads.end].transpose(0, 2, 1, 3)
-                h0 = heads.first - self.heads.first
-                view[:, b, h0 : h0 + heads.count, : hi - lo] = part
-        return out.buffers
-
-    def side(self, ids: list[int]) -> Side:
-        return Side(self.regions(), np.array(ids), self.block_tokens, self.heads, HEAD_BYTES, self.order)  # type: ignore[arg-type]
 
 
 def move(src: Pool, src_ids: list[int], dst: Pool, dst_ids: list[int], chunk_bytes: int = 1000) -> int:
@@ -96,10 +34,6 @@ def move(src: Pool, src_ids: list[int], dst: Pool, dst_ids: list[int], chunk_byt
         here.gather(sc, staged)
         there.scatter(dc, staged)
     return s_plan.total_bytes
-
-
-def logical_kv(heads: int, tokens: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(1, 256, (LAYERS, 2, tokens, heads, HEAD_BYTES), dtype=np.uint8)
 
 
 CASES = [

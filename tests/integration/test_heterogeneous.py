@@ -1,0 +1,170 @@
+"""Prefill and decode with other tensor parallelism, head order and block size, through real
+daemons and engine processes (host pools), checked byte by byte against the reference model
+of ``bench/heads.py``.
+
+Each engine process registers one TP rank's pool with its ``KvGeometry``; the decode ranks
+pull their heads from the prefill ranks ``head_sources`` names, into their own blocks. One
+offer serves as many pulls as it has readers and is released as pulled after the last one.
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+import numpy as np
+import pytest
+
+from bench.cluster import Cluster, Daemon, EngineProcess
+from bench.heads import HEAD_BYTES, LAYERS, POOL_BLOCKS, Pool, logical_kv
+from kvxfer_client._geometry import head_sources, rank_heads, readers
+
+TOKENS = 45  # three blocks of 16, the last partly filled
+
+
+def _engine(cluster: Cluster, daemon: Daemon, name: str, pool: Pool, heads: int, tp: int, rank: int) -> EngineProcess:
+    engine = cluster.engine(daemon, name)
+    layout = pool.layout(heads, tp, rank)
+    engine(
+        "pool",
+        shape={"layers": LAYERS, "blocks": POOL_BLOCKS, "block_bytes": pool.block_bytes},
+        model={
+            "model": layout.model.model,
+            "dtype": "u8",
+            "block_tokens": pool.block_tokens,
+            "tp_size": tp,
+            "tp_rank": rank,
+        },
+        geometry={
+            "block_tokens": pool.block_tokens,
+            "total_kv_heads": heads,
+            "head_bytes": HEAD_BYTES,
+            "order": pool.order,
+        },
+        data=[base64.b64encode(b.tobytes()).decode() for b in pool.buffers],
+    )
+    return engine
+
+
+def _buffers(engine: EngineProcess) -> list[np.ndarray]:
+    return [np.frombuffer(base64.b64decode(b), dtype=np.uint8) for b in engine("dump")["buffers"]]
+
+
+def _handoff(
+    cluster: Cluster,
+    *,
+    heads: int,
+    prefill: tuple[int, str, int],
+    decode: tuple[int, str, int],
+    decode_daemon: Daemon,
+    tag: str,
+) -> list[dict[str, Any]]:
+    """Prefill TP ranks offer (with their readers), decode TP ranks pull from their sources;
+    every decode pool is checked against the reference. Returns the pull results."""
+    (p_tp, p_order, p_block), (d_tp, d_order, d_block) = prefill, decode
+    logical = logical_kv(heads, TOKENS, seed=len(tag))
+    rng = np.random.default_rng(7)
+    p_ids = rng.permutation(POOL_BLOCKS)[: -(-TOKENS // p_block)].tolist()
+    prefills, tickets = [], []
+    for rank in range(p_tp):
+        pool = Pool.empty(rank_heads(heads, p_tp, rank), p_block, p_order)
+        pool.fill(logical, p_ids)
+        engine = _engine(cluster, cluster.daemons[0], f"p{rank}-{tag}", pool, heads, p_tp, rank)
+        n = readers(heads, p_tp, d_tp, rank)
+        tickets.append(engine("offer", requests=[p_ids], readers=max(n, 1), lease_s=30)["tickets"][0] if n else None)
+        prefills.append(engine)
+    results = []
+    for rank in range(d_tp):
+        pool = Pool.empty(rank_heads(heads, d_tp, rank), d_block, d_order)
+        engine = _engine(cluster, decode_daemon, f"d{rank}-{tag}", pool, heads, d_tp, rank)
+        d_ids = rng.permutation(POOL_BLOCKS)[: -(-TOKENS // d_block)].tolist()
+        for source in head_sources(heads, p_tp, d_tp, rank):
+            [result] = engine("pull", pulls=[[tickets[source.tp_rank], d_ids]])["results"]
+            assert result["ok"], result
+            results.append(result)
+        for got, want in zip(_buffers(engine), pool.expected(logical, d_ids, pool.heads, TOKENS), strict=True):
+            np.testing.assert_array_equal(got, want)
+    for engine, ticket in zip(prefills, tickets, strict=True):
+        if ticket is not None:
+            assert engine("released", offer_ids=[ticket["offer_id"]])["reasons"] == ["pulled"]
+    return results
+
+
+@pytest.mark.parametrize("path", ["local", "remote"])
+def test_decode_tp2_ranks_each_pull_their_heads_of_one_offer_released_after_both(
+    two_daemons: Cluster, path: str
+) -> None:
+    a, b = two_daemons.daemons
+    logical = logical_kv(8, TOKENS, seed=3)
+    src = Pool.empty(rank_heads(8, 1, 0), 16, "HND")
+    ids = [4, 9, 1]
+    src.fill(logical, ids)
+    prefill = _engine(two_daemons, a, f"p-tp12-{path}", src, 8, 1, 0)
+    [ticket] = prefill("offer", requests=[ids], readers=2, lease_s=30)["tickets"]
+    assert ticket["readers"] == 2
+    for rank in range(2):
+        dst = Pool.empty(rank_heads(8, 2, rank), 16, "HND")
+        decode = _engine(two_daemons, a if path == "local" else b, f"d{rank}-tp12-{path}", dst, 8, 2, rank)
+        [result] = decode("pull", pulls=[[ticket, [0, 5, 7]]])["results"]
+        assert result["ok"] and result["path"] == path, result
+        assert result["mapping"] == f"TP 1->2 (heads {4 * rank}..{4 * rank + 3})"
+        assert result["bytes"] == LAYERS * 2 * 48 * 4 * HEAD_BYTES  # 3 blocks of 16 tokens, 4 of 8 heads
+        for got, want in zip(_buffers(decode), dst.expected(logical, [0, 5, 7], dst.heads, TOKENS), strict=True):
+            np.testing.assert_array_equal(got, want)
+        if rank == 0:  # one reader of two: the offer waits for the other
+            waited = prefill.call("released", offer_ids=[ticket["offer_id"]], timeout_s=0.3)
+            assert not waited["ok"] and waited["type"] == "DeadlineExceededError", waited
+    assert prefill("released", offer_ids=[ticket["offer_id"]])["reasons"] == ["pulled"]
+
+
+def test_prefill_tp2_to_decode_tp1_gathers_both_ranks_heads_into_one_pool(two_daemons: Cluster) -> None:
+    results = _handoff(
+        two_daemons,
+        heads=8,
+        prefill=(2, "HND", 16),
+        decode=(1, "HND", 16),
+        decode_daemon=two_daemons.daemons[1],
+        tag="tp21",
+    )
+    assert [r["mapping"] for r in results] == ["TP 2->1 (heads 0..3)", "TP 2->1 (heads 4..7)"]
+
+
+def test_ranks_sharing_a_replicated_head_each_get_it(two_daemons: Cluster) -> None:
+    """Two KV heads, decode TP 4: ranks 0 and 1 hold head 0, ranks 2 and 3 head 1; the one
+    prefill offer serves all four."""
+    results = _handoff(
+        two_daemons,
+        heads=2,
+        prefill=(1, "HND", 16),
+        decode=(4, "HND", 16),
+        decode_daemon=two_daemons.daemons[0],
+        tag="rep",
+    )
+    assert len(results) == 4 and all(r["path"] == "local" for r in results)
+
+
+def test_head_order_and_block_size_change_in_the_same_copy_between_daemons(two_daemons: Cluster) -> None:
+    results = _handoff(
+        two_daemons,
+        heads=8,
+        prefill=(1, "NHD", 16),
+        decode=(2, "HND", 32),
+        decode_daemon=two_daemons.daemons[1],
+        tag="reorder",
+    )
+    assert results[0]["mapping"] == "TP 1->2 (heads 0..3), NHD->HND, block 16->32 tokens"
+    assert all(r["path"] == "remote" for r in results)
+
+
+def test_a_reader_that_never_comes_leaves_the_offer_to_its_lease(two_daemons: Cluster) -> None:
+    a = two_daemons.daemons[0]
+    logical = logical_kv(8, TOKENS, seed=4)
+    src = Pool.empty(rank_heads(8, 1, 0), 16, "HND")
+    src.fill(logical, [0, 1, 2])
+    prefill = _engine(two_daemons, a, "p-lonely", src, 8, 1, 0)
+    [ticket] = prefill("offer", requests=[[0, 1, 2]], readers=2, lease_s=1.5)["tickets"]
+    decode = _engine(two_daemons, a, "d-lonely", Pool.empty(rank_heads(8, 2, 0), 16, "HND"), 8, 2, 0)
+    assert decode("pull", pulls=[[ticket, [3, 4, 5]]])["results"][0]["ok"]
+    released = prefill("released", offer_ids=[ticket["offer_id"]], timeout_s=10)
+    assert released["reasons"] == ["expired"]
+    assert "1 of its 2 readers" in released["details"][0]
