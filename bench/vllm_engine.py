@@ -44,10 +44,11 @@ MODEL_CONFIG = {
 BLOCK_SIZE = 32
 
 
-def write_model(directory: str) -> str:
+def write_model(directory: str, **overrides: Any) -> str:
+    """The model's config in ``directory`` (``overrides``: other config values)."""
     os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, "config.json"), "w") as f:
-        json.dump(MODEL_CONFIG, f)
+        json.dump({**MODEL_CONFIG, **overrides}, f)
     return directory
 
 

@@ -31,7 +31,7 @@ from .._layout import ModelInfo
 from .._ticket import Ticket
 from ._plan import Load, RankPool, SchedulerPlan, Send
 from ._stats import KvxferStats
-from ._worker import SENTINEL_BLOCKS, WorkerTransfers
+from ._worker import SENTINEL_BLOCKS, HeadFacts, WorkerTransfers
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -49,7 +49,14 @@ log = logging.getLogger("vllm.kvxfer")
 def _settings(given: dict[str, Any], role: KVConnectorRole) -> dict[str, Any]:
     """``kv_connector_extra_config`` checked (unknown keys refused: a typo must not silently
     fall back to a default) and completed; every default taken is logged."""
-    defaults: dict[str, Any] = {"socket": default_socket_path(), "lease_s": 60.0, "pull_timeout_s": 60.0}
+    defaults: dict[str, Any] = {
+        "socket": default_socket_path(),
+        "lease_s": 60.0,
+        "pull_timeout_s": 60.0,
+        # The decode deployment's tensor-parallel size, when it differs from this engine's: each
+        # prefill rank's offer then waits for every decode rank that takes its heads.
+        "decode_tp_size": 0,
+    }
     unknown = sorted(set(given) - set(defaults))
     if unknown:
         raise ValueError(
@@ -103,7 +110,8 @@ class KvxferConnector(KVConnectorBase_V1):
         self._lease_s = float(extra["lease_s"])
         self._offerer: KvxferClient | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._plan = SchedulerPlan(self._block_size)
+            decode_tp = int(extra["decode_tp_size"] or vllm_config.parallel_config.tensor_parallel_size)
+            self._plan = SchedulerPlan(self._block_size, _total_kv_heads(vllm_config), decode_tp)
         else:
             parallel = vllm_config.parallel_config
             self._worker = WorkerTransfers(
@@ -128,7 +136,8 @@ class KvxferConnector(KVConnectorBase_V1):
             tp_rank=self._worker.tp_rank,
         )
         num_blocks = int(self._kv_cache_config.num_blocks)
-        pool = self._worker.register(kv_caches, num_blocks, model, _backend_shape(config, self._kv_cache_config))
+        backend = _backend_shape(config, self._kv_cache_config)
+        pool = self._worker.register(kv_caches, num_blocks, model, backend, _head_facts(config, self._kv_cache_config))
         self._handshake = KvxferHandshake(pool)
 
     def get_handshake_metadata(self) -> KvxferHandshake | None:
@@ -209,6 +218,8 @@ class KvxferConnector(KVConnectorBase_V1):
         if send is not None:
             assert self._offerer is not None
             for rank, pool in sorted(self._plan.pools.items()):
+                if send.readers and not send.readers[rank]:
+                    continue  # a replica of heads no decode rank takes: its worker frees at once
                 self._offerer.start_offer(
                     pool.pool_id,
                     send.block_ids,
@@ -239,3 +250,21 @@ def _backend_shape(config: VllmConfig, kv_cache_config: KVCacheConfig) -> tuple[
         log.info("kvxfer: the attention backend's KV shape is unknown (%s); reading the tensors' shapes", exc)
         return None
     return tuple(int(n) for n in shape)
+
+
+def _total_kv_heads(config: VllmConfig) -> int:
+    """The model's KV heads before the tensor-parallel split (0 when vLLM cannot say)."""
+    try:
+        return int(config.model_config.get_total_num_kv_heads())
+    except (AttributeError, TypeError, ValueError):
+        return 0
+
+
+def _head_facts(config: VllmConfig, kv_cache_config: KVCacheConfig) -> HeadFacts | None:
+    """What vLLM's KV cache spec says of this rank's heads (None for specs without heads)."""
+    spec: Any = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    total = _total_kv_heads(config)
+    heads = getattr(spec, "num_kv_heads", 0)
+    if len(kv_cache_config.kv_cache_groups) != 1 or not total or not heads:
+        return None
+    return HeadFacts(int(spec.block_size), int(heads), total)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._errors import IncompatibleError, InvalidRequestError
+from .._geometry import readers
 from .._ticket import Ticket
 
 __all__ = ["TICKETS_KEY", "Load", "RankPool", "SchedulerPlan", "Send"]
@@ -71,11 +72,17 @@ class Send:
     request_id: str
     block_ids: tuple[int, ...]
     tickets: tuple[dict[str, Any], ...]
+    #: Decode ranks reading each rank's offer; a rank nobody reads makes no offer.
+    readers: tuple[int, ...] = ()
 
 
 class SchedulerPlan:
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, total_kv_heads: int = 0, decode_tp_size: int = 0) -> None:
         self.block_size = block_size
+        #: The model's KV heads and the decode side's TP size: how many decode ranks read each
+        #: prefill rank's offer (0: the same TP on both sides, one reader each).
+        self.total_kv_heads = total_kv_heads
+        self.decode_tp_size = decode_tp_size
         self.pools: dict[int, RankPool] = {}
         self._loads: list[Load] = []
         self._sends: list[Send] = []
@@ -97,12 +104,25 @@ class SchedulerPlan:
         if not self.pools:
             raise IncompatibleError("no worker registered a KV pool with kvxferd (is the daemon running?)")
         tickets = tuple(
-            Ticket.in_advance(p.daemon_id, p.peer_address, p.fingerprint, len(block_ids), p.bytes_per_block).to_dict()
-            for _, p in sorted(self.pools.items())
+            Ticket.in_advance(
+                p.daemon_id,
+                p.peer_address,
+                p.fingerprint,
+                len(block_ids),
+                p.bytes_per_block,
+                max(1, self.readers(rank)),
+            ).to_dict()
+            for rank, p in sorted(self.pools.items())
         )
-        send = Send(request_id, tuple(block_ids), tickets)
+        send = Send(request_id, tuple(block_ids), tickets, tuple(self.readers(rank) for rank in sorted(self.pools)))
         self._sends.append(send)
         return True, {"do_remote_prefill": True, "do_remote_decode": False, TICKETS_KEY: list(tickets)}, send
+
+    def readers(self, rank: int) -> int:
+        """Decode ranks that pull from this rank's offer (0: a replica no decode rank needs)."""
+        if not self.decode_tp_size or not self.total_kv_heads:
+            return 1
+        return readers(self.total_kv_heads, len(self.pools), self.decode_tp_size, rank)
 
     # -- decode ---------------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ the writes, so the blocks are never reused while a late write can land in them.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import time
 from collections.abc import Mapping
@@ -25,12 +26,13 @@ from .._blocking import KvxferClient
 from .._client import Pool, PullResult
 from .._errors import IncompatibleError, KvxferError
 from .._events import OfferReleased
+from .._geometry import KvGeometry, head_sources, rank_heads
 from .._layout import ModelInfo
 from .._tensor_layout import layout_from_tensors, tensor_geometry
 from .._ticket import Ticket
 from ._plan import Load, RankPool, Send
 
-__all__ = ["QUARANTINE_S", "SENTINEL_BLOCKS", "WorkerTransfers", "block_dim_of"]
+__all__ = ["QUARANTINE_S", "SENTINEL_BLOCKS", "HeadFacts", "WorkerTransfers", "block_dim_of", "kv_geometry"]
 
 log = logging.getLogger("vllm.kvxfer")
 
@@ -42,7 +44,8 @@ QUARANTINE_S = 30.0
 class _Loading:
     request_id: str
     block_ids: tuple[int, ...]
-    future: concurrent.futures.Future[PullResult]
+    #: One pull per prefill rank this rank takes heads from (one when the TP sizes match).
+    futures: list[concurrent.futures.Future[PullResult]]
     held_until: float = 0.0  # may_still_write: not handed back before this time
 
 
@@ -78,22 +81,27 @@ class WorkerTransfers:
         num_blocks: int,
         model: ModelInfo,
         backend_shape: tuple[int, ...] | None = None,
+        heads: HeadFacts | None = None,
     ) -> RankPool:
         """Register the rank's KV tensors (one buffer per layer, in vLLM's layer order);
-        ``backend_shape`` as :func:`block_dim_of` takes it."""
+        ``backend_shape`` as :func:`block_dim_of` takes it; ``heads``: what vLLM says of the
+        heads, to declare the pool's geometry (then other TP sizes can pull from it)."""
         tensors = list(kv_caches.values())
-        layout = layout_from_tensors(
-            tensors, block_dim=block_dim_of(tensors[0], num_blocks, backend_shape), model=model
-        )
+        block_dim = block_dim_of(tensors[0], num_blocks, backend_shape)
+        layout = layout_from_tensors(tensors, block_dim=block_dim, model=model)
+        geometry = kv_geometry(tensors[0], block_dim, layout, heads, model) if heads is not None else None
+        if geometry is not None:
+            layout = dataclasses.replace(layout, geometry=geometry)
         self.pool = self.client.register_pool(tensors, layout, name=f"vllm-tp{self.tp_rank}")
         log.info(
-            "kvxfer: registered %d KV tensors of TP rank %d as pool %s (%d blocks, %d regions, %d bytes per block)",
+            "kvxfer: registered %d KV tensors of TP rank %d as pool %s (%d blocks, %d regions, %d bytes per block, %s)",
             len(tensors),
             self.tp_rank,
             self.pool.pool_id,
             layout.num_blocks,
             len(layout.regions),
             layout.bytes_per_block,
+            geometry or "no head geometry: other TP sizes cannot pull from it",
         )
         return RankPool(
             self.tp_rank,
@@ -109,27 +117,46 @@ class WorkerTransfers:
         """Watch this step's offers (the scheduler made them) and start its pulls; returns at once."""
         assert self.pool is not None, "register_kv_caches first"
         for send in sends:
+            if send.readers and not send.readers[self.tp_rank]:
+                self._released[send.request_id] = _done()  # nobody reads this rank's heads: no offer
+                continue
             ticket = Ticket.from_dict(send.tickets[self.tp_rank])
             self._released[send.request_id] = self.client.watch_release(ticket.offer_id)
             self._count("offers")
         for load in loads:
-            if len(load.tickets) != self.tp_size:
+            try:
+                sources = self.sources(len(load.tickets))
+            except KvxferError as error:
                 # Refused here, reported as a failed load (vLLM's policy then applies): an
                 # exception out of a step would stop the engine.
-                error = IncompatibleError(
-                    f"request {load.request_id}: the prefill engine has tensor-parallel size {len(load.tickets)} "
-                    f"(one ticket per rank), this decode engine {self.tp_size}; they must be equal"
-                )
-                self._loading[load.request_id] = _Loading(load.request_id, load.block_ids, _failed(error))
+                error.args = (f"request {load.request_id}: {error}",)
+                self._loading[load.request_id] = _Loading(load.request_id, load.block_ids, [_failed(error)])
                 continue
-            future = self.client.start_pull(
-                Ticket.from_dict(load.tickets[self.tp_rank]),
-                self.pool,
-                load.block_ids,
-                timeout_s=self.pull_timeout_s,
-                offer_block_indices=load.offer_block_indices,
+            futures = [
+                self.client.start_pull(
+                    Ticket.from_dict(load.tickets[rank]),
+                    self.pool,
+                    load.block_ids,
+                    timeout_s=self.pull_timeout_s,
+                    offer_block_indices=load.offer_block_indices,
+                )
+                for rank in sources
+            ]
+            self._loading[load.request_id] = _Loading(load.request_id, load.block_ids, futures)
+
+    def sources(self, prefill_tp: int) -> list[int]:
+        """The prefill ranks whose tickets this rank pulls (each its share of this rank's heads):
+        its own rank when both sides have the same TP; by heads when the pool declares them."""
+        geometry = self.pool.layout.geometry if self.pool is not None else None
+        if geometry is not None:
+            picks = head_sources(geometry.total_kv_heads, prefill_tp, self.tp_size, self.tp_rank)
+            return [s.tp_rank for s in picks]
+        if prefill_tp != self.tp_size:
+            raise IncompatibleError(
+                f"the prefill engine has tensor-parallel size {prefill_tp} (one ticket per rank), this decode engine "
+                f"{self.tp_size}, and the KV tensors' heads could not be read to map them"
             )
-            self._loading[load.request_id] = _Loading(load.request_id, load.block_ids, future)
+        return [self.tp_rank]
 
     def poll(self) -> tuple[set[str], set[str], set[str]]:
         """``(finished sending, finished receiving, failed receiving)`` since the last poll;
@@ -141,13 +168,14 @@ class WorkerTransfers:
         failed: set[str] = set()
         now = time.monotonic()
         for rid, loading in list(self._loading.items()):
-            if not loading.future.done() or now < loading.held_until:
+            if not all(f.done() for f in loading.futures) or now < loading.held_until:
                 continue
-            error = loading.future.exception()
-            if isinstance(error, KvxferError) and error.may_still_write and not loading.held_until:
+            errors = [e for e in (f.exception() for f in loading.futures) if e is not None]
+            if any(isinstance(e, KvxferError) and e.may_still_write for e in errors) and not loading.held_until:
                 loading.held_until = now + self.quarantine_s
                 log.warning("kvxfer: pull for %s failed, may still write; blocks held %.0fs", rid, self.quarantine_s)
                 continue
+            error = errors[0] if errors else None
             del self._loading[rid]
             receiving.add(rid)
             self._count("pulls")
@@ -157,9 +185,9 @@ class WorkerTransfers:
                 self._count("pull_failures")
                 log.warning("kvxfer: pull for request %s failed: %s", rid, error)
             else:
-                result = loading.future.result()
-                self._count("pulled_bytes", result.bytes)
-                self._count("pull_seconds", result.duration_s)
+                results = [f.result() for f in loading.futures]
+                self._count("pulled_bytes", sum(r.bytes for r in results))
+                self._count("pull_seconds", max(r.duration_s for r in results))
         return sending, receiving, failed
 
     def take_stats(self) -> dict[str, Any]:
@@ -177,6 +205,58 @@ class WorkerTransfers:
 
     def close(self) -> None:
         self.client.close()
+
+
+@dataclass(frozen=True)
+class HeadFacts:
+    """What vLLM's KV cache spec and model config say of one rank's heads."""
+
+    block_size: int
+    #: This rank's KV heads, and the model's before the tensor-parallel split.
+    heads: int
+    total_heads: int
+
+
+def kv_geometry(tensor: Any, block_dim: int, layout: Any, facts: HeadFacts, model: ModelInfo) -> KvGeometry | None:
+    """The geometry of vLLM's KV tensors, or None when it cannot be read unambiguously (the
+    pool then only meets pools of the same TP and layout).
+
+    Every region must be ``block_size x heads`` pieces of the same size (one head of one token:
+    K and V together for the CPU backend's packed content, one of them for split planes); the
+    head order is read off the strides of the heads and tokens dimensions.
+
+    >>> import numpy as np
+    >>> from kvxfer_client import layout_from_tensors
+    >>> cpu = np.zeros((8, 2, 16, 256), dtype=np.uint16)  # [blocks, heads, tokens, 2 * head]
+    >>> m = ModelInfo("m", "bf16", 16, tp_size=2, tp_rank=1)
+    >>> kv_geometry(cpu, 0, layout_from_tensors([cpu], block_dim=0), HeadFacts(16, 2, 4), m)
+    KvGeometry(block_tokens=16, total_kv_heads=4, head_bytes=512, order='HND')
+    """
+    if rank_heads(facts.total_heads, max(1, model.tp_size), model.tp_rank).count != facts.heads:
+        return None
+    sizes = {r.block_bytes for r in layout.regions}
+    piece = facts.block_size * facts.heads
+    if len(sizes) != 1 or next(iter(sizes)) % piece:
+        return None
+    head_bytes = next(iter(sizes)) // piece
+    shape, strides, _ = tensor_geometry(tensor)
+    dims = list(range(block_dim + 1, len(shape)))  # inside a block (outer dims are regions: K/V)
+    head_dims = [d for d in dims if shape[d] == facts.heads]
+    token_dims = [d for d in dims if shape[d] == facts.block_size]
+    order = "HND"
+    if facts.heads > 1:
+        pairs = [(h, t) for h in head_dims for t in token_dims if h != t]
+        if len(pairs) != 1:
+            return None  # e.g. as many heads as tokens per block: the sizes cannot tell
+        h, t = pairs[0]
+        order = "HND" if strides[h] > strides[t] else "NHD"
+    return KvGeometry(facts.block_size, facts.total_heads, head_bytes, order)  # type: ignore[arg-type]
+
+
+def _done() -> concurrent.futures.Future[Any]:
+    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    future.set_result(None)
+    return future
 
 
 def _failed(error: BaseException) -> concurrent.futures.Future[PullResult]:

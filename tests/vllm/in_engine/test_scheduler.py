@@ -47,7 +47,15 @@ NUM_BLOCKS = 64
 HEADS, HEAD = 2, 128  # one layer of [num_blocks, heads, block, 2 * head] (the CPU backend's shape)
 
 
-def _config(model: str, role: str, socket_path: str, tp: int = 1, rank: int = 0, lease_s: float = 30) -> VllmConfig:
+def _config(
+    model: str,
+    role: str,
+    socket_path: str,
+    tp: int = 1,
+    rank: int = 0,
+    lease_s: float = 30,
+    extra: dict[str, Any] | None = None,
+) -> VllmConfig:
     parallel = ParallelConfig(tensor_parallel_size=tp)
     parallel.rank = rank
     return VllmConfig(
@@ -61,7 +69,7 @@ def _config(model: str, role: str, socket_path: str, tp: int = 1, rank: int = 0,
             kv_connector="KvxferConnector",
             kv_connector_module_path="kvxfer_client.vllm",
             kv_role=role,
-            kv_connector_extra_config={"socket": socket_path, "lease_s": lease_s},
+            kv_connector_extra_config={"socket": socket_path, "lease_s": lease_s, **(extra or {})},
         ),
         device_config=DeviceConfig("cpu"),
     )
@@ -71,9 +79,16 @@ class Engine:
     """vLLM's scheduler plus the connector's real worker side (``tp`` ranks) over numpy KV caches."""
 
     def __init__(
-        self, model: str, role: str, socket_path: str, tp: int = 1, num_blocks: int = NUM_BLOCKS, lease_s: float = 30
+        self,
+        model: str,
+        role: str,
+        socket_path: str,
+        tp: int = 1,
+        num_blocks: int = NUM_BLOCKS,
+        lease_s: float = 30,
+        extra: dict[str, Any] | None = None,
     ) -> None:
-        config = _config(model, role, socket_path, tp, lease_s=lease_s)
+        config = _config(model, role, socket_path, tp, lease_s=lease_s, extra=extra)
         spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS // tp, head_size=HEAD, dtype=torch.bfloat16)
         kv_cache_config = KVCacheConfig(
             num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer0"], spec)]
@@ -91,7 +106,7 @@ class Engine:
         self.kv = self.kvs[0]
         self.workers = [
             KvxferConnector(
-                _config(model, role, socket_path, tp, rank, lease_s), KVConnectorRole.WORKER, kv_cache_config
+                _config(model, role, socket_path, tp, rank, lease_s, extra), KVConnectorRole.WORKER, kv_cache_config
             )
             for rank in range(tp)
         ]
@@ -165,7 +180,7 @@ def _request(rid: str, prompt: list[int], max_tokens: int, params: dict[str, Any
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engine, Engine]]:
-    model = write_model(str(tmp_path_factory.mktemp("model")))
+    model = write_model(str(tmp_path_factory.mktemp("model")), num_key_value_heads=HEADS)
     with Cluster() as cluster:
         a = cluster.daemon("a")
         prefill, decode = Engine(model, "kv_producer", a.socket), Engine(model, "kv_consumer", a.socket)
@@ -300,7 +315,7 @@ def test_a_request_aborted_while_loading_leaks_no_blocks(engines: tuple[Engine, 
 def test_a_dead_daemon_fails_the_load_instead_of_hanging(tmp_path_factory: pytest.TempPathFactory) -> None:
     """The daemon dies between the prefill and the decode: the decode request ends (vLLM's
     fail policy) within the pull's bounds, and nothing in the scheduler hangs."""
-    model = write_model(str(tmp_path_factory.mktemp("model-dead")))
+    model = write_model(str(tmp_path_factory.mktemp("model-dead")), num_key_value_heads=HEADS)
     with Cluster() as cluster:
         a = cluster.daemon("a")
         prefill, decode = Engine(model, "kv_producer", a.socket), Engine(model, "kv_consumer", a.socket)
@@ -361,7 +376,7 @@ def test_a_loaded_request_that_is_preempted_recomputes_and_never_pulls_again(
 ) -> None:
     """vLLM preempts the newest running request when KV runs out; a loaded one must then be
     recomputed locally (its ticket is spent), finish normally, and leak no blocks."""
-    model = write_model(str(tmp_path_factory.mktemp("model-preempt")))
+    model = write_model(str(tmp_path_factory.mktemp("model-preempt")), num_key_value_heads=HEADS)
     with Cluster() as cluster:
         a = cluster.daemon("a")
         prefill = Engine(model, "kv_producer", a.socket)
@@ -397,7 +412,7 @@ def test_tensor_parallel_ranks_each_pull_their_own_ticket(tmp_path_factory: pyte
     """TP 2 on both sides: one pool and one ticket per rank; each decode rank pulls its rank's
     heads; vLLM sees the load finished only when both ranks have, and the prefill's blocks are
     freed only when both offers are released."""
-    model = write_model(str(tmp_path_factory.mktemp("model-tp")))
+    model = write_model(str(tmp_path_factory.mktemp("model-tp")), num_key_value_heads=HEADS)
     with Cluster() as cluster:
         a, b = cluster.daemon("a"), cluster.daemon("b")
         prefill, decode = Engine(model, "kv_producer", a.socket, tp=2), Engine(model, "kv_consumer", b.socket, tp=2)
@@ -415,8 +430,12 @@ def test_tensor_parallel_ranks_each_pull_their_own_ticket(tmp_path_factory: pyte
             decode.close()
 
 
-def test_a_tensor_parallel_mismatch_fails_the_load_with_the_reason(tmp_path_factory: pytest.TempPathFactory) -> None:
-    model = write_model(str(tmp_path_factory.mktemp("model-tp-mismatch")))
+def test_a_tensor_parallel_mismatch_without_head_geometry_fails_the_load_with_the_reason(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """The model says 1 KV head where the caches hold 2: the heads cannot be mapped, so the
+    pools declare no geometry and other TP sizes are refused (as a failed load, not a crash)."""
+    model = write_model(str(tmp_path_factory.mktemp("model-tp-mismatch")), num_key_value_heads=1)
     with Cluster() as cluster:
         a = cluster.daemon("a")
         prefill, decode = Engine(model, "kv_producer", a.socket), Engine(model, "kv_consumer", a.socket, tp=2)
@@ -454,7 +473,7 @@ def test_an_expired_ticket_frees_the_prefill_blocks_and_fails_the_late_decode(
 ) -> None:
     """Nobody pulls within the lease: the prefill engine gets its blocks back when the offer
     expires (finished_sending), and a decode that comes later fails its load instead of hanging."""
-    model = write_model(str(tmp_path_factory.mktemp("model-lease")))
+    model = write_model(str(tmp_path_factory.mktemp("model-lease")), num_key_value_heads=HEADS)
     with Cluster() as cluster:
         a = cluster.daemon("a")
         prefill = Engine(model, "kv_producer", a.socket, lease_s=1.0)
@@ -475,6 +494,34 @@ def test_an_expired_ticket_frees_the_prefill_blocks_and_fails_the_late_decode(
             finished = [o for eo in (outputs or {}).values() for o in eo.outputs if o.request_id == "d11"]
             assert finished and finished[0].finish_reason is not None
             assert decode.worker.totals["pull_failures"] == 1
+        finally:
+            prefill.close()
+            decode.close()
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 2), (2, 1)])
+def test_mixed_tensor_parallel_sizes_move_each_rank_its_heads(
+    tmp_path_factory: pytest.TempPathFactory, prefill_tp: int, decode_tp: int
+) -> None:
+    """Two KV heads. Prefill TP 1 -> decode TP 2: each decode rank pulls its head from the one
+    offer (two readers: the prefill's blocks are freed after both). Prefill TP 2 -> decode TP 1:
+    the decode rank pulls one head from each prefill rank's offer into the same blocks."""
+    model = write_model(str(tmp_path_factory.mktemp(f"model-tp{prefill_tp}{decode_tp}")), num_key_value_heads=HEADS)
+    with Cluster() as cluster:
+        a, b = cluster.daemon("a"), cluster.daemon("b")
+        prefill = Engine(model, "kv_producer", a.socket, tp=prefill_tp, extra={"decode_tp_size": decode_tp})
+        decode = Engine(model, "kv_consumer", b.socket, tp=decode_tp)
+        try:
+            assert all(w._worker.pool.layout.geometry is not None for w in prefill.workers + decode.workers)
+            prompt = list(range(11000, 11000 + 2 * BLOCK + 5))
+            src = _handoff(prefill, decode, "d12", prompt, 2, seed=12)
+            dst = list(decode.scheduler.kv_cache_manager.get_block_ids("d12")[0])[: len(src)]
+            # Both sides as [blocks, all heads, tokens, 2 * head]: the ranks' heads side by side.
+            whole_src = np.concatenate([kv[src] for kv in prefill.kvs], axis=1)
+            whole_dst = np.concatenate([kv[dst] for kv in decode.kvs], axis=1)
+            assert (whole_dst == whole_src).all()
+            _run_until(prefill, lambda: "p-d12" not in prefill.scheduler.requests, "finished_sending never came")
+            assert sum(w._worker.totals["pulls"] for w in decode.workers) == decode_tp
         finally:
             prefill.close()
             decode.close()

@@ -1,0 +1,112 @@
+"""Remapped handoffs next to plain ones moving the same bytes, in one run: what a decode rank of
+another TP size, head order or block size costs.
+
+Llama-3-8B's KV (32 layers, 8 KV heads, head dim 128, bf16: 256 bytes per head and token),
+2048 tokens per request. Every case moves the same 128 MiB into its decode pool:
+
+* ``plain``: 4 heads on both sides, same geometry (the stream as it is; the reference);
+* ``sliced``: prefill TP 1 (8 heads) to decode rank 0 of TP 2 (heads 0..3): half of every
+  block, one run per block and layer;
+* ``reblocked``: plain, but prefill blocks of 16 tokens into decode blocks of 32;
+* ``reordered``: plain, but prefill tokens-major (NHD) into decode heads-major (HND): one
+  256-byte piece per head and token.
+
+The target: ``sliced`` at >= 0.8 of ``plain`` (``ratio_vs_plain``, from the daemon's time).
+
+Run: ``python -m bench.sliced [--iters 8]`` (``python -m bench`` runs it as workload ``sliced``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .cluster import Cluster, Daemon, EngineProcess
+
+LAYERS, HEADS, HEAD_BYTES, TOKENS = 32, 8, 256, 2048
+#: (name, prefill TP, prefill order, prefill block, decode TP, decode order, decode block)
+CASES = (
+    ("plain", 2, "HND", 16, 2, "HND", 16),
+    ("sliced", 1, "HND", 16, 2, "HND", 16),
+    ("reblocked", 2, "HND", 16, 2, "HND", 32),
+    ("reordered", 2, "NHD", 16, 2, "HND", 16),
+)
+
+
+def _pool(engine: EngineProcess, tp: int, order: str, block: int, seed: int | None) -> int:
+    heads = HEADS // tp
+    blocks = 2 * TOKENS // block  # room for two requests' worth of random block ids
+    block_bytes = block * heads * HEAD_BYTES
+    engine(
+        "pool",
+        shape={"layers": LAYERS, "blocks": blocks, "block_bytes": block_bytes},
+        model={"model": "llama-3-8b-shape", "dtype": "bfloat16", "block_tokens": block, "tp_size": tp, "tp_rank": 0},
+        geometry={"block_tokens": block, "total_kv_heads": HEADS, "head_bytes": HEAD_BYTES, "order": order},
+        seed=seed,
+    )
+    return blocks
+
+
+def run_case(
+    cluster: Cluster, a: Daemon, decode_daemon: Daemon, case: tuple[Any, ...], iters: int, tag: str
+) -> dict[str, Any]:
+    name, p_tp, p_order, p_block, d_tp, d_order, d_block = case
+    prefill, decode = cluster.engine(a, f"p-{name}-{tag}"), cluster.engine(decode_daemon, f"d-{name}-{tag}")
+    p_blocks = _pool(prefill, p_tp, p_order, p_block, seed=3)
+    d_blocks = _pool(decode, d_tp, d_order, d_block, seed=None)
+    rng = np.random.default_rng(5)
+    daemon_s, data_s, nbytes, mapping = [], [], 0, ""
+    for i in range(iters + 2):
+        src = rng.permutation(p_blocks)[: TOKENS // p_block].tolist()
+        dst = rng.permutation(d_blocks)[: TOKENS // d_block].tolist()
+        [ticket] = prefill("offer", requests=[src])["tickets"]
+        [res] = decode("pull", pulls=[[ticket, dst]])["results"]
+        if not res["ok"]:
+            raise RuntimeError(f"{name}: {res}")
+        prefill("released", offer_ids=[ticket["offer_id"]])
+        if i >= 2:
+            daemon_s.append(res["daemon_s"])
+            data_s.append(res["data_plane_s"])
+            nbytes, mapping = res["bytes"], res["mapping"]
+    prefill.close()
+    decode.close()
+    return {
+        "case": name,
+        "mapping": mapping or "(none)",
+        "request_bytes": nbytes,
+        "gbps_daemon": nbytes * iters / sum(daemon_s) / 1e9,
+        "gbps_data_plane": nbytes * iters / sum(data_s) / 1e9,
+        "daemon_p50_ms": statistics.median(daemon_s) * 1e3,
+    }
+
+
+def run(iters: int, emit: Callable[[dict[str, Any]], None]) -> list[dict[str, Any]]:
+    rows = []
+    with Cluster() as cluster:
+        a, b = cluster.daemon("sliced-a"), cluster.daemon("sliced-b")
+        for path, daemon in (("local", a), ("remote", b)):
+            by: dict[str, dict[str, Any]] = {}
+            for case in CASES:
+                row = {"workload": "sliced", "path": path, **run_case(cluster, a, daemon, case, iters, path)}
+                by[row["case"]] = row
+            for row in by.values():
+                row["ratio_vs_plain"] = row["gbps_daemon"] / by["plain"]["gbps_daemon"]
+                rows.append(row)
+                emit(row)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--iters", type=int, default=8)
+    args = parser.parse_args()
+    run(args.iters, lambda row: print(json.dumps(row), flush=True))
+
+
+if __name__ == "__main__":
+    main()
