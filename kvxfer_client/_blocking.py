@@ -93,8 +93,11 @@ class KvxferClient:
         lease_s: float = 0.0,
         ticket: Ticket | None = None,
         offer_key: bytes = b"",
+        readers: int | None = None,
     ) -> Ticket:
-        return self.start_offer(pool, block_ids, lease_s=lease_s, ticket=ticket, offer_key=offer_key).result()
+        return self.start_offer(
+            pool, block_ids, lease_s=lease_s, ticket=ticket, offer_key=offer_key, readers=readers
+        ).result()
 
     def start_offer(
         self,

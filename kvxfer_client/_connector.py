@@ -88,16 +88,17 @@ class ConnectorScheduler:
 
     # -- prefill side -------------------------------------------------------------------
     def request_finished(
-        self, request_id: str, block_ids: Sequence[int], num_tokens: int
+        self, request_id: str, block_ids: Sequence[int], num_tokens: int, readers: int = 1
     ) -> tuple[bool, dict[str, Any] | None]:
         """Offer the request's blocks; returns ``(delay_free, kv_transfer_params)``.
 
         ``delay_free`` is True: the engine must not reuse ``block_ids`` until the worker side
-        reports the request in its finished-sending set.
+        reports the request in its finished-sending set. ``readers``: the decode ranks that
+        each pull their heads of it (a decode side of larger tensor-parallel size).
         """
         if num_tokens <= 0 or not block_ids:
             return False, None
-        ticket = self.client.offer(self.pool, list(block_ids), lease_s=self.lease_s)
+        ticket = self.client.offer(self.pool, list(block_ids), lease_s=self.lease_s, readers=readers)
         with self._lock:
             self._sends.append(SendSpec(request_id, ticket.offer_id))
         return True, {"do_remote_prefill": True, "num_tokens": num_tokens, TICKET_KEY: ticket.to_dict()}

@@ -132,6 +132,7 @@ class Ctl:
                 "started_unix": t.started_unix,
                 "offer": t.offer_id,
                 "peer": t.peer_daemon_id,
+                "mapping": t.mapping,
                 "detail": t.detail,
             }
             for t in resp.transfers
@@ -296,6 +297,7 @@ TRANSFER_COLUMNS = (
     "duration_s",
     "gb_per_s",
     "peer",
+    "mapping",
     "detail",
 )
 

@@ -27,6 +27,7 @@ class Engines:
     prefill: EngineProcess
     decode_local: EngineProcess  # same daemon as the prefill engine
     decode_remote: EngineProcess  # the other daemon: the UCX path
+    decode_tp2: EngineProcess  # the other daemon, two heads-major TP ranks: remapped pulls
 
 
 @contextmanager
@@ -39,6 +40,7 @@ def engines() -> Iterator[Engines]:
             cluster.engine(a, "prefill", module, ["--role", "prefill", "--seed", "1"]),
             cluster.engine(a, "decode-local", module, ["--role", "decode", "--seed", "2"]),
             cluster.engine(b, "decode-remote", module, ["--role", "decode", "--seed", "3"]),
+            cluster.engine(b, "decode-tp2", module, ["--role", "decode", "--seed", "4", "--tp", "2"]),
         )
 
 
@@ -49,9 +51,11 @@ def handoff(
     prompt: list[int],
     max_tokens: int,
     flip: bool = False,
+    readers: int = 1,
 ) -> dict[str, Any]:
-    """Prefill in one process, decode in another; returns the decode engine's reply."""
-    done = prefill("prefill", request_id=request_id, prompt=prompt)
+    """Prefill in one process, decode in another; returns the decode engine's reply.
+    ``readers``: the decode engine's TP ranks that each pull from the offer."""
+    done = prefill("prefill", request_id=request_id, prompt=prompt, readers=readers)
     if flip:
         prefill("flip", request_id=request_id, block=len(done["block_ids"]) - 1)
     reply = decode(
@@ -77,8 +81,9 @@ def main() -> None:
         for i, length in enumerate(PROMPT_LENGTHS):
             prompt = m.prompt_tokens(i, length)
             expected = m.generate(model, prompt, args.max_tokens)
-            for path, decode in (("local", e.decode_local), ("remote", e.decode_remote)):
-                got = handoff(e.prefill, decode, f"req{i}-{path}", prompt, args.max_tokens)
+            paths = (("local", e.decode_local, 1), ("remote", e.decode_remote, 1), ("remote-tp2-HND", e.decode_tp2, 2))
+            for path, decode, readers in paths:
+                got = handoff(e.prefill, decode, f"req{i}-{path}", prompt, args.max_tokens, readers=readers)
                 same = got["tokens"] == expected
                 all_same &= same
                 line = {"prompt_tokens": length, "path": path, "same_tokens": same, "tokens": got["tokens"]}

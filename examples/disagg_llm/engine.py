@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from kvxfer_client import ConnectorScheduler, ConnectorWorker, KvxferClient, KvxferError
+from kvxfer_client._connector import TICKET_KEY
 
 from . import model as m
 
@@ -40,12 +41,16 @@ class BlockAllocator:
 
 
 class Engine:
-    def __init__(self, role: str, socket: str, num_blocks: int, seed: int) -> None:
+    def __init__(self, role: str, socket: str, num_blocks: int, seed: int, tp: int = 1) -> None:
         self.role = role
         self.model, config = m.build_model()
         self.kv = m.KvPool.create(config, num_blocks)
         self.client = KvxferClient(socket, engine_name=f"example-{role}")
         self.pool = self.client.register_pool(self.kv.buffers, self.kv.layout(), name=f"{role}-kv")
+        # A decode side of tensor-parallel size ``tp`` (> 1): one heads-major pool per rank,
+        # each pulling its heads of the prefill's (tokens-major, all heads) blocks.
+        self.ranks = [m.KvPool.create(config, num_blocks, tp, r, "HND") for r in range(tp)] if tp > 1 else []
+        self.rank_pools = [self.client.register_pool(k.buffers, k.layout(), name=f"rank{k.rank}") for k in self.ranks]
         self.scheduler = ConnectorScheduler(self.client, self.pool, lease_s=60.0)
         #: (callback, request id) as the connector reported them, on the client's thread.
         self.callbacks: list[tuple[str, str]] = []
@@ -61,11 +66,11 @@ class Engine:
         self.held: dict[str, list[int]] = {}  # request -> blocks kept until released
 
     # -- prefill ------------------------------------------------------------------------
-    def op_prefill(self, request_id: str, prompt: list[int]) -> dict[str, Any]:
+    def op_prefill(self, request_id: str, prompt: list[int], readers: int = 1) -> dict[str, Any]:
         cache, first = m.prefill(self.model, prompt)
         ids = self.blocks.take(m.blocks_for(len(prompt)))
         self.kv.write(cache, ids)
-        delay_free, params = self.scheduler.request_finished(request_id, ids, len(prompt))
+        delay_free, params = self.scheduler.request_finished(request_id, ids, len(prompt), readers)
         if delay_free:
             self.held[request_id] = ids
         self.worker.start_load_kv(self.scheduler.build_connector_meta())  # watches the offer
@@ -99,6 +104,8 @@ class Engine:
     ) -> dict[str, Any]:
         num_tokens = self.scheduler.get_num_new_matched_tokens(request_id, kv_transfer_params)
         ids = self.blocks.take(m.blocks_for(num_tokens))
+        if self.ranks:
+            return self._decode_by_ranks(ids, kv_transfer_params, num_tokens, first_token, max_tokens)
         try:
             self.scheduler.update_state_after_alloc(request_id, kv_transfer_params, ids)
             self.worker.start_load_kv(self.scheduler.build_connector_meta())
@@ -108,6 +115,19 @@ class Engine:
         finally:
             self.blocks.give_back(ids)
         return {"tokens": tokens, "block_ids": ids}
+
+    def _decode_by_ranks(
+        self, ids: list[int], params: dict[str, Any], num_tokens: int, first_token: int, max_tokens: int
+    ) -> dict[str, Any]:
+        """Each rank pulls its heads of the one ticket (the offer serves them all), then the
+        model's cache is rebuilt from the ranks' pools."""
+        try:
+            ticket = params[TICKET_KEY]
+            mappings = [self.client.pull(ticket, pool, ids, timeout_s=30).mapping for pool in self.rank_pools]
+            tokens = m.decode(self.model, m.read_ranks(self.ranks, ids, num_tokens), first_token, max_tokens)
+        finally:
+            self.blocks.give_back(ids)
+        return {"tokens": tokens, "block_ids": ids, "mappings": mappings}
 
     def _wait_loaded(self, request_id: str, deadline_s: float) -> None:
         deadline = time.monotonic() + deadline_s
@@ -124,6 +144,8 @@ class Engine:
     def close(self) -> None:
         self.client.close()
         self.kv.close()
+        for k in self.ranks:
+            k.close()
 
 
 def main() -> None:
@@ -132,8 +154,9 @@ def main() -> None:
     parser.add_argument("--socket", required=True)
     parser.add_argument("--blocks", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tp", type=int, default=1, help="decode: pull into this many heads-major rank pools")
     args = parser.parse_args()
-    engine = Engine(args.role, args.socket, args.blocks, args.seed)
+    engine = Engine(args.role, args.socket, args.blocks, args.seed, args.tp)
     print(json.dumps({"ok": True, "ready": args.role}), flush=True)
     for line in sys.stdin:
         request = json.loads(line)

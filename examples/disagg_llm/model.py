@@ -2,8 +2,11 @@
 
 A small Llama-architecture causal LM is built from a config with a fixed seed, so every process
 gets the same weights without downloading any. The pool uses the paged layout a serving engine
-uses: per layer one ``[2, num_blocks, block_tokens, kv_heads, head_dim]`` tensor (K then V),
-which is :meth:`kvxfer_client.Layout.paged_kv` with one buffer per layer.
+uses: per layer one ``[2, num_blocks, block_tokens, kv_heads, head_dim]`` tensor (K then V,
+tokens-major: NHD), which is :meth:`kvxfer_client.Layout.paged_kv` with one buffer per layer.
+A decode engine may run tensor-parallel ranks instead, each pool holding its share of the heads
+heads-major (``[2, num_blocks, heads, block_tokens, head_dim]``, HND): every pool declares its
+:class:`~kvxfer_client.KvGeometry`, and kvxfer maps one onto the other.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from kvxfer_client import HostBuffer, Layout, ModelInfo
+from kvxfer_client import HostBuffer, KvGeometry, Layout, ModelInfo
 
 BLOCK_TOKENS = 16
 SEED = 1234
@@ -47,16 +50,25 @@ class KvPool:
     config: LlamaConfig
     num_blocks: int
     buffers: list[HostBuffer]
+    #: Tensor-parallel size and rank (which heads this pool holds), and the head order.
+    tp: int = 1
+    rank: int = 0
+    order: str = "NHD"
 
     @classmethod
-    def create(cls, config: LlamaConfig, num_blocks: int) -> KvPool:
-        pool = cls(config, num_blocks, [])
+    def create(cls, config: LlamaConfig, num_blocks: int, tp: int = 1, rank: int = 0, order: str = "NHD") -> KvPool:
+        pool = cls(config, num_blocks, [], tp, rank, order)
         pool.buffers = [HostBuffer.create(pool.layer_bytes) for _ in range(config.num_hidden_layers)]
         return pool
 
     @property
-    def kv_heads(self) -> int:
+    def total_kv_heads(self) -> int:
         return int(self.config.num_key_value_heads or self.config.num_attention_heads)
+
+    @property
+    def kv_heads(self) -> int:
+        """The heads this pool holds (its rank's share)."""
+        return self.total_kv_heads // self.tp
 
     @property
     def head_dim(self) -> int:
@@ -72,17 +84,21 @@ class KvPool:
         return 2 * self.num_blocks * self.block_bytes
 
     def layout(self) -> Layout:
-        info = ModelInfo(model="tiny-llama-seed1234", dtype="float32", block_tokens=BLOCK_TOKENS)
+        info = ModelInfo("tiny-llama-seed1234", "float32", BLOCK_TOKENS, tp_size=self.tp, tp_rank=self.rank)
         return Layout.paged_kv(
             num_layers=self.config.num_hidden_layers,
             num_blocks=self.num_blocks,
             block_bytes=self.block_bytes,
             model=info,
+            geometry=KvGeometry(BLOCK_TOKENS, self.total_kv_heads, self.head_dim * 4, self.order),  # type: ignore[arg-type]
         )
 
     def layer(self, index: int) -> torch.Tensor:
-        """Layer ``index`` as ``[2, num_blocks, BLOCK_TOKENS, kv_heads, head_dim]`` (a view)."""
+        """Layer ``index`` as ``[2, num_blocks, BLOCK_TOKENS, kv_heads, head_dim]`` (a view,
+        whatever the order in memory)."""
         flat = torch.from_numpy(self.buffers[index].array().view(np.float32))
+        if self.order == "HND":
+            return flat.view(2, self.num_blocks, self.kv_heads, BLOCK_TOKENS, self.head_dim).transpose(2, 3)
         return flat.view(2, self.num_blocks, BLOCK_TOKENS, self.kv_heads, self.head_dim)
 
     def write(self, cache: Any, block_ids: list[int]) -> None:
@@ -98,20 +114,25 @@ class KvPool:
 
     def read(self, block_ids: list[int], num_tokens: int) -> Any:
         """A model cache holding the first ``num_tokens`` tokens stored in ``block_ids``."""
-        ids = torch.tensor(block_ids)
-        cache = DynamicCache(config=self.config)
-        for index in range(self.config.num_hidden_layers):
-            src = self.layer(index)
-            k, v = (
-                src[kv, ids].reshape(-1, *src.shape[3:])[:num_tokens].transpose(0, 1).unsqueeze(0).contiguous()
-                for kv in range(2)
-            )
-            cache.update(k, v, index)
-        return cache
+        return read_ranks([self], block_ids, num_tokens)
 
     def close(self) -> None:
         for b in self.buffers:
             b.close()
+
+
+def read_ranks(pools: list[KvPool], block_ids: list[int], num_tokens: int) -> Any:
+    """A model cache from tensor-parallel ranks' pools (in rank order: their heads side by side)."""
+    ids = torch.tensor(block_ids)
+    cache = DynamicCache(config=pools[0].config)
+    for index in range(pools[0].config.num_hidden_layers):
+        planes = []
+        for kv in range(2):
+            parts = [p.layer(index)[kv, ids] for p in pools]  # each [blocks, tokens, heads, dim]
+            whole = torch.cat(parts, dim=2)
+            planes.append(whole.reshape(-1, *whole.shape[2:])[:num_tokens].transpose(0, 1).unsqueeze(0).contiguous())
+        cache.update(planes[0], planes[1], index)
+    return cache
 
 
 def blocks_for(num_tokens: int) -> int:

@@ -107,3 +107,19 @@ def test_long_prompts_and_long_generations_match(engines: example.Engines, refer
     expected = _model().generate(reference_model, prompt, 64)
     got = _example().handoff(engines.prefill, engines.decode_remote, f"long-{length}", prompt, 64)
     assert got["tokens"] == expected
+
+
+@pytest.mark.parametrize("length", [16, 37])
+def test_a_decode_side_of_other_tp_and_head_order_rebuilds_the_same_cache(
+    engines: example.Engines, reference_model: Any, length: int
+) -> None:
+    """The prefill pool holds all heads tokens-major; the decode engine runs two TP ranks whose
+    pools hold one head each, heads-major, on another daemon: each rank pulls its head of the
+    one offer (two readers), the cache is rebuilt from both, and the tokens are the same."""
+    prompt = _model().prompt_tokens(300 + length, length)
+    expected = _model().generate(reference_model, prompt, MAX_TOKENS)
+    got = _example().handoff(engines.prefill, engines.decode_tp2, f"tp2-{length}", prompt, MAX_TOKENS, readers=2)
+    assert got["ok"], got
+    assert got["mappings"] == ["TP 1->2 (heads 0..0), NHD->HND", "TP 1->2 (heads 1..1), NHD->HND"]
+    assert got["tokens"] == expected
+    assert got["release_reason"] == "pulled"
