@@ -1,7 +1,9 @@
 """kvxfer host-memory benchmark: local and remote paths next to a plain UCXX baseline.
 
-Run: ``python -m bench [--iters 8] [--workloads b16,b128,contig,small] [--out results.json]``.
-Prints one JSON line per (workload, path) and a summary line with the remote/baseline ratio.
+Run: ``python -m bench [--iters 8] [--workloads b16,b128,contig,small,sliced] [--out results.json]``.
+Prints one JSON line per (workload, path) and a summary line with the remote/baseline ratio;
+``sliced`` (``bench/sliced.py``) adds remapped handoffs (other TP, head order, block size)
+with their ratio to plain ones of the same bytes.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import sys
 
 import numpy as np
 
-from . import ucx_baseline
+from . import sliced, ucx_baseline
 from .cluster import Cluster
 from .workloads import WORKLOADS, both_paths, run_concurrent, run_sequential
 
@@ -22,7 +24,7 @@ SEED = 7
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--iters", type=int, default=8)
-    parser.add_argument("--workloads", default="b16,b128,contig,small")
+    parser.add_argument("--workloads", default="b16,b128,contig,small,sliced")
     parser.add_argument("--small-count", type=int, default=2000)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--out", help="also write every line into this JSON file")
@@ -39,6 +41,9 @@ def main() -> None:
         emit({"baseline": "ucxx-one-buffer", **baselines[memory]})
     rng = np.random.default_rng(SEED)
     for name in args.workloads.split(","):
+        if name == "sliced":
+            sliced.run(max(args.iters, 16), emit)
+            continue
         w = WORKLOADS[name]
         with Cluster() as c:
             for path, prefill, decode in both_paths(c, w, SEED, "bench"):

@@ -58,13 +58,16 @@ class Side:
     head_bytes: int
     order: Literal["HND", "NHD"]
 
-    def offsets(self, region: I64, token: I64, head: I64) -> I64:
-        """Byte offsets of (region, token, global head) units in this side's buffers."""
+    def offsets(self, token: I64, head: I64) -> I64:
+        """Byte offsets ``[region, unit]`` of the (token, global head) units in every region:
+        the per-unit arithmetic is done once, regions are added by broadcasting."""
         slot = token % self.block_tokens
         local = head - self.heads.first
         inner = local * self.block_tokens + slot if self.order == "HND" else slot * self.heads.count + local
         block = self.block_ids[token // self.block_tokens]
-        return self.regions.offset[region] + block * self.regions.stride[region] + inner * self.head_bytes  # type: ignore[no-any-return]
+        regions = self.regions
+        per_unit = inner * self.head_bytes
+        return regions.offset[:, None] + regions.stride[:, None] * block[None, :] + per_unit[None, :]  # type: ignore[no-any-return]
 
 
 @dataclass(frozen=True)
@@ -102,8 +105,8 @@ def remap(src: Side, dst: Side) -> tuple[Segments, Segments]:
         raise InvalidRequestError(
             f"this remap moves {units} pieces (more than {MAX_UNITS}): declare larger head_bytes or pull fewer blocks"
         )
-    region, token, head, unit = _units(src, dst, heads, tokens, small)
-    return _merge(src, region, token, head, unit), _merge(dst, region, token, head, unit)
+    token, head, unit = _units(src, dst, heads, tokens, small)
+    return _merge(src, token, head, unit), _merge(dst, token, head, unit)
 
 
 def plan_remap(src: Side, dst: Side, chunk_bytes: int, side: Literal["src", "dst"]) -> SidePlan:
@@ -157,45 +160,38 @@ def _unit_count(src: Side, dst: Side, heads: HeadRange, tokens: int, small: int)
     return regions * tokens * heads.count
 
 
-def _units(src: Side, dst: Side, heads: HeadRange, tokens: int, small: int) -> tuple[I64, I64, I64, int]:
-    """(region, first token, first head) of every unit in stream order, and the unit's bytes."""
-    num_regions, hb = len(src.regions.offset), src.head_bytes
-    r = np.arange(num_regions, dtype=np.int64)
+def _units(src: Side, dst: Side, heads: HeadRange, tokens: int, small: int) -> tuple[I64, I64, int]:
+    """(first token, first head) of every unit of one region in stream order (every region
+    has the same units; regions come first in the stream), and the unit's bytes."""
+    hb = src.head_bytes
     h = np.arange(heads.first, heads.end, dtype=np.int64)
+    src_blocks = np.arange(-(-tokens // src.block_tokens), dtype=np.int64)
     if src.order == dst.order == "HND":
-        # Units: one head's run of `small` tokens (`tokens` is a multiple of it); order region,
-        # source block, head, run.
-        bb, hh, jj = np.meshgrid(
-            np.arange(-(-tokens // src.block_tokens)), h, np.arange(src.block_tokens // small), indexing="ij"
-        )
+        # Units: one head's run of `small` tokens (`tokens` is a multiple of it); order source
+        # block, head, run.
+        bb, hh, jj = np.meshgrid(src_blocks, h, np.arange(src.block_tokens // small), indexing="ij")
         tok = (bb * src.block_tokens + jj * small).ravel()
         keep = tok < tokens
-        tok, hh = tok[keep], hh.ravel()[keep]
-        return np.repeat(r, len(tok)), np.tile(tok, num_regions), np.tile(hh, num_regions), small * hb
-    t = np.arange(tokens, dtype=np.int64)
+        return tok[keep], hh.ravel()[keep], small * hb
     if src.order == dst.order == "NHD":
-        # Units: one token's run of the shared heads; order region, token.
-        region = np.repeat(r, tokens)
-        return region, np.tile(t, num_regions), np.full(num_regions * tokens, heads.first), heads.count * hb
-    # Orders differ: one head of one token; order region, source block, then the source's order.
+        # Units: one token's run of the shared heads; order token.
+        return np.arange(tokens, dtype=np.int64), np.full(tokens, heads.first, dtype=np.int64), heads.count * hb
+    # Orders differ: one head of one token; order source block, then the source's own order.
+    slots = np.arange(src.block_tokens, dtype=np.int64)
     if src.order == "HND":
-        bb, hh, kk = np.meshgrid(
-            np.arange(-(-tokens // src.block_tokens)), h, np.arange(src.block_tokens), indexing="ij"
-        )
+        bb, hh, kk = np.meshgrid(src_blocks, h, slots, indexing="ij")
     else:
-        bb, kk, hh = np.meshgrid(
-            np.arange(-(-tokens // src.block_tokens)), np.arange(src.block_tokens), h, indexing="ij"
-        )
+        bb, kk, hh = np.meshgrid(src_blocks, slots, h, indexing="ij")
     tok = (bb * src.block_tokens + kk).ravel()
     keep = tok < tokens
-    tok, hh = tok[keep], hh.ravel()[keep]
-    return np.repeat(r, len(tok)), np.tile(tok, num_regions), np.tile(hh, num_regions), hb
+    return tok[keep], hh.ravel()[keep], hb
 
 
-def _merge(side: Side, region: I64, token: I64, head: I64, unit: int) -> Segments:
-    """This side's offsets of the units, touching ones merged into one segment."""
-    buf = side.regions.buffer[region]
-    off = side.offsets(region, token, head)
+def _merge(side: Side, token: I64, head: I64, unit: int) -> Segments:
+    """This side's offsets of the units, region by region, touching ones merged into one
+    segment (never across buffers)."""
+    off = side.offsets(token, head).ravel()
+    buf = np.repeat(side.regions.buffer, len(token))
     starts = np.ones(len(off), dtype=bool)
     starts[1:] = (buf[1:] != buf[:-1]) | (off[1:] != off[:-1] + unit)
     first = np.flatnonzero(starts)

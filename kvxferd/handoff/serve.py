@@ -130,6 +130,7 @@ class TransferServer:
             transport=self.plane.transport(peer, offer.pool),
             pools=(offer.pool.pool_id,),
         )
+        remapped: SidePlan | None = None
         try:
             mismatch = signature_mismatch(offer.pool.layout.signature(), start.receiver_signature)
             if mismatch:
@@ -169,7 +170,7 @@ class TransferServer:
         try:
             with offer.pool.in_use():
                 async with asyncio.timeout(start.timeout_s + self.settings.peer_timeout_s):
-                    await self._send_and_commit(start, peer, offer, src_ids, record, stream)
+                    await self._send_and_commit(start, peer, offer, src_ids, record, stream, remapped)
         except BaseException as exc:
             # This handler's own deadline (a step's deadline is a DeadlineExceededError already).
             own_deadline = isinstance(exc, TimeoutError) and not isinstance(exc, KvxferError)
@@ -200,21 +201,18 @@ class TransferServer:
         src_ids: npt.NDArray[np.int64],
         record: TransferRecord,
         stream: OffererStream,
+        remapped: SidePlan | None = None,
     ) -> None:
-        """accepted → every chunk → sent → (done) → commit: release as pulled → closed."""
+        """accepted → every chunk → sent → (done) → commit: release as pulled → closed.
+        ``remapped``: this side's plan of a remapped stream, made when the pull was checked."""
         pool = offer.pool
         # The receiver's maximum, capped by what this side stages per chunk.
         own = self.settings.gpu_chunk_bytes if pool.on_gpu else self.settings.chunk_bytes
         chunk = min(start.chunk_bytes, own)
         plan: SidePlan | None = None
         side: BlockSide | None = None
-        if record.mapping:
-            plan = plan_remap(
-                side_of(pool.layout, pool.regions, src_ids),
-                peer_side(start.receiver_signature, start.num_blocks),
-                chunk,
-                "src",
-            )
+        if remapped is not None:
+            plan = remapped  # planned at the chunk size this side picks (host pools only)
         elif pool.device is not None:
             side = BlockSide.of(pool.device, pool.base, pool.regions, src_ids)
             plan = stream_plan(side.total_bytes, chunk)
