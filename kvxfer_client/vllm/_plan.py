@@ -15,7 +15,7 @@ tickets it receives into pulls.
 >>> plan.set_pools({0: RankPool(0, "d1", "10.0.0.1:7461", "pool-1", "f" * 32, 4096, "00" * 16)})
 >>> delay, params, send = plan.finished("r1", {"do_remote_decode": True}, [4, 5, 6])
 >>> delay, sorted(params), len(params["kvxfer_tickets"])
-(True, ['do_remote_decode', 'do_remote_prefill', 'kvxfer_tickets'], 1)
+(True, ['do_remote_decode', 'do_remote_prefill', 'kvxfer_block_tokens', 'kvxfer_tickets'], 1)
 >>> decode = SchedulerPlan(block_size=16)
 >>> decode.matched_tokens(params, num_prompt_tokens=40, num_computed_tokens=16)
 (24, True)
@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .._errors import IncompatibleError, InvalidRequestError
+from .._errors import IncompatibleError
 from .._geometry import readers
 from .._ticket import Ticket
 
@@ -38,6 +38,8 @@ __all__ = ["TICKETS_KEY", "Load", "RankPool", "SchedulerPlan", "Send"]
 
 #: Key of the per-rank tickets inside ``kv_transfer_params``.
 TICKETS_KEY = "kvxfer_tickets"
+#: Key of the prefill engine's block size (tokens) inside ``kv_transfer_params``.
+BLOCK_TOKENS_KEY = "kvxfer_block_tokens"
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,8 @@ class Load:
     block_ids: tuple[int, ...]
     #: Positions in the tickets' block lists (None: all): the blocks this engine lacks.
     offer_block_indices: tuple[int, ...] | None
+    #: Why this load cannot run (the worker reports it failed; vLLM's policy applies).
+    refused: str = ""
 
 
 @dataclass(frozen=True)
@@ -116,7 +120,9 @@ class SchedulerPlan:
         )
         send = Send(request_id, tuple(block_ids), tickets, tuple(self.readers(rank) for rank in sorted(self.pools)))
         self._sends.append(send)
-        return True, {"do_remote_prefill": True, "do_remote_decode": False, TICKETS_KEY: list(tickets)}, send
+        params = {"do_remote_prefill": True, "do_remote_decode": False, TICKETS_KEY: list(tickets)}
+        params[BLOCK_TOKENS_KEY] = self.block_size
+        return True, params, send
 
     def readers(self, rank: int) -> int:
         """Decode ranks that pull from this rank's offer (0: a replica no decode rank needs)."""
@@ -146,19 +152,39 @@ class SchedulerPlan:
     ) -> None:
         """Blocks are allocated for a request that loads: pull into the last
         ``num_new_blocks`` of them (the rest this engine's prefix cache already holds) the
-        matching last blocks of the tickets."""
+        tickets' blocks from the first token this engine lacks. Blocks of the prefill engine
+        may be another size (its ``kvxfer_block_tokens``): the daemon maps tokens between them.
+        Nothing here raises (a step must not): a load that cannot run is handed to the worker
+        as refused, and reported as failed."""
         if not params or not params.get("do_remote_prefill") or num_external_tokens == 0:
             return
-        tickets = params.get(TICKETS_KEY)
-        if not isinstance(tickets, list) or not tickets:
-            raise InvalidRequestError(f"request {request_id}: kv_transfer_params carry no {TICKETS_KEY}")
         params["do_remote_prefill"] = False  # vLLM may call this twice: load once
-        offered = int(tickets[0].get("num_blocks", 0))
-        take = min(num_new_blocks, offered)
-        if take <= 0:
+        tickets = params.get(TICKETS_KEY)
+        new_ids = tuple(block_ids[-num_new_blocks:]) if num_new_blocks > 0 else ()
+        if not isinstance(tickets, list) or not tickets or not all(isinstance(t, dict) for t in tickets):
+            self._loads.append(Load(request_id, (), new_ids, None, f"kv_transfer_params carry no {TICKETS_KEY}"))
             return
-        indices = tuple(range(offered - take, offered)) if take < offered else None
-        self._loads.append(Load(request_id, tuple(tickets), tuple(block_ids[-take:]), indices))
+        offered = int(tickets[0].get("num_blocks", 0) or 0)
+        src_tokens = params.get(BLOCK_TOKENS_KEY, self.block_size)
+        if not isinstance(src_tokens, int) or src_tokens <= 0 or not new_ids or offered <= 0:
+            if new_ids:
+                self._loads.append(Load(request_id, tuple(tickets), new_ids, None, "malformed kv_transfer_params"))
+            return
+        cached = (len(block_ids) - len(new_ids)) * self.block_size  # tokens this engine holds
+        if cached % src_tokens:
+            reason = (
+                f"this engine's prefix cache holds {cached} tokens, not a whole number of the prefill's "
+                f"{src_tokens}-token blocks: the pull cannot start mid-block"
+            )
+            self._loads.append(Load(request_id, tuple(tickets), new_ids, None, reason))
+            return
+        first = cached // src_tokens
+        if first >= offered:
+            return
+        indices = tuple(range(first, offered)) if first else None
+        if src_tokens == self.block_size:
+            new_ids = new_ids[: offered - first]
+        self._loads.append(Load(request_id, tuple(tickets), new_ids, indices))
 
     def take(self) -> tuple[list[Load], list[Send]]:
         """This step's loads and sends (the metadata for the workers); starts a new step."""

@@ -24,7 +24,7 @@ from typing import Any
 
 from .._blocking import KvxferClient
 from .._client import Pool, PullResult
-from .._errors import IncompatibleError, KvxferError
+from .._errors import IncompatibleError, InvalidRequestError, KvxferError
 from .._events import OfferReleased
 from .._geometry import KvGeometry, head_sources, rank_heads
 from .._layout import ModelInfo
@@ -125,6 +125,8 @@ class WorkerTransfers:
             self._count("offers")
         for load in loads:
             try:
+                if load.refused:
+                    raise InvalidRequestError(load.refused)
                 sources = self.sources(len(load.tickets))
             except KvxferError as error:
                 # Refused here, reported as a failed load (vLLM's policy then applies): an

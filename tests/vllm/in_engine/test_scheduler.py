@@ -55,6 +55,7 @@ def _config(
     rank: int = 0,
     lease_s: float = 30,
     extra: dict[str, Any] | None = None,
+    block: int = BLOCK,
 ) -> VllmConfig:
     parallel = ParallelConfig(tensor_parallel_size=tp)
     parallel.rank = rank
@@ -63,7 +64,7 @@ def _config(
         scheduler_config=SchedulerConfig(
             max_num_seqs=16, max_num_batched_tokens=512, max_model_len=1024, is_encoder_decoder=False
         ),
-        cache_config=CacheConfig(block_size=BLOCK, gpu_memory_utilization=0.9, enable_prefix_caching=True),
+        cache_config=CacheConfig(block_size=block, gpu_memory_utilization=0.9, enable_prefix_caching=True),
         parallel_config=parallel,
         kv_transfer_config=KVTransferConfig(
             kv_connector="KvxferConnector",
@@ -87,9 +88,11 @@ class Engine:
         num_blocks: int = NUM_BLOCKS,
         lease_s: float = 30,
         extra: dict[str, Any] | None = None,
+        block: int = BLOCK,
     ) -> None:
-        config = _config(model, role, socket_path, tp, lease_s=lease_s, extra=extra)
-        spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS // tp, head_size=HEAD, dtype=torch.bfloat16)
+        self.block = block
+        config = _config(model, role, socket_path, tp, lease_s=lease_s, extra=extra, block=block)
+        spec = FullAttentionSpec(block_size=block, num_kv_heads=HEADS // tp, head_size=HEAD, dtype=torch.bfloat16)
         kv_cache_config = KVCacheConfig(
             num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer0"], spec)]
         )
@@ -99,14 +102,16 @@ class Engine:
             kv_cache_config=kv_cache_config,
             log_stats=True,
             structured_output_manager=StructuredOutputManager(config),
-            block_size=BLOCK,
+            block_size=block,
         )
         # Each rank's KV: its share of the heads (bf16 bits as uint16).
-        self.kvs = [np.zeros((num_blocks, HEADS // tp, BLOCK, 2 * HEAD), dtype=np.uint16) for _ in range(tp)]
+        self.kvs = [np.zeros((num_blocks, HEADS // tp, block, 2 * HEAD), dtype=np.uint16) for _ in range(tp)]
         self.kv = self.kvs[0]
         self.workers = [
             KvxferConnector(
-                _config(model, role, socket_path, tp, rank, lease_s, extra), KVConnectorRole.WORKER, kv_cache_config
+                _config(model, role, socket_path, tp, rank, lease_s, extra, block),
+                KVConnectorRole.WORKER,
+                kv_cache_config,
             )
             for rank in range(tp)
         ]
@@ -164,7 +169,9 @@ class Engine:
 init_none_hash(sha256)  # vLLM's prefix-cache hashing, once per process
 
 
-def _request(rid: str, prompt: list[int], max_tokens: int, params: dict[str, Any] | None) -> Request:
+def _request(
+    rid: str, prompt: list[int], max_tokens: int, params: dict[str, Any] | None, block: int = BLOCK
+) -> Request:
     sampling = SamplingParams(max_tokens=max_tokens)
     sampling.update_from_generation_config({}, 2)
     req = Request(
@@ -172,7 +179,7 @@ def _request(rid: str, prompt: list[int], max_tokens: int, params: dict[str, Any
         prompt_token_ids=prompt,
         sampling_params=sampling,
         pooling_params=None,
-        block_hasher=get_request_block_hasher(BLOCK, sha256),
+        block_hasher=get_request_block_hasher(block, sha256),
     )
     req.kv_transfer_params = params
     return req
@@ -338,13 +345,13 @@ def test_a_dead_daemon_fails_the_load_instead_of_hanging(tmp_path_factory: pytes
 def _handoff(prefill: Engine, decode: Engine, rid: str, prompt: list[int], max_tokens: int, seed: int) -> list[int]:
     """Prefill ``prompt``, fill the prefill ranks' KV with recognisable bytes, let the decode
     engine load it; returns the prefill's block ids."""
-    prefill.scheduler.add_request(_request("p-" + rid, prompt, 1, {"do_remote_decode": True}))
+    prefill.scheduler.add_request(_request("p-" + rid, prompt, 1, {"do_remote_decode": True}, prefill.block))
     params = _params_of(prefill.step(), "p-" + rid)
     assert params is not None
     src = list(prefill.scheduler.kv_cache_manager.get_block_ids("p-" + rid)[0])
     for rank, kv in enumerate(prefill.kvs):
         kv[:] = np.random.default_rng((seed, rank)).integers(0, 1 << 16, kv.shape, dtype=np.uint16)
-    decode.scheduler.add_request(_request(rid, prompt, max_tokens, params))
+    decode.scheduler.add_request(_request(rid, prompt, max_tokens, params, decode.block))
     decode.step()
     _run_until(
         decode,
@@ -522,6 +529,33 @@ def test_mixed_tensor_parallel_sizes_move_each_rank_its_heads(
             assert (whole_dst == whole_src).all()
             _run_until(prefill, lambda: "p-d12" not in prefill.scheduler.requests, "finished_sending never came")
             assert sum(w._worker.totals["pulls"] for w in decode.workers) == decode_tp
+        finally:
+            prefill.close()
+            decode.close()
+
+
+@pytest.mark.parametrize(("prefill_block", "decode_block"), [(32, 64), (64, 32)])
+def test_other_block_sizes_map_tokens_to_the_decode_engines_blocks(
+    tmp_path_factory: pytest.TempPathFactory, prefill_block: int, decode_block: int
+) -> None:
+    """Prefill blocks of 32 tokens into decode blocks of 64, and the reverse: token t lands in
+    the decode engine's block t // size at slot t % size, for every head."""
+    model = write_model(str(tmp_path_factory.mktemp(f"model-b{prefill_block}")), num_key_value_heads=HEADS)
+    with Cluster() as cluster:
+        a = cluster.daemon("a")
+        prefill = Engine(model, "kv_producer", a.socket, block=prefill_block)
+        decode = Engine(model, "kv_consumer", a.socket, block=decode_block)
+        try:
+            prompt = list(range(12000, 12000 + 2 * 32 + 5))  # 69 tokens
+            src = _handoff(prefill, decode, "d13", prompt, 2, seed=13)
+            dst = list(decode.scheduler.kv_cache_manager.get_block_ids("d13")[0])[: -(-len(prompt) // decode_block)]
+
+            def tokens(kv: np.ndarray, ids: list[int]) -> np.ndarray:  # [heads, tokens, 2 * head]
+                return np.concatenate([kv[b] for b in ids], axis=1)[:, : len(prompt)]
+
+            assert (tokens(decode.kv, dst) == tokens(prefill.kv, src)).all()
+            assert decode.worker.totals["pulls"] == 1 and decode.worker.totals["pull_failures"] == 0
+            _run_until(prefill, lambda: "p-d13" not in prefill.scheduler.requests, "finished_sending never came")
         finally:
             prefill.close()
             decode.close()
