@@ -45,15 +45,21 @@ typecheck: $(STAMP)
 pytest: $(STAMP)
 	$(BIN)/python -m pytest -q
 
-# make test: lint, types and the suite in .venv while .venv-vllm is built in the background
-# (mostly downloads), then vLLM's tests once both are done.
+# make test: lint, types and the suite in .venv while, in the background, .venv-vllm is built
+# (mostly downloads) and vLLM's tests run as soon as both venvs exist; their log is printed at
+# the end. make vllm-test runs them alone.
 test:
-	@rm -f $(VLLM_VENV).rc
-	@( $(MAKE) --no-print-directory vllm-venv > $(VLLM_VENV).log 2>&1; echo $$? > $(VLLM_VENV).rc ) & \
-	$(MAKE) --no-print-directory lint typecheck pytest; status=$$?; \
-	while [ ! -f $(VLLM_VENV).rc ]; do sleep 2; done; \
+	@rm -f $(VLLM_VENV).rc $(VLLM_VENV)-test.rc $(VLLM_VENV).main-done
+	@( $(MAKE) --no-print-directory vllm-venv > $(VLLM_VENV).log 2>&1; rc=$$?; echo $$rc > $(VLLM_VENV).rc; \
+	   while [ ! -f $(STAMP) ] && [ ! -f $(VLLM_VENV).main-done ]; do sleep 2; done; \
+	   if [ $$rc = 0 ] && [ -f $(STAMP) ]; then \
+	     $(MAKE) --no-print-directory vllm-test > $(VLLM_VENV)-test.log 2>&1; echo $$? > $(VLLM_VENV)-test.rc; \
+	   else echo "vLLM tests not run: a venv is missing" > $(VLLM_VENV)-test.log; echo 1 > $(VLLM_VENV)-test.rc; fi ) & \
+	$(MAKE) --no-print-directory lint typecheck pytest; status=$$?; touch $(VLLM_VENV).main-done; \
+	while [ ! -f $(VLLM_VENV)-test.rc ]; do sleep 2; done; \
 	if [ "$$(cat $(VLLM_VENV).rc)" != 0 ]; then tail -50 $(VLLM_VENV).log; echo "building $(VLLM_VENV) failed"; exit 1; fi; \
-	[ $$status = 0 ] && $(MAKE) --no-print-directory vllm-test
+	cat $(VLLM_VENV)-test.log; \
+	[ $$status = 0 ] && [ "$$(cat $(VLLM_VENV)-test.rc)" = 0 ]
 
 # Regenerate kvxfer_client/_proto from proto/ (tests/unit/test_proto_stubs.py checks it is current).
 proto: $(STAMP)
