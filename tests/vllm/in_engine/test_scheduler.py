@@ -240,16 +240,16 @@ def test_prefill_holds_blocks_until_pulled_and_decode_waits_for_the_pull(engines
     assert prefill.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() > free_while_held
 
 
-def _run_until(engine: Engine, done: Any, what: str, limit_s: float = 20.0) -> list[Any]:
-    """Step until ``done()``, then two steps more (vLLM may emit a request's last output in the
-    step after it left ``requests``); returns every request output seen on the way."""
+def _run_until(engine: Engine, done: Any, what: str, limit_s: float = 20.0, after: int = 0) -> list[Any]:
+    """Step until ``done()``, then ``after`` steps more (vLLM may emit a failed request's last
+    output in the step after it left ``requests``); returns every request output seen."""
     deadline = time.monotonic() + limit_s
     seen: list[Any] = []
     while not done():
         assert time.monotonic() < deadline, what
         seen += [o for eo in engine.step().values() for o in eo.outputs]
         time.sleep(0.01)
-    for _ in range(2):
+    for _ in range(after):
         seen += [o for eo in engine.step().values() for o in eo.outputs]
     return seen
 
@@ -289,7 +289,9 @@ def test_a_load_that_fails_ends_the_request_instead_of_hanging(engines: tuple[En
     assert params is not None
     params["kvxfer_tickets"][0]["token"] = "00" * 16  # what a stale or forged ticket looks like
     decode.scheduler.add_request(_request("d3", prompt, 4, params))
-    outputs = _run_until(decode, lambda: "d3" not in decode.scheduler.requests, "the failed load hung the request")
+    outputs = _run_until(
+        decode, lambda: "d3" not in decode.scheduler.requests, "the failed load hung the request", after=2
+    )
     finished = [o for o in outputs if o.request_id == "d3" and o.finish_reason is not None]
     assert finished and finished[0].finish_reason is not None  # vLLM's "fail" policy: an error, not a hang
     assert decode.worker.totals["pull_failures"] >= 1
@@ -337,7 +339,7 @@ def test_a_dead_daemon_fails_the_load_instead_of_hanging(tmp_path_factory: pytes
             assert params is not None
             a.kill()
             decode.scheduler.add_request(_request("d5", prompt, 4, params))
-            outputs = _run_until(decode, lambda: "d5" not in decode.scheduler.requests, "the load hung", 40)
+            outputs = _run_until(decode, lambda: "d5" not in decode.scheduler.requests, "the load hung", 40, after=2)
             finished = [o for o in outputs if o.request_id == "d5" and o.finish_reason is not None]
             assert finished and finished[0].finish_reason is not None
             assert decode.worker.totals["pull_failures"] == 1
@@ -456,7 +458,9 @@ def test_a_tensor_parallel_mismatch_without_head_geometry_fails_the_load_with_th
             prefill.scheduler.add_request(_request("p9", prompt, 1, {"do_remote_decode": True}))
             params = _params_of(prefill.step(), "p9")
             decode.scheduler.add_request(_request("d9", prompt, 2, params))
-            outputs = _run_until(decode, lambda: "d9" not in decode.scheduler.requests, "the mismatch hung the load")
+            outputs = _run_until(
+                decode, lambda: "d9" not in decode.scheduler.requests, "the mismatch hung the load", after=2
+            )
             finished = [o for o in outputs if o.request_id == "d9" and o.finish_reason is not None]
             assert finished and finished[0].finish_reason is not None
             assert [w._worker.totals["pull_failures"] for w in decode.workers] == [1, 1]
@@ -502,7 +506,7 @@ def test_an_expired_ticket_frees_the_prefill_blocks_and_fails_the_late_decode(
             prefill.step()
             assert prefill.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == free_before
             decode.scheduler.add_request(_request("d11", prompt, 2, params))
-            outputs = _run_until(decode, lambda: "d11" not in decode.scheduler.requests, "the late load hung")
+            outputs = _run_until(decode, lambda: "d11" not in decode.scheduler.requests, "the late load hung", after=2)
             finished = [o for o in outputs if o.request_id == "d11" and o.finish_reason is not None]
             assert finished and finished[0].finish_reason is not None
             assert decode.worker.totals["pull_failures"] == 1
