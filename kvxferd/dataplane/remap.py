@@ -82,6 +82,12 @@ class Segments:
 def remap(src: Side, dst: Side) -> tuple[Segments, Segments]:
     """Both sides' segments for moving the heads both hold, for every token of ``src``'s
     blocks that ``dst``'s blocks have room for."""
+    token, head, unit = _checked_units(src, dst)
+    return _merge(src, token, head, unit), _merge(dst, token, head, unit)
+
+
+def _checked_units(src: Side, dst: Side) -> tuple[I64, I64, int]:
+    """The stream's units (see :func:`_units`), once the two sides are checked compatible."""
     if len(src.regions.offset) != len(dst.regions.offset):
         raise IncompatibleError(f"region count differs: {len(src.regions.offset)} vs {len(dst.regions.offset)}")
     if src.head_bytes != dst.head_bytes:
@@ -105,13 +111,13 @@ def remap(src: Side, dst: Side) -> tuple[Segments, Segments]:
         raise InvalidRequestError(
             f"this remap moves {units} pieces (more than {MAX_UNITS}): declare larger head_bytes or pull fewer blocks"
         )
-    token, head, unit = _units(src, dst, heads, tokens, small)
-    return _merge(src, token, head, unit), _merge(dst, token, head, unit)
+    return _units(src, dst, heads, tokens, small)
 
 
 def plan_remap(src: Side, dst: Side, chunk_bytes: int, side: Literal["src", "dst"]) -> SidePlan:
     """One side's chunk plan of a remapped handoff (each daemon plans only its own side)."""
-    segs = remap(src, dst)[0 if side == "src" else 1]
+    token, head, unit = _checked_units(src, dst)
+    segs = _merge(src if side == "src" else dst, token, head, unit)
     return plan_segments(segs.buffer, segs.offset, segs.nbytes, chunk_bytes)
 
 
