@@ -12,6 +12,10 @@ Llama-3-8B's KV (32 layers, 8 KV heads, head dim 128, bf16: 256 bytes per head a
   256-byte piece per head and token.
 
 The target: ``sliced`` at >= 0.8 of ``plain`` (``ratio_vs_plain``, from the daemon's time).
+Measured on the 2-core development VM (``--iters 6``), local / remote: sliced 0.90 / 0.83,
+reblocked 0.79 / 0.96, reordered 0.38 / 0.47. A reordered pull's bytes move as fast as plain
+ones (``data_plane_ratio_vs_plain`` 0.83 / 0.85); the rest is planning its 524,288 pieces
+(about 20 ms, off the event loop).
 
 Run: ``python -m bench.sliced [--iters 16]`` (``python -m bench`` runs it as workload ``sliced``).
 """

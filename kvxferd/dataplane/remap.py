@@ -67,7 +67,10 @@ class Side:
         block = self.block_ids[token // self.block_tokens]
         regions = self.regions
         per_unit = inner * self.head_bytes
-        return regions.offset[:, None] + regions.stride[:, None] * block[None, :] + per_unit[None, :]  # type: ignore[no-any-return]
+        out = regions.stride[:, None] * block[None, :]  # the one [region, unit] array: added to in place
+        out += regions.offset[:, None]
+        out += per_unit[None, :]
+        return out
 
 
 @dataclass(frozen=True)
@@ -195,14 +198,17 @@ def _units(src: Side, dst: Side, heads: HeadRange, tokens: int, small: int) -> t
 
 def _merge(side: Side, token: I64, head: I64, unit: int) -> Segments:
     """This side's offsets of the units, region by region, touching ones merged into one
-    segment (never across buffers)."""
-    off = side.offsets(token, head).ravel()
-    buf = np.repeat(side.regions.buffer, len(token))
-    starts = np.ones(len(off), dtype=bool)
-    starts[1:] = (buf[1:] != buf[:-1]) | (off[1:] != off[:-1] + unit)
-    first = np.flatnonzero(starts)
-    lengths = np.diff(np.append(first, len(off))) * unit
-    return Segments(buf[first], off[first], lengths.astype(np.int64))
+    segment (never across buffers). Worked on as ``[region, unit]``: the buffer is checked
+    once per region, not per unit."""
+    off = side.offsets(token, head)
+    regions = side.regions
+    starts = np.empty(off.shape, dtype=bool)
+    np.not_equal(off[:, 1:], off[:, :-1] + unit, out=starts[:, 1:])
+    starts[0, 0] = True
+    starts[1:, 0] = (regions.buffer[1:] != regions.buffer[:-1]) | (off[1:, 0] != off[:-1, -1] + unit)
+    first = np.flatnonzero(starts.ravel())
+    lengths = np.diff(first, append=off.size) * unit
+    return Segments(regions.buffer[first // off.shape[1]], off.ravel()[first], lengths)
 
 
 def _span(heads: HeadRange) -> str:

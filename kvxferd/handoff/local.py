@@ -81,7 +81,13 @@ class LocalHandoff:
             record.mapping = mapping_between(src.layout.signature(), dst.layout.signature())
             if record.mapping and (src.on_gpu or dst.on_gpu):
                 raise IncompatibleError(f"GPU pools move blocks as they are; this pull needs {record.mapping}")
-            plans = remap_plans(src, src_ids, dst, dst_ids, self.chunk_bytes) if record.mapping else None
+            # Off the event loop: a large remap plans for tens of milliseconds (numpy lets go of
+            # the GIL for most of it), and other handoffs' messages should not wait on it.
+            plans = (
+                await asyncio.to_thread(remap_plans, src, src_ids, dst, dst_ids, self.chunk_bytes)
+                if record.mapping
+                else None
+            )
         except BaseException:
             self.offers.unclaim(offer)  # refused before anything moved: the offer stays pullable
             raise
@@ -162,8 +168,7 @@ def copy_plan(
 ) -> None:
     """Copy chunks ``part``, ``part + parts``, ... of the plan (one copy thread's share),
     until ``stop`` is set."""
-    two_engines = src_memory.pid is not None and dst_memory.pid is not None
-    scratch = _scratch(src.chunk_bytes) if two_engines or not single_pass else None
+    scratch = _scratch(src.chunk_bytes)  # two engines' processes, numpy's copies, small pieces
     for a, b in zip(src.chunks[part::parts], dst.chunks[part::parts], strict=True):
         if stop is not None and stop.is_set():
             return

@@ -118,7 +118,8 @@ class RemotePull:
                         raise IncompatibleError(f"GPU pools move blocks as they are; this pull needs {record.mapping}")
                     sender_blocks = len(indices) if indices is not None else ticket.num_blocks
                     src_side = peer_side(sender, sender_blocks)
-                    plan = plan_remap(src_side, side_of(dst.layout, dst.regions, dst_ids), chunk, "dst")
+                    dst_side = side_of(dst.layout, dst.regions, dst_ids)
+                    plan = await asyncio.to_thread(plan_remap, src_side, dst_side, chunk, "dst")  # off the loop
                     record.nbytes = plan.total_bytes
                 elif expected is not None and chunk == max_chunk:
                     plan = expected

@@ -146,7 +146,8 @@ class TransferServer:
                 geometry = offer.pool.layout.geometry
                 if geometry is None or start.num_blocks > len(src_ids) * geometry.block_tokens:
                     raise InvalidRequestError(f"{start.num_blocks} destination blocks for {len(src_ids)} offered")
-                remapped = plan_remap(
+                remapped = await asyncio.to_thread(  # off the loop: see LocalHandoff.pull
+                    plan_remap,
                     side_of(offer.pool.layout, offer.pool.regions, src_ids),
                     peer_side(start.receiver_signature, start.num_blocks),
                     min(start.chunk_bytes, self.settings.chunk_bytes),

@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvxferd.dataplane.cma import self_copy_works
-from kvxferd.dataplane.hostcopy import copy_chunk, gather_chunk, scatter_chunk
-from kvxferd.dataplane.plan import RegionTable, build_plan
+from kvxferd.dataplane.cma import copy_iov, self_copy_works
+from kvxferd.dataplane.hostcopy import chunk_iov, copy_chunk, gather_chunk, scatter_chunk
+from kvxferd.dataplane.plan import RegionTable, _plan_general, _plan_whole, build_plan
 
 
 def reference_copy(regions, src, dst, src_ids, dst_ids):  # type: ignore[no-untyped-def]
@@ -70,8 +70,10 @@ def _check_chunked_copy(case: tuple, how: str) -> None:  # type: ignore[type-arg
     assert [c.nbytes for c in sp.chunks] == [c.nbytes for c in dp.chunks]
     scratch = np.empty(chunk, np.uint8)
     for a, b in zip(sp.chunks, dp.chunks, strict=True):
-        if how == "single-pass":
-            copy_chunk(src, a, dst, b, None, single_pass=True)
+        if how == "single-pass" and a.contiguous is None and b.contiguous is None:
+            copy_iov(chunk_iov(dst, b), chunk_iov(src, a))  # what copy_chunk does for large pieces
+        elif how == "single-pass":
+            copy_chunk(src, a, dst, b, scratch, single_pass=True)
         elif how == "copy_chunk":
             copy_chunk(src, a, dst, b, scratch)
         else:
@@ -112,3 +114,32 @@ def test_chunks_that_end_on_segment_boundaries_plan_the_same_pieces_as_cut_ones(
     segments = [(buf, off + i * stride, length) for buf, off, stride, length in regions for i in ids]
     assert pieces == [(*seg, n // 2, n % 2 * 32) for n, seg in enumerate(segments)]
     assert [c.nbytes for c in plan.chunks] == [64] * 7 + [32]
+
+
+def test_whole_segment_plans_match_the_general_arithmetic() -> None:
+    """plan_segments' shortcut for segments that never cross a chunk boundary gives the general
+    path's plan, and steps aside when one does cross."""
+    rng = np.random.default_rng(3)
+    shortcuts = 0
+    for _ in range(300):
+        n = int(rng.integers(1, 400))
+        unit = int(rng.choice([4, 8, 16]))
+        lengths = unit * np.where(rng.random(n) < 0.9, 1, rng.integers(2, 4, n))
+        buf = np.sort(rng.integers(0, 3, n))
+        # Adjacent pieces interrupted by jumps: contiguous and scattered chunks both occur.
+        gaps = np.where(rng.random(n) < 0.7, 0, unit * rng.integers(1, 9, n))
+        off = np.cumsum(lengths + gaps) - (lengths[0] + gaps[0])
+        chunk = unit * int(rng.integers(1, 40))
+        fast, ref = _plan_whole(buf, off, lengths, chunk), _plan_general(buf, off, lengths, chunk)
+        if fast is None:
+            ends = np.cumsum(lengths)
+            assert ((ends - lengths) // chunk != (ends - 1) // chunk).any()  # one does cross
+            continue
+        shortcuts += 1
+        assert (fast.total_bytes, fast.num_segments) == (ref.total_bytes, ref.num_segments)
+        for mine, theirs in zip(fast.chunks, ref.chunks, strict=True):
+            assert (mine.index, mine.nbytes, mine.contiguous) == (theirs.index, theirs.nbytes, theirs.contiguous)
+            assert [(r.buffer, r.length, r.chunk_offset, r.offsets.tolist()) for r in mine.runs] == [
+                (r.buffer, r.length, r.chunk_offset, r.offsets.tolist()) for r in theirs.runs
+            ]
+    assert shortcuts > 50
