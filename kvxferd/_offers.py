@@ -219,11 +219,12 @@ class OfferTable:
             offer.state = OFFERED
             self._arm(offer)
 
-    def pulled(self, offer: Offer, transfer_id: str) -> None:
-        """A pull of ``offer`` landed: released as pulled once every reader has pulled; until
-        then the others may come (within the lease)."""
+    def pulled(self, offer: Offer, transfer_id: str, readers: int = 1) -> None:
+        """A pull of ``offer`` landed, for ``readers`` of its readers (a puller's daemon may
+        have handed the bytes on: see TransferDone.readers): released as pulled once every
+        reader has its bytes; until then the others may come (within the lease)."""
         offer.pulling = max(0, offer.pulling - 1)
-        offer.pulled += 1
+        offer.pulled += max(1, readers)  # more than it has left: the offer is done all the same
         if offer.pulled >= offer.readers:
             self.release(offer, common_pb2.RELEASE_REASON_PULLED, "", transfer_id)
             return

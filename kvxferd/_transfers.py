@@ -219,7 +219,7 @@ class TransferTable:
 
     def _finish(self, record: TransferRecord, state: common_pb2.TransferState.ValueType, detail: str = "") -> None:
         record.state = state
-        record.detail = detail
+        record.detail = detail or record.detail  # a success may have said something on its way
         record.duration_s = time.monotonic() - record.started_mono
         # A finished record outlives its task in the history; the task (and an exception's
         # traceback with it) would keep the frames, and so the pools' memory, alive.

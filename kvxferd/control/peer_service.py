@@ -85,11 +85,11 @@ class _OffererStream:
         msg = peer_pb2.TransferSent(bytes=nbytes, transport=transport)
         await self._context.write(peer_pb2.TransferServerMessage(sent=msg))
 
-    async def read_done(self) -> tuple[bool, str] | None:
+    async def read_done(self) -> tuple[bool, str, int] | None:
         msg = await self._context.read()
         if msg is grpc.aio.EOF or msg.WhichOneof("msg") != "done":
             return None
-        return bool(msg.done.ok), str(msg.done.detail)
+        return bool(msg.done.ok), str(msg.done.detail), max(1, int(msg.done.readers))
 
     async def closed(self) -> None:
         await self._context.write(peer_pb2.TransferServerMessage(closed=peer_pb2.TransferClosed(released=True)))

@@ -113,6 +113,21 @@ class LocalHandoff:
             raise
         self.offers.pulled(offer, record.transfer_id)
 
+    async def copy_blocks(
+        self, src: Pool, src_ids: np.ndarray[Any, Any], dst: Pool, dst_ids: np.ndarray[Any, Any]
+    ) -> None:
+        """Copy blocks between two pools holding the same bytes per block, no offer involved
+        (a shared remote read hands its bytes on: :mod:`.shared`)."""
+        if (src.on_gpu or dst.on_gpu) and (src.process or dst.process):
+            raise IncompatibleError(PROCESS_MEMORY_OFF_GPU)
+        with src.in_use():
+            if src.on_gpu or dst.on_gpu:
+                await self._copy_gpu(src, src_ids, dst, dst_ids)
+            else:
+                src_plan = build_plan(src.regions, src_ids, self.chunk_bytes)
+                dst_plan = build_plan(dst.regions, dst_ids, self.chunk_bytes)
+                await self._copy_host(src, src_plan, dst, dst_plan)
+
     async def _copy_host(self, src: Pool, src_plan: SidePlan, dst: Pool, dst_plan: SidePlan) -> None:
         """Inline when small, else the chunks dealt round-robin to the copy threads (a lone
         handoff uses them all)."""

@@ -144,10 +144,12 @@ class TransferCall:
         """The offerer has sent every chunk (or ends the stream with its failure)."""
         await self._read("sent", None)
 
-    async def done(self, timeout: float) -> None:
-        """Say every byte landed. From here the offerer decides the outcome."""
+    async def done(self, timeout: float, readers: int = 1) -> None:
+        """Say every byte landed (for ``readers`` readers of the offer). From here the offerer
+        decides the outcome."""
+        done = peer_pb2.TransferDone(ok=True, readers=readers)
         try:
-            await self._call.write(peer_pb2.TransferClientMessage(done=peer_pb2.TransferDone(ok=True)))
+            await self._call.write(peer_pb2.TransferClientMessage(done=done))
         except asyncio.InvalidStateError:
             # The offerer already ended the stream (a cancel or failure on its side): reading
             # it raises its status, which says why.

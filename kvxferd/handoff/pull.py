@@ -31,6 +31,7 @@ from .._transfers import TransferRecord, TransferTable
 from ..memory.pools import Pool, check_block_ids
 from .local import LocalHandoff
 from .remote_pull import RemotePull
+from .shared import SharedReads
 
 __all__ = ["Pulls"]
 
@@ -43,6 +44,7 @@ class Pulls:
         self.transfers = transfers
         self.local = local
         self.remote = remote
+        self.shared = SharedReads(local.copy_blocks)
 
     async def pull(
         self,
@@ -89,8 +91,7 @@ class Pulls:
                     if local:
                         await self.local.pull(record, ticket, dst, dst_ids, indices)
                     else:
-                        assert self.remote is not None
-                        await self.remote.pull(record, ticket, dst, dst_ids, indices, timeout_s, deadline)
+                        await self._pull_remote(record, ticket, dst, dst_ids, indices, timeout_s, deadline)
         except KvxferError as exc:  # before TimeoutError: DeadlineExceededError is one
             self.transfers.end(record, common_pb2.TRANSFER_STATE_FAILED, str(exc), exc)
             raise _about(exc, record) from None
@@ -108,6 +109,35 @@ class Pulls:
             raise
         self.transfers.end(record, common_pb2.TRANSFER_STATE_SUCCEEDED)
         return record
+
+    async def _pull_remote(
+        self,
+        record: TransferRecord,
+        ticket: Ticket,
+        dst: Pool,
+        dst_ids: np.ndarray[Any, Any],
+        indices: np.ndarray[Any, Any] | None,
+        timeout_s: float,
+        deadline: asyncio.Timeout,
+    ) -> None:
+        """A remote pull, sharing its wire transfer with other readers of the same bytes
+        behind this daemon where the ticket has several readers (:mod:`.shared`)."""
+        assert self.remote is not None
+        lead = None
+        if ticket.readers > 1:
+            key = SharedReads.key(ticket, dst, dst_ids, indices)
+            if await self.shared.join(key, record, dst, dst_ids, deadline):
+                return
+            lead = self.shared.lead(key, record, dst, dst_ids, ticket.readers)
+        hand_on = lead.serve_joiners if lead is not None else None
+        try:
+            await self.remote.pull(record, ticket, dst, dst_ids, indices, timeout_s, deadline, hand_on)
+        except BaseException as exc:
+            if lead is not None:
+                lead.ended(exc)
+            raise
+        if lead is not None:
+            lead.ended(None)
 
 
 def _check_against(

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
 from typing import Any
 
@@ -67,10 +67,13 @@ class RemotePull:
         indices: np.ndarray[Any, Any] | None,
         timeout: float,
         deadline: asyncio.Timeout,
+        hand_on: Callable[[], Awaitable[int]] | None = None,
     ) -> None:
         """Pull the ticket's offer (the blocks at ``indices`` of its list, or all) into
         ``dst_ids`` of ``dst``. ``deadline`` is the pull's own;
-        it stops applying once ``done`` is on its way (the offerer decides from there)."""
+        it stops applying once ``done`` is on its way (the offerer decides from there).
+        ``hand_on``, awaited once every byte has landed and before done, copies them on to
+        other readers (:mod:`.shared`) and says how many it served."""
         peer = await self.plane.dial_offerer(ticket)
         if peer.daemon_id != ticket.daemon_id:
             raise IncompatibleError(
@@ -139,11 +142,12 @@ class RemotePull:
                 await receiving
                 record.data_plane_s = time.perf_counter() - started
                 record.mark("received")
+                readers = 1 + (await hand_on() if hand_on is not None else 0)
                 # Every receive has completed, so every byte has landed (the tags are this
                 # transfer's own): say done now, while the offerer's "sent" is on its way.
                 await self.faults.hit("before_done", transfer_id=record.transfer_id)
                 record.committed = True  # the sender releases the offer as pulled on this message
-                await call.done(self.settings.peer_timeout_s)
+                await call.done(self.settings.peer_timeout_s, readers)
                 # From here the offerer decides (peer.proto, "Outcomes"): closed is success, an
                 # error status is failure. Neither the pull's own deadline nor a step deadline
                 # may decide instead, or a late closed would fail this side only; the stream's

@@ -81,9 +81,9 @@ class OffererStream(Protocol):
 
     async def sent(self, nbytes: int, transport: str) -> None: ...
 
-    async def read_done(self) -> tuple[bool, str] | None:
-        """The puller's ``done`` as ``(ok, detail)``; None for the end of the stream or any
-        other message."""
+    async def read_done(self) -> tuple[bool, str, int] | None:
+        """The puller's ``done`` as ``(ok, detail, readers served)``; None for the end of the
+        stream or any other message."""
 
     async def closed(self) -> None: ...
 
@@ -262,7 +262,7 @@ class TransferServer:
         await self.faults.hit("after_done_read", transfer_id=record.transfer_id)
         if done is None:
             raise UnavailableError("receiver closed the transfer without confirming")
-        ok, detail = done
+        ok, detail, readers = done
         if not ok:
             raise UnavailableError(f"receiver reported failure: {detail}")
         left = stream.time_remaining()
@@ -274,5 +274,5 @@ class TransferServer:
                 f"deadline left (under {COMMIT_MARGIN_S}s): too late to commit"
             )
         record.committed = True  # with the release below, in one step of the loop
-        self.offers.pulled(offer, record.transfer_id)
+        self.offers.pulled(offer, record.transfer_id, readers)
         await stream.closed()

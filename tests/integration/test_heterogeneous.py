@@ -10,6 +10,12 @@ offer serves as many pulls as it has readers and is released as pulled after the
 from __future__ import annotations
 
 import base64
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -168,3 +174,115 @@ def test_a_reader_that_never_comes_leaves_the_offer_to_its_lease(two_daemons: Cl
     released = prefill("released", offer_ids=[ticket["offer_id"]], timeout_s=10)
     assert released["reasons"] == ["expired"]
     assert "1 of its 2 readers" in released["details"][0]
+
+
+def test_mla_ranks_behind_one_daemon_read_the_offer_once_over_the_wire(cluster: Cluster) -> None:
+    """MLA: one latent "head" every decode rank holds whole. Four decode ranks behind daemon
+    b pull one prefill offer (four readers) from daemon a: the first pull goes over the wire,
+    the three that come while it runs join it and get the bytes by a local copy on b. The
+    offerer serves one transfer, counts four readers and releases the offer as pulled.
+
+    The offerer holds the first pull at ``after_accepted`` until the others have come: the
+    test starts them once that pause has been hit (its log line), so they always find it."""
+    a = cluster.daemon("a", "--fault-injection", "--faults", "after_accepted=pause:4")
+    b = cluster.daemon("b")
+    logical = logical_kv(1, TOKENS, seed=11)
+    p_ids = [5, 2, 9]
+    src = Pool.empty(rank_heads(1, 1, 0), 16, "HND")
+    src.fill(logical, p_ids)
+    prefill = _engine(cluster, a, "p-mla", src, 1, 1, 0)
+    [ticket] = prefill("offer", requests=[p_ids], readers=4, lease_s=60)["tickets"]
+    pools = [Pool.empty(rank_heads(1, 4, rank), 16, "HND") for rank in range(4)]
+    decodes = [_engine(cluster, b, f"d{rank}-mla", pools[rank], 1, 4, rank) for rank in range(4)]
+    d_ids = [[1, 2, 3], [7, 0, 4], [3, 9, 11], [20, 21, 22]]
+    with ThreadPoolExecutor(4) as pool:
+        first = pool.submit(decodes[0], "pull", pulls=[[ticket, d_ids[0]]])
+        _wait_for(lambda: "fault.hit" in a.log(), "the offerer to hold the first pull")
+        rest = [pool.submit(decodes[r], "pull", pulls=[[ticket, d_ids[r]]]) for r in range(1, 4)]
+        results = [f.result()["results"][0] for f in (first, *rest)]
+    assert all(r["ok"] for r in results), results
+    assert [r["transport"] == "shared" for r in results] == [False, True, True, True], results
+    for engine, pool_, ids in zip(decodes, pools, d_ids, strict=True):
+        for got, want in zip(_buffers(engine), pool_.expected(logical, ids, pool_.heads, TOKENS), strict=True):
+            np.testing.assert_array_equal(got, want)
+    assert prefill("released", offer_ids=[ticket["offer_id"]])["reasons"] == ["pulled"]
+    served = [t for t in _ctl(a, "transfers", "--all") if t["offer"] == ticket["offer_id"]]
+    assert len(served) == 1 and served[0]["state"] == "succeeded", served
+    pulled = {t["transfer"]: t for t in _ctl(b, "transfers", "--all") if t["offer"] == ticket["offer_id"]}
+    assert "read once for 4 readers" in pulled[results[0]["transfer_id"]]["detail"]
+    assert all(results[0]["transfer_id"] in pulled[r["transfer_id"]]["detail"] for r in results[1:])
+
+
+def test_a_reader_that_cannot_join_pulls_on_its_own(cluster: Cluster) -> None:
+    """Readers of one MLA offer that come one after another each read over the wire (nothing
+    runs to join), and the offer is released after the last of its readers."""
+    a, b = cluster.daemon("a"), cluster.daemon("b")
+    logical = logical_kv(1, TOKENS, seed=12)
+    src = Pool.empty(rank_heads(1, 1, 0), 16, "HND")
+    src.fill(logical, [0, 1, 2])
+    prefill = _engine(cluster, a, "p-mla2", src, 1, 1, 0)
+    [ticket] = prefill("offer", requests=[[0, 1, 2]], readers=2, lease_s=60)["tickets"]
+    for rank in range(2):
+        pool = Pool.empty(rank_heads(1, 2, rank), 16, "HND")
+        decode = _engine(cluster, b, f"d{rank}-mla2", pool, 1, 2, rank)
+        [result] = decode("pull", pulls=[[ticket, [4, 5, 6]]])["results"]
+        assert result["ok"] and result["transport"] != "shared", result
+        for got, want in zip(_buffers(decode), pool.expected(logical, [4, 5, 6], pool.heads, TOKENS), strict=True):
+            np.testing.assert_array_equal(got, want)
+    assert prefill("released", offer_ids=[ticket["offer_id"]])["reasons"] == ["pulled"]
+    assert len([t for t in _ctl(a, "transfers", "--all") if t["offer"] == ticket["offer_id"]]) == 2
+
+
+def _wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def _ctl(daemon: Daemon, *args: str) -> list[dict[str, Any]]:
+    cmd = [sys.executable, "-m", "kvxfer_client._ctl", "--socket", daemon.socket, *args, "--json"]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout)  # type: ignore[no-any-return]
+
+
+def _shared_read_failing(cluster: Cluster, faults: str, tag: str) -> tuple[list[dict[str, Any]], str]:
+    """Four MLA readers behind daemon b of one offer on daemon a, which holds the first pull at
+    ``after_accepted`` (3 s) until the others joined and then fails it as ``faults`` says:
+    the pull results (the leader's first) and how the offer was released."""
+    a = cluster.daemon("a", "--fault-injection", "--faults", "after_accepted=pause:3;" + faults)
+    b = cluster.daemon("b")
+    src = Pool.empty(rank_heads(1, 1, 0), 16, "HND")
+    src.fill(logical_kv(1, TOKENS, seed=13), [0, 1, 2])
+    prefill = _engine(cluster, a, f"p-{tag}", src, 1, 1, 0)
+    [ticket] = prefill("offer", requests=[[0, 1, 2]], readers=4, lease_s=60)["tickets"]
+    pools = [Pool.empty(rank_heads(1, 4, r), 16, "HND") for r in range(4)]
+    decodes = [_engine(cluster, b, f"d{r}-{tag}", pools[r], 1, 4, r) for r in range(4)]
+    with ThreadPoolExecutor(4) as pool:
+        first = pool.submit(decodes[0], "pull", pulls=[[ticket, [3, 4, 5]]])
+        _wait_for(lambda: "fault.hit" in a.log(), "the offerer to hold the first pull")
+        rest = [pool.submit(decodes[r], "pull", pulls=[[ticket, [3, 4, 5]]]) for r in range(1, 4)]
+        results = [f.result()["results"][0] for f in (first, *rest)]
+    [reason] = prefill("released", offer_ids=[ticket["offer_id"]])["reasons"]
+    return results, reason
+
+
+def test_joiners_of_a_read_that_fails_before_its_bytes_land_pull_on_their_own(cluster: Cluster) -> None:
+    """The shared read fails before any byte lands (a broken endpoint): the offerer releases
+    the offer as failed, the joiners pull on their own and are told the offer is gone."""
+    results, reason = _shared_read_failing(cluster, "endpoint_broken=fail:1", "mla-broken")
+    assert results[0]["type"] == "UnavailableError", results[0]
+    assert all(r["type"] == "NotFoundError" and "failed" in r["error"] for r in results[1:]), results
+    assert reason == "failed"
+
+
+def test_joiners_counted_in_a_read_that_then_fails_share_its_failure(cluster: Cluster) -> None:
+    """Every byte landed and the joiners got their copies, but the offerer fails the transfer
+    before it reads done: the joiners were counted in it, so they fail with it, each with its
+    own typed error naming the shared read."""
+    results, reason = _shared_read_failing(cluster, "after_chunk_sent:0=fail:1", "mla-late")
+    assert all(r["type"] == "UnavailableError" for r in results), results
+    leaders = {r["error"].split("the shared read ")[1].split()[0] for r in results[1:]}
+    assert len(leaders) == 1 and leaders.pop().startswith("xfer-"), results
+    assert reason == "failed"

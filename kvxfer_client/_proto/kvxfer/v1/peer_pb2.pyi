@@ -218,17 +218,25 @@ class TransferDone(_message.Message):
 
     OK_FIELD_NUMBER: _builtins.int
     DETAIL_FIELD_NUMBER: _builtins.int
+    READERS_FIELD_NUMBER: _builtins.int
     ok: _builtins.bool
     detail: _builtins.str
+    readers: _builtins.int
+    """Readers of the offer this transfer served (0 means 1): more than one when the receiving
+    daemon copied the bytes on to other pulls of the same ticket and blocks behind it (MLA's
+    latent KV, a replicated head). The offerer counts them toward the offer's readers, up to
+    the readers it has left.
+    """
     def __init__(
         self,
         *,
         ok: _builtins.bool = ...,
         detail: _builtins.str = ...,
+        readers: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["detail", b"detail", "ok", b"ok"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["detail", b"detail", "ok", b"ok", "readers", b"readers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
