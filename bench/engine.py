@@ -20,6 +20,8 @@ command line gets one JSON reply line on stdout (``{"ok": true, ...}`` or ``{"ok
   every destination byte against the prefill pool regenerated from its seed;
 * ``dump``: the pool's bytes, base64, one string per buffer;
 * ``released``: ``{"op": "released", "offer_ids": [...], "timeout_s": 10}`` waits for events;
+* ``echo``: ``{"op": "echo", "count": 20}``: that many gRPC health checks, one at a time, on
+  the daemon's engine socket (a unary round trip through its event loop): their seconds;
 * ``exit``.
 
 Run: ``python -m bench.engine --socket /path/to/kvxferd.sock --name prefill``.
@@ -36,6 +38,7 @@ import sys
 import time
 from typing import Any
 
+import grpc
 import numpy as np
 import numpy.typing as npt
 
@@ -98,6 +101,7 @@ class Engine:
         self.pool: Pool | None = None
         self.shape: dict[str, int] = {}
         self.memory = "host"
+        self._echo: Any = None
 
     def arrays(self) -> list[npt.NDArray[np.uint8]]:
         """The pool's buffers as host byte arrays (a copy from the GPU for GPU pools)."""
@@ -213,6 +217,19 @@ class Engine:
     async def op_withdraw(self, offer_id: str) -> Any:
         await self.client.release(offer_id)
         return {}
+
+    async def op_echo(self, count: int) -> Any:
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        if self._echo is None:
+            channel = grpc.aio.insecure_channel(f"unix:{self.client.socket_path}")
+            self._echo = health_pb2_grpc.HealthStub(channel)
+        times = []
+        for _ in range(count):
+            t0 = time.perf_counter()
+            await self._echo.Check(health_pb2.HealthCheckRequest(), timeout=10)
+            times.append(time.perf_counter() - t0)
+        return {"seconds": times}
 
     async def op_released(self, offer_ids: list[str], timeout_s: float = 10.0) -> Any:
         events = await asyncio.gather(*(self.client.wait_released(o, timeout_s) for o in offer_ids))

@@ -89,7 +89,10 @@ class UcxTransport:
                 return ep
             addr = self._address_cls.create_from_buffer(address)
             try:
-                ep = await self._ucxx.create_endpoint_from_worker_address(addr, endpoint_error_handling=error_handling)
+                with self._busy():  # wire-up messages go both ways: progress them promptly
+                    ep = await self._ucxx.create_endpoint_from_worker_address(
+                        addr, endpoint_error_handling=error_handling
+                    )
             except self._ucxx.exceptions.UCXError as exc:  # e.g. a dead peer's shared memory is gone
                 raise UnavailableError(f"cannot make a UCX endpoint to {peer_id}: {exc!r}") from None
             self._endpoints[peer_id] = ep
@@ -338,9 +341,14 @@ class UcxTransport:
         # The pool's own receives are cancelled by now; swallowing what the sender still has
         # in flight happens in the background, off the failure path.
         missing = [tag_base | c.index for c in plan.chunks if c.index not in landed]
-        drain = asyncio.create_task(self.iov.drain(missing, max(c.nbytes for c in plan.chunks)))
+        drain = asyncio.create_task(self._draining(missing, max(c.nbytes for c in plan.chunks)))
         self._drains.add(drain)
         drain.add_done_callback(self._drains.discard)
+
+    async def _draining(self, tags: list[int], nbytes: int) -> None:
+        assert self.iov is not None
+        with self._busy():  # the sender's chunks still in flight land at transfer speed
+            await self.iov.drain(tags, nbytes)
 
     def _busy(self) -> AbstractContextManager[None]:
         return self.progress.busy() if self.progress is not None else nullcontext()
