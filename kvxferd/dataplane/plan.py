@@ -176,16 +176,21 @@ def _plan_whole(seg_buf: I64, seg_off: I64, seg_len: I64, chunk_bytes: int) -> S
     if (seg_end[bounds] - seg_len[bounds] != bases).any():
         return None
     n = len(seg_off)
+    new_buffer = np.empty(n, dtype=bool)
+    new_buffer[0] = True
+    np.not_equal(seg_buf[1:], seg_buf[:-1], out=new_buffer[1:])
     # A piece that does not continue the one before it: another buffer, or not adjacent.
     fresh = np.empty(n, dtype=bool)
     fresh[0] = True
     np.not_equal(seg_off[1:], seg_off[:-1] + seg_len[:-1], out=fresh[1:])
-    new_buffer = np.flatnonzero(seg_buf[1:] != seg_buf[:-1]) + 1
-    fresh[new_buffer] = True
+    fresh |= new_buffer
     # Contiguous ranges per chunk: its first piece starts one whatever came before.
     ranges = np.add.reduceat(fresh, bounds) - fresh[bounds] + 1
-    new_length = np.flatnonzero(seg_len[1:] != seg_len[:-1]) + 1
-    run_starts = np.union1d(np.union1d(bounds, new_buffer), new_length).tolist()
+    # A run starts with a chunk, a buffer or a piece length (masks: no sorting, no sets).
+    new_run = new_buffer
+    new_run[1:] |= seg_len[1:] != seg_len[:-1]
+    new_run[bounds] = True
+    run_starts = np.flatnonzero(new_run).tolist()
     run_ends = [*run_starts[1:], n]
     chunk_ends = [*bounds[1:].tolist(), n]
     chunks: list[ChunkPlan] = []
