@@ -80,15 +80,18 @@ class RemotePull:
                 f"the daemon at {ticket.peer_address} is {peer.daemon_id!r}, the ticket names {ticket.daemon_id!r}"
             )
         record.transport = self.plane.transport(peer, dst)
+        record.mark("dialled")
         # The most this side can take per chunk; the sender picks the size (TransferAccepted).
         max_chunk = self.settings.gpu_chunk_bytes if dst.on_gpu else self.settings.chunk_bytes
         side = BlockSide.of(dst.device, dst.base, dst.regions, dst_ids) if dst.device is not None else None
         async with contextlib.AsyncExitStack() as stack:
             ep = await self.plane.endpoint(peer)
+            record.mark("endpoint")
             tag_base = secrets.randbits(40) << 24
             # The stream's deadline (which the offerer sees too) bounds the wait for closed.
             stream_deadline_s = timeout + self.settings.peer_timeout_s
             call = peer.open_transfer(stream_deadline_s)
+            record.mark("opened")
             receiving: asyncio.Task[None] | None = None
             sent: asyncio.Task[Any] | None = None
             lease: StagingLease | None = None
