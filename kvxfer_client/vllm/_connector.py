@@ -253,8 +253,18 @@ def _backend_shape(config: VllmConfig, kv_cache_config: KVCacheConfig) -> tuple[
 
 
 def _total_kv_heads(config: VllmConfig) -> int:
-    """The model's KV heads before the tensor-parallel split (0 when vLLM cannot say)."""
+    """The model's KV heads before the tensor-parallel split (0 when vLLM cannot say). MLA's
+    latent KV is one "head" every rank holds whole, whatever the model's attention heads.
+
+    >>> from types import SimpleNamespace as NS
+    >>> def config(mla):
+    ...     return NS(model_config=NS(use_mla=mla, get_total_num_kv_heads=lambda: 128))
+    >>> _total_kv_heads(config(False)), _total_kv_heads(config(True))
+    (128, 1)
+    """
     try:
+        if getattr(config.model_config, "use_mla", False):
+            return 1  # vLLM gives each rank one KV "head" then (ModelConfig.get_num_kv_heads)
         return int(config.model_config.get_total_num_kv_heads())
     except (AttributeError, TypeError, ValueError):
         return 0
