@@ -1,9 +1,10 @@
 """kvxfer host-memory benchmark: local and remote paths next to a plain UCXX baseline.
 
-Run: ``python -m bench [--iters 8] [--workloads b16,b128,contig,small,sliced] [--out results.json]``.
+Run: ``python -m bench [--iters 8] [--workloads b16,b128,contig,small,sliced,lean] [--out results.json]``.
 Prints one JSON line per (workload, path) and a summary line with the remote/baseline ratio;
 ``sliced`` (``bench/sliced.py``) adds remapped handoffs (other TP, head order, block size)
-with their ratio to plain ones of the same bytes.
+with their ratio to plain ones of the same bytes; ``lean`` (``bench/lean.py``) the fixed cost
+of a handoff against same-run gRPC echoes, offers under load, CPU per GB, and contention.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import sys
 
 import numpy as np
 
-from . import sliced, ucx_baseline
+from . import lean, sliced, ucx_baseline
 from .cluster import Cluster
 from .workloads import WORKLOADS, both_paths, run_concurrent, run_sequential
 
@@ -24,7 +25,7 @@ SEED = 7
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--iters", type=int, default=8)
-    parser.add_argument("--workloads", default="b16,b128,contig,small,sliced")
+    parser.add_argument("--workloads", default="b16,b128,contig,small,sliced,lean")
     parser.add_argument("--small-count", type=int, default=2000)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--out", help="also write every line into this JSON file")
@@ -43,6 +44,9 @@ def main() -> None:
     for name in args.workloads.split(","):
         if name == "sliced":
             sliced.run(max(args.iters, 16), emit)
+            continue
+        if name == "lean":
+            lean.run(max(args.iters, 20), 1, lambda row: emit({"workload": "lean", **row}))
             continue
         w = WORKLOADS[name]
         with Cluster() as c:

@@ -12,9 +12,11 @@ round by round in one run so that the machine's drift hits every figure alike:
 * ``cpu``: both daemons' CPU seconds per GB moved (256 MiB remote handoffs), and their CPU
   use while idle with live peers;
 * ``contended``: 256 MiB remote GB/s quiet and with ``--busy`` busy-looping processes beside
-  the daemons (the same-host transport UCX picks between two daemons here).
+  the daemons, over the same-host transport UCX picks between two daemons here and over TCP
+  (a second pair of daemons with ``UCX_TLS=tcp,self``, as two hosts without RDMA use).
 
-Run: ``python -m bench.lean [--rounds 30] [--busy 1]``; one JSON line per figure.
+Run: ``python -m bench.lean [--rounds 30] [--busy 1]``; one JSON line per figure (``python
+-m bench`` runs it as workload ``lean``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -51,13 +54,13 @@ def p50(values: list[float]) -> float:
 
 
 class Bench:
-    def __init__(self, cluster: Cluster) -> None:
-        self.a, self.b = cluster.daemon("lean-a"), cluster.daemon("lean-b")
+    def __init__(self, cluster: Cluster, tag: str = "lean", env: dict[str, str] | None = None) -> None:
+        self.a, self.b = cluster.daemon(f"{tag}-a", env=env), cluster.daemon(f"{tag}-b", env=env)
         self.rng = np.random.default_rng(3)
         self.transport = ""
 
         def engine(daemon: Daemon, name: str, shape: dict[str, int], seed: int | None = None) -> EngineProcess:
-            e = cluster.engine(daemon, name)
+            e = cluster.engine(daemon, f"{tag}-{name}")
             e("pool", shape=shape, seed=seed)
             return e
 
@@ -105,17 +108,20 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--busy", type=int, default=1, help="busy-looping processes in the contended rounds")
     args = parser.parse_args()
+    run(args.rounds, args.busy, lambda row: print(json.dumps(row), flush=True))
 
-    def emit(row: dict[str, Any]) -> None:
-        print(json.dumps(row), flush=True)
 
+def run(rounds: int, busy: int, emit: Callable[[dict[str, Any]], None]) -> None:
+    """Every figure, ``rounds`` rounds interleaved (the heavier ones every fifth round)."""
     with Cluster() as cluster:
         bench = Bench(cluster)
+        tcp = Bench(cluster, "lean-tcp", env={"UCX_TLS": "tcp,self"})
+        tcp_quiet, tcp_contended = [], []
         local, remote, echo2, mid, big = [], [], [], [], []
         idle_offer, loaded_offer = [], []
         cpu_big, quiet, contended, cpu_quiet, cpu_contended = [], [], [], [], []
         daemons = (bench.a, bench.b)
-        for r in range(args.rounds + 2):
+        for r in range(rounds + 2):
             warm = r >= 2
             e = bench.small_local("echo", count=4)["seconds"]
             h_local = bench.handoff(bench.small_p, bench.small_local, 1, 4096)
@@ -135,11 +141,14 @@ def main() -> None:
                 idle_offer += idle
             if warm and r % 5 == 2:  # the heavier rounds, every fifth
                 loaded_offer += bench.offers_under_load(64)
-                q, c, cq, cc = _contended(bench, daemons, args.busy)
+                q, c, cq, cc = _contended(bench, daemons, busy)
                 quiet.append(q)
                 contended.append(c)
                 cpu_quiet.append(cq)
                 cpu_contended.append(cc)
+                q, c, _, _ = _contended(tcp, (tcp.a, tcp.b), busy)
+                tcp_quiet.append(q)
+                tcp_contended.append(c)
         emit(
             {
                 "figure": "fixed",
@@ -175,13 +184,23 @@ def main() -> None:
         emit(
             {
                 "figure": "contended",
-                "busy": args.busy,
+                "busy": busy,
                 "quiet_gbps": statistics.median(quiet),
                 "contended_gbps": statistics.median(contended),
                 "ratio": statistics.median(contended) / statistics.median(quiet),
                 "cpu_s_per_gb_quiet": statistics.median(cpu_quiet),
                 "cpu_s_per_gb_contended": statistics.median(cpu_contended),
                 "transport": bench.transport,
+            }
+        )
+        emit(
+            {
+                "figure": "contended",
+                "busy": busy,
+                "quiet_gbps": statistics.median(tcp_quiet),
+                "contended_gbps": statistics.median(tcp_contended),
+                "ratio": statistics.median(tcp_contended) / statistics.median(tcp_quiet),
+                "transport": tcp.transport,
             }
         )
 
