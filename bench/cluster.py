@@ -9,6 +9,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -220,3 +221,13 @@ class Cluster:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
+    """Poll ``condition`` (every 20 ms) until it holds; AssertionError naming ``what`` after
+    ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)

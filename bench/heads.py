@@ -8,6 +8,7 @@ block heads-major (``[heads, block_tokens, head_bytes]``, HND) or tokens-major (
 
 from __future__ import annotations
 
+import base64
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,7 +18,9 @@ from kvxfer_client._geometry import HeadRange
 from kvxferd.dataplane.plan import RegionTable
 from kvxferd.dataplane.remap import Side
 
-__all__ = ["HEAD_BYTES", "LAYERS", "POOL_BLOCKS", "Pool", "logical_kv"]
+from .cluster import Cluster, Daemon, EngineProcess
+
+__all__ = ["HEAD_BYTES", "LAYERS", "POOL_BLOCKS", "Pool", "engine_with", "logical_kv", "pool_bytes"]
 
 LAYERS, HEAD_BYTES, POOL_BLOCKS = 3, 8, 24
 
@@ -93,3 +96,36 @@ class Pool:
 
 def logical_kv(heads: int, tokens: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(1, 256, (LAYERS, 2, tokens, heads, HEAD_BYTES), dtype=np.uint8)
+
+
+def engine_with(
+    cluster: Cluster, daemon: Daemon, name: str, pool: Pool, heads: int, tp: int, rank: int
+) -> EngineProcess:
+    """An engine process on ``daemon`` with ``pool`` (its bytes included) registered as TP rank
+    ``rank`` of ``tp`` over ``heads`` KV heads."""
+    engine = cluster.engine(daemon, name)
+    layout = pool.layout(heads, tp, rank)
+    engine(
+        "pool",
+        shape={"layers": LAYERS, "blocks": POOL_BLOCKS, "block_bytes": pool.block_bytes},
+        model={
+            "model": layout.model.model,
+            "dtype": "u8",
+            "block_tokens": pool.block_tokens,
+            "tp_size": tp,
+            "tp_rank": rank,
+        },
+        geometry={
+            "block_tokens": pool.block_tokens,
+            "total_kv_heads": heads,
+            "head_bytes": HEAD_BYTES,
+            "order": pool.order,
+        },
+        data=[base64.b64encode(b.tobytes()).decode() for b in pool.buffers],
+    )
+    return engine
+
+
+def pool_bytes(engine: EngineProcess) -> list[np.ndarray]:
+    """The engine's pool buffers as they are now."""
+    return [np.frombuffer(base64.b64decode(b), dtype=np.uint8) for b in engine("dump")["buffers"]]

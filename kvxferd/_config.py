@@ -95,6 +95,12 @@ class Settings:
     ucx_iov_send: bool = _setting(
         True, "Send fragmented chunks straight from the pool with UCP IOV sends; off: pack each into staging first."
     )
+    same_host_direct_read: bool = _setting(
+        True,
+        "Between daemons on one host, the decode daemon reads offered host blocks straight from the offering "
+        "daemon's memory (process_vm_readv) once a probe proves it may; the offering daemon then does no work "
+        "per byte. Off, or where the probe fails: UCX's shared-memory transport.",
+    )
     ucx_enabled: bool = _setting(
         True, "The UCX data plane; off, the daemon serves the local path only (its peer port reports NOT_SERVING)."
     )

@@ -14,6 +14,10 @@ if ROOT not in sys.path:
 
 from bench.cluster import Cluster  # noqa: E402
 
+# The daemons here share one host but stand for daemons on different hosts: their pulls go over
+# UCX, as between hosts. Tests of same-host direct reads turn those on for their own daemons.
+os.environ.setdefault("KVXFERD_SAME_HOST_DIRECT_READ", "false")
+
 
 def _has_gpu() -> bool:
     try:

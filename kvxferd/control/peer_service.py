@@ -35,6 +35,13 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
         return peer_pb2.HelloResponse(identity=self.node.identity())
 
     @rpc_method
+    async def ProbeDirectRead(  # noqa: N802
+        self, request: peer_pb2.DirectReadProbe, context: Ctx
+    ) -> peer_pb2.DirectReadProof:
+        pid, address = self.node.prove_direct_read(bytes(request.nonce))
+        return peer_pb2.DirectReadProof(pid=pid, address=address)
+
+    @rpc_method
     # Served with context.read()/write() rather than as a generator: the exchange is a
     # fixed sequence of steps (see peer.proto), not a stream of like messages.
     async def Transfer(self, request_iterator: Any, context: Ctx) -> None:  # type: ignore[override]  # noqa: N802
@@ -74,10 +81,19 @@ class _OffererStream:
         await self._context.send_initial_metadata(())
 
     async def accepted(
-        self, total_bytes: int, num_chunks: int, chunk_bytes: int, signature: common_pb2.LayoutSignature
+        self,
+        total_bytes: int,
+        num_chunks: int,
+        chunk_bytes: int,
+        signature: common_pb2.LayoutSignature,
+        direct: peer_pb2.DirectReadSource | None = None,
     ) -> None:
         msg = peer_pb2.TransferAccepted(
-            total_bytes=total_bytes, num_chunks=num_chunks, chunk_bytes=chunk_bytes, sender_signature=signature
+            total_bytes=total_bytes,
+            num_chunks=num_chunks,
+            chunk_bytes=chunk_bytes,
+            sender_signature=signature,
+            direct=direct,
         )
         await self._context.write(peer_pb2.TransferServerMessage(accepted=msg))
 

@@ -128,4 +128,5 @@ def serve_request(msg: peer_pb2.TransferStart, default_timeout_s: float) -> Serv
         tag_base=msg.tag_base,
         chunk_bytes=msg.chunk_bytes,
         timeout_s=min(msg.timeout_s or default_timeout_s, MAX_PULL_TIMEOUT_S),
+        direct_read=bool(msg.direct_read),
     )

@@ -101,10 +101,13 @@ class ProcessMemory:
     """Buffers in an engine's process at ``base`` addresses there; ``check`` raises when the
     memory may no longer be touched (session ended, process exited) and runs before each copy."""
 
-    def __init__(self, pid: int, base: npt.NDArray[np.int64], check: Callable[[], None]) -> None:
+    def __init__(
+        self, pid: int, base: npt.NDArray[np.int64], check: Callable[[], None], owner: str = "engine process"
+    ) -> None:
         self.pid: int = pid
         self.base = base
         self.check = check
+        self.owner = owner  # what errors call the process
 
     def view(self, chunk: ChunkPlan) -> U8 | None:
         return None
@@ -144,9 +147,9 @@ class ProcessMemory:
             call(self.pid, local, self.iov(chunk))
         except OSError as exc:
             if exc.errno == errno.ESRCH:
-                raise UnavailableError(f"the engine process {self.pid} exited") from None
+                raise UnavailableError(f"the {self.owner} {self.pid} exited") from None
             self.check()  # the session ended or the process exited meanwhile: say that
-            raise UnavailableError(f"cannot reach engine process {self.pid}'s memory: {exc}") from None
+            raise UnavailableError(f"cannot reach {self.owner} {self.pid}'s memory: {exc}") from None
 
 
 def copy_between(

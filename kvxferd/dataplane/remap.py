@@ -141,14 +141,22 @@ def side_of(layout: Layout, regions: RegionTable, block_ids: I64) -> Side:
     return Side(regions, np.asarray(block_ids, dtype=np.int64), g.block_tokens, heads, g.head_bytes, g.order)
 
 
-def peer_side(signature: common_pb2.LayoutSignature, num_blocks: int) -> Side:
-    """The other daemon's side, from its signature: enough to plan this side (its regions are
-    stand-ins, their offsets are never used here)."""
+def peer_side(
+    signature: common_pb2.LayoutSignature,
+    num_blocks: int,
+    regions: RegionTable | None = None,
+    block_ids: I64 | None = None,
+) -> Side:
+    """The other daemon's side, from its signature: enough to plan this side. ``regions`` and
+    ``block_ids``: where its blocks lie, when it said so (a direct read plans its side too);
+    else stand-ins whose offsets are never used."""
     layout = Layout(
         max(1, num_blocks), (), ModelInfo.from_proto(signature.model), KvGeometry.from_proto(signature.geometry)
     )
-    regions = RegionTable.from_regions([(0, 0, 0, n) for n in signature.block_bytes])
-    return side_of(layout, regions, np.arange(num_blocks, dtype=np.int64))
+    if regions is None:
+        regions = RegionTable.from_regions([(0, 0, 0, n) for n in signature.block_bytes])
+    ids = np.arange(num_blocks, dtype=np.int64) if block_ids is None else block_ids
+    return side_of(layout, regions, ids)
 
 
 def remap_plans(src: _Pool, src_ids: I64, dst: _Pool, dst_ids: I64, chunk_bytes: int) -> tuple[SidePlan, SidePlan]:

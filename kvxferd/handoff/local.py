@@ -129,31 +129,13 @@ class LocalHandoff:
                 await self._copy_host(src, src_plan, dst, dst_plan)
 
     async def _copy_host(self, src: Pool, src_plan: SidePlan, dst: Pool, dst_plan: SidePlan) -> None:
-        """Inline when small, else the chunks dealt round-robin to the copy threads (a lone
-        handoff uses them all)."""
-        if src_plan.total_bytes <= INLINE_COPY_BYTES:
-            # Microseconds of copying: the hop to a copy thread and back would cost more.
-            copy_plan(src.host_memory(), src_plan, dst.host_memory(), dst_plan, self.single_pass)
-            return
-        stop = threading.Event()
-        parts = min(self.copy_threads, len(src_plan.chunks))
-        loop = asyncio.get_running_loop()
-        src_mem, dst_mem = src.host_memory(), dst.host_memory()
-        copying = [
-            loop.run_in_executor(
-                self.executor, copy_plan, src_mem, src_plan, dst_mem, dst_plan, self.single_pass, stop, k, parts
-            )
-            for k in range(parts)
-        ]
-        try:
-            await asyncio.shield(asyncio.gather(*copying))
-        except BaseException:
-            # Every copy thread stops at its next chunk; wait for them all, so that nobody
-            # hears "failed" or "cancelled" (and reuses the destination) while one can still
-            # write there.
-            stop.set()
-            await asyncio.wait(copying)
-            raise
+        await copy_in_threads(
+            self.executor,
+            self.copy_threads,
+            (src.host_memory(), src_plan),
+            (dst.host_memory(), dst_plan),
+            self.single_pass,
+        )
 
     async def _copy_gpu(
         self, src: Pool, src_ids: np.ndarray[Any, Any], dst: Pool, dst_ids: np.ndarray[Any, Any]
@@ -169,6 +151,37 @@ class LocalHandoff:
             BlockSide.of(src_dev, src.base, src.regions, src_ids),
             BlockSide.of(device, dst.base, dst.regions, dst_ids),
         )
+
+
+async def copy_in_threads(
+    executor: Executor,
+    threads: int,
+    src: tuple[HostMemory, SidePlan],
+    dst: tuple[HostMemory, SidePlan],
+    single_pass: bool,
+) -> None:
+    """Copy a stream between two host memories: inline when small, else the chunks dealt
+    round-robin to ``threads`` copy threads (a lone handoff uses them all)."""
+    (src_mem, src_plan), (dst_mem, dst_plan) = src, dst
+    if src_plan.total_bytes <= INLINE_COPY_BYTES:
+        # Microseconds of copying: the hop to a copy thread and back would cost more.
+        copy_plan(src_mem, src_plan, dst_mem, dst_plan, single_pass)
+        return
+    stop = threading.Event()
+    parts = min(threads, len(src_plan.chunks))
+    loop = asyncio.get_running_loop()
+    copying = [
+        loop.run_in_executor(executor, copy_plan, src_mem, src_plan, dst_mem, dst_plan, single_pass, stop, k, parts)
+        for k in range(parts)
+    ]
+    try:
+        await asyncio.shield(asyncio.gather(*copying))
+    except BaseException:
+        # Every copy thread stops at its next chunk; wait for them all, so that nobody hears
+        # "failed" or "cancelled" (and reuses the destination) while one can still write there.
+        stop.set()
+        await asyncio.wait(copying)
+        raise
 
 
 def copy_plan(

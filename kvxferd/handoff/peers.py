@@ -44,6 +44,10 @@ class Peer:
     last_hello: float = field(default_factory=time.time)
     channel: grpc.aio.Channel | None = None
     stub: peer_pb2_grpc.PeerServiceStub | None = None
+    #: Whether this daemon may read the peer's memory itself (None: not probed since Hello),
+    #: and the pid the probe found it at (see :mod:`.direct`).
+    direct_read: bool | None = None
+    direct_read_pid: int = 0
 
     @property
     def daemon_id(self) -> str:
@@ -61,6 +65,16 @@ class Peer:
         """Start a ``Transfer`` stream to this peer, ended by gRPC at ``deadline_s``."""
         assert self.stub is not None, "only dialled peers are pulled from"
         return TransferCall(self.stub.Transfer(timeout=deadline_s), self.address)
+
+    async def probe_direct_read(self, nonce: bytes, timeout_s: float) -> peer_pb2.DirectReadProof:
+        assert self.stub is not None, "only dialled peers are probed"
+        try:
+            proof: peer_pb2.DirectReadProof = await self.stub.ProbeDirectRead(
+                peer_pb2.DirectReadProbe(nonce=nonce), timeout=timeout_s
+            )
+        except grpc.RpcError as exc:
+            raise peer_error(exc, self.address) from None
+        return proof
 
     async def extend_lease(self, offer_id: str, token: bytes, lease_s: float, timeout_s: float) -> float:
         """Extend an offer of this peer's; returns its seconds left."""
@@ -119,8 +133,10 @@ class TransferCall:
         tag_base: int,
         chunk_bytes: int,
         timeout_s: float,
+        direct_read: bool = False,
     ) -> None:
         start = peer_pb2.TransferStart(
+            direct_read=direct_read,
             offer_block_indices=[] if offer_block_indices is None else offer_block_indices.tolist(),
             transfer_id=transfer_id,
             offer_id=offer_id,
@@ -134,11 +150,14 @@ class TransferCall:
         )
         await self._write(peer_pb2.TransferClientMessage(start=start))
 
-    async def accepted(self, timeout: float) -> tuple[int, int, common_pb2.LayoutSignature]:
-        """The offerer's ``(chunk_bytes, total_bytes, its pool's signature)``; 0 chunk bytes:
-        as offered."""
+    async def accepted(
+        self, timeout: float
+    ) -> tuple[int, int, common_pb2.LayoutSignature, peer_pb2.DirectReadSource | None]:
+        """The offerer's ``(chunk_bytes, total_bytes, its pool's signature, where its blocks
+        lie for a direct read or None)``; 0 chunk bytes: as offered."""
         msg = await self._read("accepted", timeout)
-        return int(msg.chunk_bytes), int(msg.total_bytes), msg.sender_signature
+        direct = msg.direct if msg.HasField("direct") else None
+        return int(msg.chunk_bytes), int(msg.total_bytes), msg.sender_signature, direct
 
     async def sent(self) -> None:
         """The offerer has sent every chunk (or ends the stream with its failure)."""

@@ -17,7 +17,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from kvxfer_client._errors import IncompatibleError, NotFoundError, UnavailableError
+from kvxfer_client._errors import IncompatibleError, KvxferError, NotFoundError, UnavailableError
 from kvxfer_client._proto import peer_pb2
 from kvxfer_client._ticket import Ticket
 
@@ -30,6 +30,7 @@ from ..dataplane.staging import StagingPool
 from ..dataplane.ucx import UcxTransport
 from ..dataplane.ucx_setup import describe_transport
 from ..memory.pools import Pool
+from .direct import new_nonce, probe_peer
 from .peers import Peer, PeerDirectory
 from .steps import within
 
@@ -84,6 +85,23 @@ class RemotePlane:
             self.drop_peer(peer)
             peer = await self.peers.dial(ticket.peer_address)
         return peer
+
+    async def direct_read_ok(self, peer: Peer) -> bool:
+        """Whether pulls from ``peer`` read its memory directly: a same-host peer whose probe
+        succeeded (probed once per Hello; see :mod:`.direct`)."""
+        if not (self.settings.same_host_direct_read and peer.same_host):
+            return False
+        if peer.direct_read is None:
+            nonce = new_nonce()
+            try:
+                proof = await peer.probe_direct_read(nonce, self.settings.peer_timeout_s)
+            except KvxferError as exc:
+                log_event("direct_read.off", logging.INFO, peer=peer.daemon_id, reason=str(exc))
+                peer.direct_read = False
+                return False
+            peer.direct_read = probe_peer(proof, nonce, peer.daemon_id)
+            peer.direct_read_pid = int(proof.pid)
+        return peer.direct_read
 
     def drop_peer(self, peer: Peer) -> None:
         """The peer's data plane failed: Hello again and a new endpoint at the next transfer."""

@@ -21,6 +21,7 @@ import numpy as np
 
 from kvxfer_client._errors import DeadlineExceededError, IncompatibleError, UnavailableError
 from kvxfer_client._layout import mapping_between
+from kvxfer_client._proto import common_pb2, peer_pb2
 from kvxfer_client._ticket import Ticket
 
 from .._config import Settings
@@ -33,6 +34,8 @@ from ..dataplane.remap import peer_side, plan_remap, side_of
 from ..dataplane.staging import StagingLease
 from ..dataplane.ucp_iov import CANCEL_CONFIRM_S
 from ..memory.pools import Pool
+from .direct import DIRECT_READ, source_plan
+from .local import copy_in_threads
 from .peers import Peer
 from .remote import RemotePlane
 from .steps import MIN_CHUNK
@@ -95,6 +98,8 @@ class RemotePull:
             receiving: asyncio.Task[None] | None = None
             sent: asyncio.Task[Any] | None = None
             lease: StagingLease | None = None
+            direct = side is None and await self.plane.direct_read_ok(peer)
+            source = None
             try:
                 await call.start(
                     transfer_id=record.transfer_id,
@@ -107,13 +112,14 @@ class RemotePull:
                     tag_base=tag_base,
                     chunk_bytes=max_chunk,
                     timeout_s=timeout,
+                    direct_read=direct,
                 )
                 record.mark("start_sent")
                 # Planned while the offerer claims and plans its side (the sender nearly
                 # always takes the offered chunk size).
                 mapped = dst.layout.geometry is not None
                 expected = None if mapped else _receive_plan(dst, side, dst_ids, max_chunk)
-                chunk, total_bytes, sender = await call.accepted(self.settings.peer_timeout_s)
+                chunk, total_bytes, sender, source = await call.accepted(self.settings.peer_timeout_s)
                 record.mark("accepted")
                 chunk = chunk or max_chunk
                 if not MIN_CHUNK <= chunk <= max_chunk:
@@ -133,11 +139,17 @@ class RemotePull:
                     plan = _receive_plan(dst, side, dst_ids, chunk)
                 if total_bytes != plan.total_bytes:
                     raise IncompatibleError(f"peer sends {total_bytes} bytes, destination expects {plan.total_bytes}")
-                staging, need = self.plane.staging_for(dst, plan, "receive")
-                lease = await stack.enter_async_context(staging.lease(need))
-                record.mark("staging")
                 started = time.perf_counter()
-                receiving = asyncio.create_task(self._receive(record, ep, dst, side, plan, tag_base, lease))
+                if source is not None:
+                    receiving = asyncio.create_task(
+                        self._read(record, peer, source, sender, dst, dst_ids, plan, direct)
+                    )
+                else:
+                    staging, need = self.plane.staging_for(dst, plan, "receive")
+                    lease = await stack.enter_async_context(staging.lease(need))
+                    record.mark("staging")
+                    started = time.perf_counter()
+                    receiving = asyncio.create_task(self._receive(record, ep, dst, side, plan, tag_base, lease))
                 sent = asyncio.create_task(call.sent())
                 first, _ = await asyncio.wait({receiving, sent}, return_when=asyncio.FIRST_COMPLETED)
                 if sent in first:
@@ -163,7 +175,10 @@ class RemotePull:
             except BaseException as exc:
                 if sent is not None and not sent.done():
                     sent.cancel()
-                if receiving is not None and not receiving.done():
+                if receiving is not None and not receiving.done() and source is not None:
+                    receiving.cancel()  # the copy threads stop at their next chunk; awaited there
+                    await asyncio.wait({receiving})
+                elif receiving is not None and not receiving.done():
                     await self._unwind(record, receiving, peer)
                     if lease is not None:
                         lease.poisoned = True
@@ -176,6 +191,30 @@ class RemotePull:
                 if isinstance(exc, UnavailableError):
                     self.plane.drop_peer(peer)  # the next pull says Hello again and makes a new endpoint
                 raise
+
+    async def _read(
+        self,
+        record: TransferRecord,
+        peer: Peer,
+        source: peer_pb2.DirectReadSource,
+        sender: common_pb2.LayoutSignature,
+        dst: Pool,
+        dst_ids: np.ndarray[Any, Any],
+        plan: SidePlan,
+        asked: bool,
+    ) -> None:
+        """Read the offered blocks out of the offering daemon's memory (:mod:`.direct`)."""
+        if not asked or source.pid != peer.direct_read_pid:
+            raise IncompatibleError(f"peer {peer.daemon_id} answered with a direct read this daemon did not prove")
+        record.transport = DIRECT_READ
+        src, src_plan = source_plan(source, sender, dst, dst_ids, plan.chunk_bytes, bool(record.mapping))
+        if src_plan.total_bytes != plan.total_bytes:
+            raise IncompatibleError(f"peer lends {src_plan.total_bytes} bytes, destination expects {plan.total_bytes}")
+        if [c.nbytes for c in src_plan.chunks] != [c.nbytes for c in plan.chunks]:
+            raise IncompatibleError("the peer's blocks and the destination's cut into different chunks")
+        record.mark("lent")
+        threads = self.settings.copy_threads
+        await copy_in_threads(self.executor, threads, (src, src_plan), (dst.host_memory(), plan), single_pass=False)
 
     def _receive(
         self,

@@ -26,7 +26,7 @@ from kvxfer_client._errors import (
     UnavailableError,
 )
 from kvxfer_client._layout import mapping_between, signature_mismatch
-from kvxfer_client._proto import common_pb2
+from kvxfer_client._proto import common_pb2, peer_pb2
 
 from .._config import Settings
 from .._faults import Faults
@@ -36,6 +36,8 @@ from ..dataplane.gpu_kernel import BlockSide
 from ..dataplane.gpucopy import GpuDevices
 from ..dataplane.plan import SidePlan, build_plan, num_chunks, stream_plan
 from ..dataplane.remap import peer_side, plan_remap, side_of
+from ..memory.pools import Pool
+from .direct import DIRECT_READ, source_of
 from .peers import Peer
 from .remote import RemotePlane
 from .steps import COMMIT_MARGIN_S
@@ -59,6 +61,8 @@ class ServeRequest:
     timeout_s: float
     #: Positions in the offer's block list to send (None: all).
     offer_block_indices: npt.NDArray[np.int64] | None = None
+    #: The receiver reads the blocks itself where it can (see :mod:`.direct`).
+    direct_read: bool = False
 
 
 class OffererStream(Protocol):
@@ -76,7 +80,12 @@ class OffererStream(Protocol):
     async def send_headers(self) -> None: ...
 
     async def accepted(
-        self, total_bytes: int, num_chunks: int, chunk_bytes: int, signature: common_pb2.LayoutSignature
+        self,
+        total_bytes: int,
+        num_chunks: int,
+        chunk_bytes: int,
+        signature: common_pb2.LayoutSignature,
+        direct: peer_pb2.DirectReadSource | None = None,
     ) -> None: ...
 
     async def sent(self, nbytes: int, transport: str) -> None: ...
@@ -219,6 +228,51 @@ class TransferServer:
             plan = stream_plan(side.total_bytes, chunk)
         elif not self.ucx.gather_send or pool.process is not None:
             plan = build_plan(pool.regions, src_ids, chunk)  # staging depends on it
+        source = source_of(pool, src_ids) if start.direct_read and self.settings.same_host_direct_read else None
+        if source is not None:
+            # The receiver reads the blocks itself: say where they are, and nothing to send.
+            record.transport = DIRECT_READ
+            signature = pool.layout.signature()
+            await stream.accepted(record.nbytes, num_chunks(record.nbytes, chunk), chunk, signature, source)
+            await self.faults.hit("after_accepted", transfer_id=record.transfer_id)
+            record.mark("lent")
+        else:
+            await self._send(start, peer, pool, src_ids, record, stream, chunk, plan, side)
+        record.mark("sent")
+        await stream.sent(record.nbytes, record.transport)
+        done = await stream.read_done()
+        record.mark("confirmed")
+        await self.faults.hit("after_done_read", transfer_id=record.transfer_id)
+        if done is None:
+            raise UnavailableError("receiver closed the transfer without confirming")
+        ok, detail, readers = done
+        if not ok:
+            raise UnavailableError(f"receiver reported failure: {detail}")
+        left = stream.time_remaining()
+        if left is not None and left < COMMIT_MARGIN_S:
+            # The puller gives up at this same deadline: closed might not reach it in time, so
+            # both sides fail rather than risk a success on this side only.
+            raise DeadlineExceededError(
+                f"transfer {record.transfer_id}: done came with {max(left, 0.0):.2f}s of the stream's "
+                f"deadline left (under {COMMIT_MARGIN_S}s): too late to commit"
+            )
+        record.committed = True  # with the release below, in one step of the loop
+        self.offers.pulled(offer, record.transfer_id, readers)
+        await stream.closed()
+
+    async def _send(
+        self,
+        start: ServeRequest,
+        peer: Peer,
+        pool: Pool,
+        src_ids: npt.NDArray[np.int64],
+        record: TransferRecord,
+        stream: OffererStream,
+        chunk: int,
+        plan: SidePlan | None,
+        side: BlockSide | None,
+    ) -> None:
+        """accepted, then every chunk over UCX (``plan``: made already where staging depends on it)."""
         ep = await self.plane.endpoint(peer)
         try:
             await self.faults.hit("endpoint_broken", transfer_id=record.transfer_id, peer=peer.daemon_id)
@@ -255,24 +309,3 @@ class TransferServer:
                     self.settings.window,
                     after_chunk=self.plane.chunk_fault(record.transfer_id),
                 )
-        record.mark("sent")
-        await stream.sent(plan.total_bytes, record.transport)
-        done = await stream.read_done()
-        record.mark("confirmed")
-        await self.faults.hit("after_done_read", transfer_id=record.transfer_id)
-        if done is None:
-            raise UnavailableError("receiver closed the transfer without confirming")
-        ok, detail, readers = done
-        if not ok:
-            raise UnavailableError(f"receiver reported failure: {detail}")
-        left = stream.time_remaining()
-        if left is not None and left < COMMIT_MARGIN_S:
-            # The puller gives up at this same deadline: closed might not reach it in time, so
-            # both sides fail rather than risk a success on this side only.
-            raise DeadlineExceededError(
-                f"transfer {record.transfer_id}: done came with {max(left, 0.0):.2f}s of the stream's "
-                f"deadline left (under {COMMIT_MARGIN_S}s): too late to commit"
-            )
-        record.committed = True  # with the release below, in one step of the loop
-        self.offers.pulled(offer, record.transfer_id, readers)
-        await stream.closed()

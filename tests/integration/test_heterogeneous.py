@@ -9,51 +9,20 @@ offer serves as many pulls as it has readers and is released as pulled after the
 
 from __future__ import annotations
 
-import base64
 import json
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import pytest
 
-from bench.cluster import Cluster, Daemon, EngineProcess
-from bench.heads import HEAD_BYTES, LAYERS, POOL_BLOCKS, Pool, logical_kv
+from bench.cluster import Cluster, Daemon, wait_for
+from bench.heads import HEAD_BYTES, LAYERS, POOL_BLOCKS, Pool, engine_with, logical_kv, pool_bytes
 from kvxfer_client._geometry import head_sources, rank_heads, readers
 
 TOKENS = 45  # three blocks of 16, the last partly filled
-
-
-def _engine(cluster: Cluster, daemon: Daemon, name: str, pool: Pool, heads: int, tp: int, rank: int) -> EngineProcess:
-    engine = cluster.engine(daemon, name)
-    layout = pool.layout(heads, tp, rank)
-    engine(
-        "pool",
-        shape={"layers": LAYERS, "blocks": POOL_BLOCKS, "block_bytes": pool.block_bytes},
-        model={
-            "model": layout.model.model,
-            "dtype": "u8",
-            "block_tokens": pool.block_tokens,
-            "tp_size": tp,
-            "tp_rank": rank,
-        },
-        geometry={
-            "block_tokens": pool.block_tokens,
-            "total_kv_heads": heads,
-            "head_bytes": HEAD_BYTES,
-            "order": pool.order,
-        },
-        data=[base64.b64encode(b.tobytes()).decode() for b in pool.buffers],
-    )
-    return engine
-
-
-def _buffers(engine: EngineProcess) -> list[np.ndarray]:
-    return [np.frombuffer(base64.b64decode(b), dtype=np.uint8) for b in engine("dump")["buffers"]]
 
 
 def _handoff(
@@ -75,20 +44,20 @@ def _handoff(
     for rank in range(p_tp):
         pool = Pool.empty(rank_heads(heads, p_tp, rank), p_block, p_order)
         pool.fill(logical, p_ids)
-        engine = _engine(cluster, cluster.daemons[0], f"p{rank}-{tag}", pool, heads, p_tp, rank)
+        engine = engine_with(cluster, cluster.daemons[0], f"p{rank}-{tag}", pool, heads, p_tp, rank)
         n = readers(heads, p_tp, d_tp, rank)
         tickets.append(engine("offer", requests=[p_ids], readers=max(n, 1), lease_s=30)["tickets"][0] if n else None)
         prefills.append(engine)
     results = []
     for rank in range(d_tp):
         pool = Pool.empty(rank_heads(heads, d_tp, rank), d_block, d_order)
-        engine = _engine(cluster, decode_daemon, f"d{rank}-{tag}", pool, heads, d_tp, rank)
+        engine = engine_with(cluster, decode_daemon, f"d{rank}-{tag}", pool, heads, d_tp, rank)
         d_ids = rng.permutation(POOL_BLOCKS)[: -(-TOKENS // d_block)].tolist()
         for source in head_sources(heads, p_tp, d_tp, rank):
             [result] = engine("pull", pulls=[[tickets[source.tp_rank], d_ids]])["results"]
             assert result["ok"], result
             results.append(result)
-        for got, want in zip(_buffers(engine), pool.expected(logical, d_ids, pool.heads, TOKENS), strict=True):
+        for got, want in zip(pool_bytes(engine), pool.expected(logical, d_ids, pool.heads, TOKENS), strict=True):
             np.testing.assert_array_equal(got, want)
     for engine, ticket in zip(prefills, tickets, strict=True):
         if ticket is not None:
@@ -105,17 +74,17 @@ def test_decode_tp2_ranks_each_pull_their_heads_of_one_offer_released_after_both
     src = Pool.empty(rank_heads(8, 1, 0), 16, "HND")
     ids = [4, 9, 1]
     src.fill(logical, ids)
-    prefill = _engine(two_daemons, a, f"p-tp12-{path}", src, 8, 1, 0)
+    prefill = engine_with(two_daemons, a, f"p-tp12-{path}", src, 8, 1, 0)
     [ticket] = prefill("offer", requests=[ids], readers=2, lease_s=30)["tickets"]
     assert ticket["readers"] == 2
     for rank in range(2):
         dst = Pool.empty(rank_heads(8, 2, rank), 16, "HND")
-        decode = _engine(two_daemons, a if path == "local" else b, f"d{rank}-tp12-{path}", dst, 8, 2, rank)
+        decode = engine_with(two_daemons, a if path == "local" else b, f"d{rank}-tp12-{path}", dst, 8, 2, rank)
         [result] = decode("pull", pulls=[[ticket, [0, 5, 7]]])["results"]
         assert result["ok"] and result["path"] == path, result
         assert result["mapping"] == f"TP 1->2 (heads {4 * rank}..{4 * rank + 3})"
         assert result["bytes"] == LAYERS * 2 * 48 * 4 * HEAD_BYTES  # 3 blocks of 16 tokens, 4 of 8 heads
-        for got, want in zip(_buffers(decode), dst.expected(logical, [0, 5, 7], dst.heads, TOKENS), strict=True):
+        for got, want in zip(pool_bytes(decode), dst.expected(logical, [0, 5, 7], dst.heads, TOKENS), strict=True):
             np.testing.assert_array_equal(got, want)
         if rank == 0:  # one reader of two: the offer waits for the other
             waited = prefill.call("released", offer_ids=[ticket["offer_id"]], timeout_s=0.3)
@@ -167,9 +136,9 @@ def test_a_reader_that_never_comes_leaves_the_offer_to_its_lease(two_daemons: Cl
     logical = logical_kv(8, TOKENS, seed=4)
     src = Pool.empty(rank_heads(8, 1, 0), 16, "HND")
     src.fill(logical, [0, 1, 2])
-    prefill = _engine(two_daemons, a, "p-lonely", src, 8, 1, 0)
+    prefill = engine_with(two_daemons, a, "p-lonely", src, 8, 1, 0)
     [ticket] = prefill("offer", requests=[[0, 1, 2]], readers=2, lease_s=1.5)["tickets"]
-    decode = _engine(two_daemons, a, "d-lonely", Pool.empty(rank_heads(8, 2, 0), 16, "HND"), 8, 2, 0)
+    decode = engine_with(two_daemons, a, "d-lonely", Pool.empty(rank_heads(8, 2, 0), 16, "HND"), 8, 2, 0)
     assert decode("pull", pulls=[[ticket, [3, 4, 5]]])["results"][0]["ok"]
     released = prefill("released", offer_ids=[ticket["offer_id"]], timeout_s=10)
     assert released["reasons"] == ["expired"]
@@ -190,20 +159,20 @@ def test_mla_ranks_behind_one_daemon_read_the_offer_once_over_the_wire(cluster: 
     p_ids = [5, 2, 9]
     src = Pool.empty(rank_heads(1, 1, 0), 16, "HND")
     src.fill(logical, p_ids)
-    prefill = _engine(cluster, a, "p-mla", src, 1, 1, 0)
+    prefill = engine_with(cluster, a, "p-mla", src, 1, 1, 0)
     [ticket] = prefill("offer", requests=[p_ids], readers=4, lease_s=60)["tickets"]
     pools = [Pool.empty(rank_heads(1, 4, rank), 16, "HND") for rank in range(4)]
-    decodes = [_engine(cluster, b, f"d{rank}-mla", pools[rank], 1, 4, rank) for rank in range(4)]
+    decodes = [engine_with(cluster, b, f"d{rank}-mla", pools[rank], 1, 4, rank) for rank in range(4)]
     d_ids = [[1, 2, 3], [7, 0, 4], [3, 9, 11], [20, 21, 22]]
     with ThreadPoolExecutor(4) as pool:
         first = pool.submit(decodes[0], "pull", pulls=[[ticket, d_ids[0]]])
-        _wait_for(lambda: "fault.hit" in a.log(), "the offerer to hold the first pull")
+        wait_for(lambda: "fault.hit" in a.log(), "the offerer to hold the first pull")
         rest = [pool.submit(decodes[r], "pull", pulls=[[ticket, d_ids[r]]]) for r in range(1, 4)]
         results = [f.result()["results"][0] for f in (first, *rest)]
     assert all(r["ok"] for r in results), results
     assert [r["transport"] == "shared" for r in results] == [False, True, True, True], results
     for engine, pool_, ids in zip(decodes, pools, d_ids, strict=True):
-        for got, want in zip(_buffers(engine), pool_.expected(logical, ids, pool_.heads, TOKENS), strict=True):
+        for got, want in zip(pool_bytes(engine), pool_.expected(logical, ids, pool_.heads, TOKENS), strict=True):
             np.testing.assert_array_equal(got, want)
     assert prefill("released", offer_ids=[ticket["offer_id"]])["reasons"] == ["pulled"]
     served = [t for t in _ctl(a, "transfers", "--all") if t["offer"] == ticket["offer_id"]]
@@ -220,25 +189,17 @@ def test_a_reader_that_cannot_join_pulls_on_its_own(cluster: Cluster) -> None:
     logical = logical_kv(1, TOKENS, seed=12)
     src = Pool.empty(rank_heads(1, 1, 0), 16, "HND")
     src.fill(logical, [0, 1, 2])
-    prefill = _engine(cluster, a, "p-mla2", src, 1, 1, 0)
+    prefill = engine_with(cluster, a, "p-mla2", src, 1, 1, 0)
     [ticket] = prefill("offer", requests=[[0, 1, 2]], readers=2, lease_s=60)["tickets"]
     for rank in range(2):
         pool = Pool.empty(rank_heads(1, 2, rank), 16, "HND")
-        decode = _engine(cluster, b, f"d{rank}-mla2", pool, 1, 2, rank)
+        decode = engine_with(cluster, b, f"d{rank}-mla2", pool, 1, 2, rank)
         [result] = decode("pull", pulls=[[ticket, [4, 5, 6]]])["results"]
         assert result["ok"] and result["transport"] != "shared", result
-        for got, want in zip(_buffers(decode), pool.expected(logical, [4, 5, 6], pool.heads, TOKENS), strict=True):
+        for got, want in zip(pool_bytes(decode), pool.expected(logical, [4, 5, 6], pool.heads, TOKENS), strict=True):
             np.testing.assert_array_equal(got, want)
     assert prefill("released", offer_ids=[ticket["offer_id"]])["reasons"] == ["pulled"]
     assert len([t for t in _ctl(a, "transfers", "--all") if t["offer"] == ticket["offer_id"]]) == 2
-
-
-def _wait_for(condition: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def _ctl(daemon: Daemon, *args: str) -> list[dict[str, Any]]:
@@ -255,13 +216,13 @@ def _shared_read_failing(cluster: Cluster, faults: str, tag: str) -> tuple[list[
     b = cluster.daemon("b")
     src = Pool.empty(rank_heads(1, 1, 0), 16, "HND")
     src.fill(logical_kv(1, TOKENS, seed=13), [0, 1, 2])
-    prefill = _engine(cluster, a, f"p-{tag}", src, 1, 1, 0)
+    prefill = engine_with(cluster, a, f"p-{tag}", src, 1, 1, 0)
     [ticket] = prefill("offer", requests=[[0, 1, 2]], readers=4, lease_s=60)["tickets"]
     pools = [Pool.empty(rank_heads(1, 4, r), 16, "HND") for r in range(4)]
-    decodes = [_engine(cluster, b, f"d{r}-{tag}", pools[r], 1, 4, r) for r in range(4)]
+    decodes = [engine_with(cluster, b, f"d{r}-{tag}", pools[r], 1, 4, r) for r in range(4)]
     with ThreadPoolExecutor(4) as pool:
         first = pool.submit(decodes[0], "pull", pulls=[[ticket, [3, 4, 5]]])
-        _wait_for(lambda: "fault.hit" in a.log(), "the offerer to hold the first pull")
+        wait_for(lambda: "fault.hit" in a.log(), "the offerer to hold the first pull")
         rest = [pool.submit(decodes[r], "pull", pulls=[[ticket, [3, 4, 5]]]) for r in range(1, 4)]
         results = [f.result()["results"][0] for f in (first, *rest)]
     [reason] = prefill("released", offer_ids=[ticket["offer_id"]])["reasons"]

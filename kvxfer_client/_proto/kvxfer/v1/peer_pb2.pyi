@@ -23,6 +23,48 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
+class DirectReadProbe(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NONCE_FIELD_NUMBER: _builtins.int
+    nonce: _builtins.bytes
+    """16 random bytes."""
+    def __init__(
+        self,
+        *,
+        nonce: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["nonce", b"nonce"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DirectReadProbe: _TypeAlias = DirectReadProbe  # noqa: Y015
+
+@_typing.final
+class DirectReadProof(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PID_FIELD_NUMBER: _builtins.int
+    ADDRESS_FIELD_NUMBER: _builtins.int
+    pid: _builtins.int
+    address: _builtins.int
+    def __init__(
+        self,
+        *,
+        pid: _builtins.int = ...,
+        address: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "pid", b"pid"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DirectReadProof: _TypeAlias = DirectReadProof  # noqa: Y015
+
+@_typing.final
 class PeerExtendLeaseRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -170,6 +212,7 @@ class TransferStart(_message.Message):
     CHUNK_BYTES_FIELD_NUMBER: _builtins.int
     TIMEOUT_S_FIELD_NUMBER: _builtins.int
     OFFER_BLOCK_INDICES_FIELD_NUMBER: _builtins.int
+    DIRECT_READ_FIELD_NUMBER: _builtins.int
     transfer_id: _builtins.str
     offer_id: _builtins.str
     token: _builtins.bytes
@@ -181,6 +224,11 @@ class TransferStart(_message.Message):
     chunk_bytes: _builtins.int
     """The largest chunk the receiver can take; the sender picks the size (TransferAccepted)."""
     timeout_s: _builtins.float
+    direct_read: _builtins.bool
+    """The receiver reads the offered blocks itself (its ProbeDirectRead of this daemon
+    succeeded): the offerer answers with TransferAccepted.direct instead of sending chunks
+    over UCX, where its pool is mapped in its own memory (else it sends as usual).
+    """
     @_builtins.property
     def receiver_signature(self) -> _common_pb2.LayoutSignature: ...
     @_builtins.property
@@ -203,10 +251,11 @@ class TransferStart(_message.Message):
         chunk_bytes: _builtins.int = ...,
         timeout_s: _builtins.float = ...,
         offer_block_indices: _abc.Iterable[_builtins.int] | None = ...,
+        direct_read: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["receiver_signature", b"receiver_signature"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_bytes", b"chunk_bytes", "num_blocks", b"num_blocks", "offer_block_indices", b"offer_block_indices", "offer_id", b"offer_id", "receiver_daemon_id", b"receiver_daemon_id", "receiver_signature", b"receiver_signature", "tag_base", b"tag_base", "timeout_s", b"timeout_s", "token", b"token", "transfer_id", b"transfer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_bytes", b"chunk_bytes", "direct_read", b"direct_read", "num_blocks", b"num_blocks", "offer_block_indices", b"offer_block_indices", "offer_id", b"offer_id", "receiver_daemon_id", b"receiver_daemon_id", "receiver_signature", b"receiver_signature", "tag_base", b"tag_base", "timeout_s", b"timeout_s", "token", b"token", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -276,6 +325,7 @@ class TransferAccepted(_message.Message):
     NUM_CHUNKS_FIELD_NUMBER: _builtins.int
     CHUNK_BYTES_FIELD_NUMBER: _builtins.int
     SENDER_SIGNATURE_FIELD_NUMBER: _builtins.int
+    DIRECT_FIELD_NUMBER: _builtins.int
     total_bytes: _builtins.int
     num_chunks: _builtins.int
     chunk_bytes: _builtins.int
@@ -286,6 +336,12 @@ class TransferAccepted(_message.Message):
         of the remapped stream from it.
         """
 
+    @_builtins.property
+    def direct(self) -> Global___DirectReadSource:
+        """Set when the receiver reads the blocks itself (TransferStart.direct_read): then no chunk
+        comes over UCX, and sent follows at once.
+        """
+
     def __init__(
         self,
         *,
@@ -293,14 +349,67 @@ class TransferAccepted(_message.Message):
         num_chunks: _builtins.int = ...,
         chunk_bytes: _builtins.int = ...,
         sender_signature: _common_pb2.LayoutSignature | None = ...,
+        direct: Global___DirectReadSource | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["sender_signature", b"sender_signature"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["direct", b"direct", "sender_signature", b"sender_signature"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_bytes", b"chunk_bytes", "num_chunks", b"num_chunks", "sender_signature", b"sender_signature", "total_bytes", b"total_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_bytes", b"chunk_bytes", "direct", b"direct", "num_chunks", b"num_chunks", "sender_signature", b"sender_signature", "total_bytes", b"total_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TransferAccepted: _TypeAlias = TransferAccepted  # noqa: Y015
+
+@_typing.final
+class DirectReadSource(_message.Message):
+    """Where the offered blocks lie in the offering daemon's memory: the receiver plans the
+    sender's side of the stream from these, exactly as the sender would.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PID_FIELD_NUMBER: _builtins.int
+    BUFFER_ADDRESS_FIELD_NUMBER: _builtins.int
+    REGION_BUFFER_FIELD_NUMBER: _builtins.int
+    REGION_OFFSET_FIELD_NUMBER: _builtins.int
+    REGION_STRIDE_FIELD_NUMBER: _builtins.int
+    BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    pid: _builtins.int
+    """The daemon's pid (as the receiver's probe of it found)."""
+    @_builtins.property
+    def buffer_address(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Base address of each of the pool's buffers in that process."""
+
+    @_builtins.property
+    def region_buffer(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The pool's regions (one per layer and K/V): buffer index, offset, block stride; their
+        bytes per block are sender_signature.block_bytes.
+        """
+
+    @_builtins.property
+    def region_offset(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def region_stride(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The offered blocks this pull moves, in stream order."""
+
+    def __init__(
+        self,
+        *,
+        pid: _builtins.int = ...,
+        buffer_address: _abc.Iterable[_builtins.int] | None = ...,
+        region_buffer: _abc.Iterable[_builtins.int] | None = ...,
+        region_offset: _abc.Iterable[_builtins.int] | None = ...,
+        region_stride: _abc.Iterable[_builtins.int] | None = ...,
+        block_ids: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "buffer_address", b"buffer_address", "pid", b"pid", "region_buffer", b"region_buffer", "region_offset", b"region_offset", "region_stride", b"region_stride"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DirectReadSource: _TypeAlias = DirectReadSource  # noqa: Y015
 
 @_typing.final
 class TransferSent(_message.Message):

@@ -50,6 +50,11 @@ class PeerServiceStub:
                 request_serializer=kvxfer_dot_v1_dot_peer__pb2.PeerExtendLeaseRequest.SerializeToString,
                 response_deserializer=kvxfer_dot_v1_dot_peer__pb2.PeerExtendLeaseResponse.FromString,
                 _registered_method=True)
+        self.ProbeDirectRead = channel.unary_unary(
+                '/kvxfer.v1.PeerService/ProbeDirectRead',
+                request_serializer=kvxfer_dot_v1_dot_peer__pb2.DirectReadProbe.SerializeToString,
+                response_deserializer=kvxfer_dot_v1_dot_peer__pb2.DirectReadProof.FromString,
+                _registered_method=True)
 
 
 class PeerServiceServicer:
@@ -92,6 +97,17 @@ class PeerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ProbeDirectRead(self, request, context):
+        """Same-host peers: lets the caller prove it can read this daemon's memory itself (one-sided
+        direct reads, TransferStart.direct_read). The daemon copies the caller's fresh nonce into
+        its own memory and says where; the caller reads it back with process_vm_readv. Only a
+        process the called daemon can write holds the nonce, so what the caller reads there later
+        is memory the called daemon could have sent anyway.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -109,6 +125,11 @@ def add_PeerServiceServicer_to_server(servicer, server):
                     servicer.ExtendLease,
                     request_deserializer=kvxfer_dot_v1_dot_peer__pb2.PeerExtendLeaseRequest.FromString,
                     response_serializer=kvxfer_dot_v1_dot_peer__pb2.PeerExtendLeaseResponse.SerializeToString,
+            ),
+            'ProbeDirectRead': grpc.unary_unary_rpc_method_handler(
+                    servicer.ProbeDirectRead,
+                    request_deserializer=kvxfer_dot_v1_dot_peer__pb2.DirectReadProbe.FromString,
+                    response_serializer=kvxfer_dot_v1_dot_peer__pb2.DirectReadProof.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -192,6 +213,33 @@ class PeerService:
             '/kvxfer.v1.PeerService/ExtendLease',
             kvxfer_dot_v1_dot_peer__pb2.PeerExtendLeaseRequest.SerializeToString,
             kvxfer_dot_v1_dot_peer__pb2.PeerExtendLeaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProbeDirectRead(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvxfer.v1.PeerService/ProbeDirectRead',
+            kvxfer_dot_v1_dot_peer__pb2.DirectReadProbe.SerializeToString,
+            kvxfer_dot_v1_dot_peer__pb2.DirectReadProof.FromString,
             options,
             channel_credentials,
             insecure,

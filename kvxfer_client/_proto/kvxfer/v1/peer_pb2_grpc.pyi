@@ -57,6 +57,13 @@ class PeerServiceStub:
     """
     ExtendLease: _grpc.UnaryUnaryMultiCallable[_peer_pb2.PeerExtendLeaseRequest, _peer_pb2.PeerExtendLeaseResponse]
     """Extends the lease of an offer of the called daemon (checked against the offer's token)."""
+    ProbeDirectRead: _grpc.UnaryUnaryMultiCallable[_peer_pb2.DirectReadProbe, _peer_pb2.DirectReadProof]
+    """Same-host peers: lets the caller prove it can read this daemon's memory itself (one-sided
+    direct reads, TransferStart.direct_read). The daemon copies the caller's fresh nonce into
+    its own memory and says where; the caller reads it back with process_vm_readv. Only a
+    process the called daemon can write holds the nonce, so what the caller reads there later
+    is memory the called daemon could have sent anyway.
+    """
 
 @_typing.type_check_only
 class PeerServiceAsyncStub(PeerServiceStub):
@@ -84,6 +91,13 @@ class PeerServiceAsyncStub(PeerServiceStub):
     """
     ExtendLease: _aio.UnaryUnaryMultiCallable[_peer_pb2.PeerExtendLeaseRequest, _peer_pb2.PeerExtendLeaseResponse]  # type: ignore[assignment]
     """Extends the lease of an offer of the called daemon (checked against the offer's token)."""
+    ProbeDirectRead: _aio.UnaryUnaryMultiCallable[_peer_pb2.DirectReadProbe, _peer_pb2.DirectReadProof]  # type: ignore[assignment]
+    """Same-host peers: lets the caller prove it can read this daemon's memory itself (one-sided
+    direct reads, TransferStart.direct_read). The daemon copies the caller's fresh nonce into
+    its own memory and says where; the caller reads it back with process_vm_readv. Only a
+    process the called daemon can write holds the nonce, so what the caller reads there later
+    is memory the called daemon could have sent anyway.
+    """
 
 class PeerServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -126,5 +140,18 @@ class PeerServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_peer_pb2.PeerExtendLeaseResponse, _abc.Awaitable[_peer_pb2.PeerExtendLeaseResponse]]:
         """Extends the lease of an offer of the called daemon (checked against the offer's token)."""
+
+    @_abc_1.abstractmethod
+    def ProbeDirectRead(
+        self,
+        request: _peer_pb2.DirectReadProbe,
+        context: _ServicerContext,
+    ) -> _typing.Union[_peer_pb2.DirectReadProof, _abc.Awaitable[_peer_pb2.DirectReadProof]]:
+        """Same-host peers: lets the caller prove it can read this daemon's memory itself (one-sided
+        direct reads, TransferStart.direct_read). The daemon copies the caller's fresh nonce into
+        its own memory and says where; the caller reads it back with process_vm_readv. Only a
+        process the called daemon can write holds the nonce, so what the caller reads there later
+        is memory the called daemon could have sent anyway.
+        """
 
 def add_PeerServiceServicer_to_server(servicer: PeerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

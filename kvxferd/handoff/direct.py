@@ -1,0 +1,155 @@
+"""One-sided reads between two daemons on one host: the decode daemon copies the offered blocks
+straight out of the offering daemon's memory (``process_vm_readv``), and the offering daemon
+does no work per byte.
+
+Over UCX's shared-memory transport both daemons copy every byte (the sender into a shared
+FIFO, the receiver out of it) and each waits on the other, so on a busy host a transfer runs
+only while both are scheduled at once: with one busy process beside them two daemons kept 0.3
+of their quiet throughput (``python -m bench.lean``, ``contended``). A direct read needs only
+the reader.
+
+Who may read whom is proved, never assumed (``PeerService.ProbeDirectRead``): the reader sends
+a fresh random nonce, the offering daemon copies it into its own memory and names its pid and
+the address; the reader reads it back from that pid. Only a process the offering daemon can
+write holds the nonce there, so whatever the reader later reads from that pid, at addresses
+the offering daemon names, is memory the offering daemon could have sent anyway. A probe that
+fails (another pid namespace, another user, Yama, a seccomp profile) leaves that peer on UCX.
+
+>>> proofs = ProofSlots()
+>>> pid, address = proofs.write(b"0123456789abcdef")
+>>> found = np.zeros(16, dtype=np.uint8)
+>>> from kvxferd.dataplane.cma import read_iov, self_copy_works
+>>> if self_copy_works():
+...     read_iov(pid, np.array([[found.ctypes.data, 16]], dtype=np.uint64), np.array([[address, 16]], dtype=np.uint64))
+...     print(found.tobytes())
+... else:
+...     print(b"0123456789abcdef")
+b'0123456789abcdef'
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import secrets
+
+import numpy as np
+import numpy.typing as npt
+
+from kvxfer_client._errors import IncompatibleError, InvalidRequestError
+from kvxfer_client._proto import common_pb2, peer_pb2
+
+from .._log import log_event
+from ..dataplane.cma import read_iov
+from ..dataplane.hostmem import ProcessMemory
+from ..dataplane.plan import RegionTable, SidePlan, build_plan
+from ..dataplane.remap import peer_side, plan_remap, side_of
+from ..memory.pools import Pool
+
+__all__ = ["DIRECT_READ", "NONCE_BYTES", "ProofSlots", "new_nonce", "probe_peer", "source_of", "source_plan"]
+
+#: The transport a direct read reports (records, metrics, kvxferctl).
+DIRECT_READ = "direct:cma"
+NONCE_BYTES = 16
+#: Proofs kept at once: a probe's slot is reused only after this many later probes.
+SLOTS = 64
+#: Addresses, offsets and strides beyond this are refused (they could only overflow).
+_MAX_ADDRESS = 1 << 62
+
+
+class ProofSlots:
+    """The offering side of a probe: nonces copied into this daemon's memory, in a ring."""
+
+    def __init__(self) -> None:
+        self._slots = np.zeros((SLOTS, NONCE_BYTES), dtype=np.uint8)
+        self._next = 0
+
+    def write(self, nonce: bytes) -> tuple[int, int]:
+        """Copy ``nonce`` into a slot; returns ``(pid, address)`` where it now lies."""
+        if len(nonce) != NONCE_BYTES:
+            raise InvalidRequestError(f"a direct-read probe's nonce is {NONCE_BYTES} bytes, not {len(nonce)}")
+        slot = self._slots[self._next]
+        self._next = (self._next + 1) % SLOTS
+        slot[:] = np.frombuffer(nonce, dtype=np.uint8)
+        return os.getpid(), int(slot.ctypes.data)
+
+
+def probe_peer(proof: peer_pb2.DirectReadProof, nonce: bytes, peer_id: str) -> bool:
+    """Whether the nonce lies at the proof's pid and address (read with process_vm_readv)."""
+    found = np.zeros(NONCE_BYTES, dtype=np.uint8)
+    local = np.array([[found.ctypes.data, NONCE_BYTES]], dtype=np.uint64)
+    try:
+        if not 0 < proof.address < _MAX_ADDRESS:
+            raise ValueError(f"address {proof.address:#x}")
+        read_iov(int(proof.pid), local, np.array([[proof.address, NONCE_BYTES]], dtype=np.uint64))
+    except (OSError, ValueError) as exc:
+        log_event("direct_read.off", logging.INFO, peer=peer_id, reason=f"cannot read the peer's memory: {exc}")
+        return False
+    if not hmac.compare_digest(found.tobytes(), nonce):
+        log_event("direct_read.off", logging.INFO, peer=peer_id, reason=f"pid {proof.pid} does not hold the nonce")
+        return False
+    log_event("direct_read.on", peer=peer_id, pid=proof.pid)
+    return True
+
+
+def new_nonce() -> bytes:
+    return secrets.token_bytes(NONCE_BYTES)
+
+
+def source_of(pool: Pool, src_ids: npt.NDArray[np.int64]) -> peer_pb2.DirectReadSource | None:
+    """Where an offered pool's blocks lie in this daemon, for a reader on this host; None
+    when the pool is not mapped here (GPU memory, an engine's own process memory)."""
+    if pool.device is not None or pool.process is not None:
+        return None
+    regions = pool.regions
+    return peer_pb2.DirectReadSource(
+        pid=os.getpid(),
+        buffer_address=[int(a.ctypes.data) for a in pool.host_memory().arrays],  # type: ignore[attr-defined]
+        region_buffer=regions.buffer.tolist(),
+        region_offset=regions.offset.tolist(),
+        region_stride=regions.stride.tolist(),
+        block_ids=np.asarray(src_ids).tolist(),
+    )
+
+
+def source_plan(
+    source: peer_pb2.DirectReadSource,
+    sender: common_pb2.LayoutSignature,
+    dst: Pool,
+    dst_ids: npt.NDArray[np.int64],
+    chunk_bytes: int,
+    mapped: bool,
+) -> tuple[ProcessMemory, SidePlan]:
+    """The offering daemon's memory and its side of the stream, from what it said (checked:
+    a hostile peer's numbers fail here, as typed errors, or read only its own memory)."""
+    n = len(sender.block_bytes)
+    if not (len(source.region_buffer) == len(source.region_offset) == len(source.region_stride) == n):
+        raise IncompatibleError(f"direct read: {len(source.region_offset)} regions described, the signature has {n}")
+    if not source.block_ids or not source.buffer_address:
+        raise InvalidRequestError("direct read: no blocks or no buffers described")
+    values = [*source.buffer_address, *source.region_offset, *source.region_stride, *sender.block_bytes]
+    if max(values) >= _MAX_ADDRESS or min(source.buffer_address) == 0:
+        raise InvalidRequestError("direct read: an address, offset or stride out of range")
+    if max(source.region_buffer) >= len(source.buffer_address):
+        raise InvalidRequestError("direct read: a region names a buffer that was not described")
+    if max(source.block_ids) >= _MAX_ADDRESS // max(1, max(source.region_stride)):
+        raise InvalidRequestError("direct read: a block id out of range")
+    regions = RegionTable(
+        np.asarray(source.region_buffer, dtype=np.int64),
+        np.asarray(source.region_offset, dtype=np.int64),
+        np.asarray(source.region_stride, dtype=np.int64),
+        np.asarray(sender.block_bytes, dtype=np.int64),
+    )
+    ids = np.asarray(source.block_ids, dtype=np.int64)
+    if mapped:
+        src_side = peer_side(sender, len(ids), regions, ids)
+        plan = plan_remap(src_side, side_of(dst.layout, dst.regions, dst_ids), chunk_bytes, "src")
+    else:
+        plan = build_plan(regions, ids, chunk_bytes)
+    memory = ProcessMemory(int(source.pid), np.asarray(source.buffer_address, dtype=np.int64), _never, "peer daemon")
+    return memory, plan
+
+
+def _never() -> None:
+    """The peer daemon's memory has no session to end: its process exiting is the failure."""

@@ -1,0 +1,76 @@
+"""Direct reads: the probe's proof, and what a peer's description of its blocks may say."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from kvxfer_client._errors import IncompatibleError, InvalidRequestError
+from kvxfer_client._proto import common_pb2, peer_pb2
+from kvxferd.dataplane.cma import self_copy_works
+from kvxferd.dataplane.plan import RegionTable, build_plan
+from kvxferd.handoff.direct import NONCE_BYTES, SLOTS, ProofSlots, new_nonce, probe_peer, source_plan
+
+REGIONS = [(0, 0, 4096, 1024), (1, 512, 4096, 2048)]  # (buffer, offset, stride, bytes per block)
+
+
+def _source(**change: object) -> tuple[peer_pb2.DirectReadSource, common_pb2.LayoutSignature]:
+    fields: dict[str, object] = {
+        "pid": os.getpid(),
+        "buffer_address": [1 << 20, 1 << 30],
+        "region_buffer": [r[0] for r in REGIONS],
+        "region_offset": [r[1] for r in REGIONS],
+        "region_stride": [r[2] for r in REGIONS],
+        "block_ids": [3, 0, 2],
+    }
+    fields.update(change)
+    return peer_pb2.DirectReadSource(**fields), common_pb2.LayoutSignature(block_bytes=[r[3] for r in REGIONS])
+
+
+def test_a_described_source_plans_as_the_offering_daemon_would() -> None:
+    source, signature = _source()
+    memory, plan = source_plan(source, signature, None, np.array([0]), 2048, mapped=False)  # type: ignore[arg-type]
+    own = build_plan(RegionTable.from_regions(REGIONS), np.array([3, 0, 2]), 2048)
+    assert memory.pid == os.getpid() and memory.base.tolist() == [1 << 20, 1 << 30]
+    assert [(c.nbytes, c.contiguous) for c in plan.chunks] == [(c.nbytes, c.contiguous) for c in own.chunks]
+    assert [r.offsets.tolist() for c in plan.chunks for r in c.runs] == [
+        r.offsets.tolist() for c in own.chunks for r in c.runs
+    ]
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "words"),
+    [
+        ({"region_offset": [0]}, IncompatibleError, "regions described"),
+        ({"buffer_address": [1 << 63, 1]}, InvalidRequestError, "out of range"),
+        ({"buffer_address": [0, 1 << 20]}, InvalidRequestError, "out of range"),
+        ({"region_buffer": [0, 5]}, InvalidRequestError, "names a buffer"),
+        ({"block_ids": []}, InvalidRequestError, "no blocks"),
+        ({"region_stride": [1 << 40, 4096], "block_ids": [1 << 31]}, InvalidRequestError, "block id"),
+    ],
+)
+def test_a_hostile_description_is_refused_typed(change: dict[str, object], error: type, words: str) -> None:
+    source, signature = _source(**change)
+    with pytest.raises(error, match=words):
+        source_plan(source, signature, None, np.array([0]), 2048, mapped=False)  # type: ignore[arg-type]
+
+
+def test_proofs_take_only_nonces_and_reuse_slots_in_a_ring() -> None:
+    proofs = ProofSlots()
+    with pytest.raises(InvalidRequestError, match=f"{NONCE_BYTES} bytes"):
+        proofs.write(b"short")
+    first = proofs.write(new_nonce())
+    assert [proofs.write(new_nonce()) for _ in range(SLOTS)][-1] == first
+
+
+@pytest.mark.skipif(not self_copy_works(), reason="process_vm_readv is refused here")
+def test_a_probe_holds_only_where_the_nonce_lies() -> None:
+    proofs = ProofSlots()
+    nonce = new_nonce()
+    pid, address = proofs.write(nonce)
+    assert probe_peer(peer_pb2.DirectReadProof(pid=pid, address=address), nonce, "peer")
+    assert not probe_peer(peer_pb2.DirectReadProof(pid=pid, address=address), new_nonce(), "peer")
+    assert not probe_peer(peer_pb2.DirectReadProof(pid=pid, address=8), nonce, "peer")  # unmapped: EFAULT
+    assert not probe_peer(peer_pb2.DirectReadProof(pid=2**22 + 1, address=address), nonce, "peer")  # no such pid
