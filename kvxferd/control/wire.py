@@ -24,6 +24,7 @@ from kvxfer_client._layout import MAX_BLOCKS
 from kvxfer_client._proto import common_pb2, peer_pb2
 from kvxfer_client._ticket import Ticket
 
+from ..handoff.direct import NONCE_BYTES
 from ..handoff.serve import ServeRequest
 from ..handoff.steps import MAX_CHUNK, MIN_CHUNK
 
@@ -117,6 +118,8 @@ def serve_request(msg: peer_pb2.TransferStart, default_timeout_s: float) -> Serv
         raise InvalidRequestError("offer_id or receiver_daemon_id too long")
     if msg.num_blocks > MAX_BLOCKS:
         raise InvalidRequestError(f"num_blocks must be at most {MAX_BLOCKS}")
+    if len(msg.direct_read_nonce) not in (0, NONCE_BYTES):
+        raise InvalidRequestError(f"direct_read_nonce must be empty or {NONCE_BYTES} bytes")
     return ServeRequest(
         transfer_id=msg.transfer_id,
         offer_id=msg.offer_id,
@@ -128,5 +131,5 @@ def serve_request(msg: peer_pb2.TransferStart, default_timeout_s: float) -> Serv
         tag_base=msg.tag_base,
         chunk_bytes=msg.chunk_bytes,
         timeout_s=min(msg.timeout_s or default_timeout_s, MAX_PULL_TIMEOUT_S),
-        direct_read=bool(msg.direct_read),
+        direct_read_nonce=bytes(msg.direct_read_nonce),
     )

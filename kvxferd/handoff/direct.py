@@ -8,12 +8,15 @@ only while both are scheduled at once: with one busy process beside them two dae
 of their quiet throughput (``python -m bench.lean``, ``contended``). A direct read needs only
 the reader.
 
-Who may read whom is proved, never assumed (``PeerService.ProbeDirectRead``): the reader sends
-a fresh random nonce, the offering daemon copies it into its own memory and names its pid and
-the address; the reader reads it back from that pid. Only a process the offering daemon can
-write holds the nonce there, so whatever the reader later reads from that pid, at addresses
-the offering daemon names, is memory the offering daemon could have sent anyway. A probe that
-fails (another pid namespace, another user, Yama, a seccomp profile) leaves that peer on UCX.
+Who may read whom is proved, never assumed. Once per peer (``PeerService.ProbeDirectRead``)
+the reader sends a fresh random nonce, the offering daemon copies it into its own memory and
+names its pid and the address, and the reader reads it back from that pid: a probe that fails
+(another pid namespace, another user, Yama, a seccomp profile) leaves that peer on UCX. Then
+every transfer proves itself the same way: ``TransferStart.direct_read_nonce`` is copied
+beside the blocks, and the reader finds it at the pid and address the offering daemon names
+before it reads a byte. Only a process the offering daemon can write holds the nonce, so what
+the reader reads there, at addresses the offering daemon names, is memory the offering
+daemon could have sent anyway (a recycled pid reads as a missing nonce).
 
 >>> proofs = ProofSlots()
 >>> pid, address = proofs.write(b"0123456789abcdef")
@@ -47,7 +50,16 @@ from ..dataplane.plan import RegionTable, SidePlan, build_plan
 from ..dataplane.remap import peer_side, plan_remap, side_of
 from ..memory.pools import Pool
 
-__all__ = ["DIRECT_READ", "NONCE_BYTES", "ProofSlots", "new_nonce", "probe_peer", "source_of", "source_plan"]
+__all__ = [
+    "DIRECT_READ",
+    "NONCE_BYTES",
+    "ProofSlots",
+    "new_nonce",
+    "nonce_missing",
+    "probe_peer",
+    "source_of",
+    "source_plan",
+]
 
 #: The transport a direct read reports (records, metrics, kvxferctl).
 DIRECT_READ = "direct:cma"
@@ -77,40 +89,55 @@ class ProofSlots:
 
 def probe_peer(proof: peer_pb2.DirectReadProof, nonce: bytes, peer_id: str) -> bool:
     """Whether the nonce lies at the proof's pid and address (read with process_vm_readv)."""
-    found = np.zeros(NONCE_BYTES, dtype=np.uint8)
-    local = np.array([[found.ctypes.data, NONCE_BYTES]], dtype=np.uint64)
-    try:
-        if not 0 < proof.address < _MAX_ADDRESS:
-            raise ValueError(f"address {proof.address:#x}")
-        read_iov(int(proof.pid), local, np.array([[proof.address, NONCE_BYTES]], dtype=np.uint64))
-    except (OSError, ValueError) as exc:
-        log_event("direct_read.off", logging.INFO, peer=peer_id, reason=f"cannot read the peer's memory: {exc}")
-        return False
-    if not hmac.compare_digest(found.tobytes(), nonce):
-        log_event("direct_read.off", logging.INFO, peer=peer_id, reason=f"pid {proof.pid} does not hold the nonce")
+    why = nonce_missing(int(proof.pid), int(proof.address), nonce)
+    if why:
+        log_event("direct_read.off", logging.INFO, peer=peer_id, reason=why)
         return False
     log_event("direct_read.on", peer=peer_id, pid=proof.pid)
     return True
+
+
+def nonce_missing(pid: int, address: int, nonce: bytes) -> str:
+    """Why ``nonce`` cannot be read at ``address`` in process ``pid`` ("" when it can)."""
+    found = np.zeros(NONCE_BYTES, dtype=np.uint8)
+    local = np.array([[found.ctypes.data, NONCE_BYTES]], dtype=np.uint64)
+    if not 0 < address < _MAX_ADDRESS:
+        return f"nonce address {address:#x} out of range"
+    try:
+        read_iov(pid, local, np.array([[address, NONCE_BYTES]], dtype=np.uint64))
+    except OSError as exc:
+        return f"cannot read the peer's memory: {exc}"
+    if not hmac.compare_digest(found.tobytes(), nonce):
+        return f"pid {pid} does not hold the nonce"
+    return ""
 
 
 def new_nonce() -> bytes:
     return secrets.token_bytes(NONCE_BYTES)
 
 
-def source_of(pool: Pool, src_ids: npt.NDArray[np.int64]) -> peer_pb2.DirectReadSource | None:
-    """Where an offered pool's blocks lie in this daemon, for a reader on this host; None
-    when the pool is not mapped here (GPU memory, an engine's own process memory)."""
+def source_of(
+    pool: Pool, src_ids: npt.NDArray[np.int64], nonce: bytes
+) -> tuple[peer_pb2.DirectReadSource, npt.NDArray[np.uint8]] | None:
+    """Where an offered pool's blocks lie in this daemon, for a reader on this host, and the
+    reader's ``nonce`` copied into memory of its own (keep it referenced until the transfer
+    ends); None when the pool is not mapped here (GPU memory, an engine's own process memory)."""
     if pool.device is not None or pool.process is not None:
         return None
+    if len(nonce) != NONCE_BYTES:
+        raise InvalidRequestError(f"a direct read's nonce is {NONCE_BYTES} bytes, not {len(nonce)}")
+    held = np.frombuffer(nonce, dtype=np.uint8).copy()
     regions = pool.regions
-    return peer_pb2.DirectReadSource(
+    source = peer_pb2.DirectReadSource(
         pid=os.getpid(),
+        nonce_address=int(held.ctypes.data),
         buffer_address=[int(a.ctypes.data) for a in pool.host_memory().arrays],  # type: ignore[attr-defined]
         region_buffer=regions.buffer.tolist(),
         region_offset=regions.offset.tolist(),
         region_stride=regions.stride.tolist(),
         block_ids=np.asarray(src_ids).tolist(),
     )
+    return source, held
 
 
 def source_plan(

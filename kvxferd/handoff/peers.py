@@ -44,10 +44,9 @@ class Peer:
     last_hello: float = field(default_factory=time.time)
     channel: grpc.aio.Channel | None = None
     stub: peer_pb2_grpc.PeerServiceStub | None = None
-    #: Whether this daemon may read the peer's memory itself (None: not probed since Hello),
-    #: and the pid the probe found it at (see :mod:`.direct`).
+    #: Whether this daemon may read the peer's memory itself (None: not probed since Hello;
+    #: see :mod:`.direct`).
     direct_read: bool | None = None
-    direct_read_pid: int = 0
 
     @property
     def daemon_id(self) -> str:
@@ -133,10 +132,10 @@ class TransferCall:
         tag_base: int,
         chunk_bytes: int,
         timeout_s: float,
-        direct_read: bool = False,
+        direct_read_nonce: bytes = b"",
     ) -> None:
         start = peer_pb2.TransferStart(
-            direct_read=direct_read,
+            direct_read_nonce=direct_read_nonce,
             offer_block_indices=[] if offer_block_indices is None else offer_block_indices.tolist(),
             transfer_id=transfer_id,
             offer_id=offer_id,

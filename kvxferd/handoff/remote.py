@@ -100,7 +100,6 @@ class RemotePlane:
                 peer.direct_read = False
                 return False
             peer.direct_read = probe_peer(proof, nonce, peer.daemon_id)
-            peer.direct_read_pid = int(proof.pid)
         return peer.direct_read
 
     def drop_peer(self, peer: Peer) -> None:

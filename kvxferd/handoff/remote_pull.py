@@ -34,7 +34,7 @@ from ..dataplane.remap import peer_side, plan_remap, side_of
 from ..dataplane.staging import StagingLease
 from ..dataplane.ucp_iov import CANCEL_CONFIRM_S
 from ..memory.pools import Pool
-from .direct import DIRECT_READ, source_plan
+from .direct import DIRECT_READ, new_nonce, nonce_missing, source_plan
 from .local import copy_in_threads
 from .peers import Peer
 from .remote import RemotePlane
@@ -98,7 +98,7 @@ class RemotePull:
             receiving: asyncio.Task[None] | None = None
             sent: asyncio.Task[Any] | None = None
             lease: StagingLease | None = None
-            direct = side is None and await self.plane.direct_read_ok(peer)
+            nonce = new_nonce() if side is None and await self.plane.direct_read_ok(peer) else b""
             source = None
             try:
                 await call.start(
@@ -112,7 +112,7 @@ class RemotePull:
                     tag_base=tag_base,
                     chunk_bytes=max_chunk,
                     timeout_s=timeout,
-                    direct_read=direct,
+                    direct_read_nonce=nonce,
                 )
                 record.mark("start_sent")
                 # Planned while the offerer claims and plans its side (the sender nearly
@@ -141,9 +141,7 @@ class RemotePull:
                     raise IncompatibleError(f"peer sends {total_bytes} bytes, destination expects {plan.total_bytes}")
                 started = time.perf_counter()
                 if source is not None:
-                    receiving = asyncio.create_task(
-                        self._read(record, peer, source, sender, dst, dst_ids, plan, direct)
-                    )
+                    receiving = asyncio.create_task(self._read(record, peer, source, sender, dst, dst_ids, plan, nonce))
                 else:
                     staging, need = self.plane.staging_for(dst, plan, "receive")
                     lease = await stack.enter_async_context(staging.lease(need))
@@ -201,11 +199,13 @@ class RemotePull:
         dst: Pool,
         dst_ids: np.ndarray[Any, Any],
         plan: SidePlan,
-        asked: bool,
+        nonce: bytes,
     ) -> None:
-        """Read the offered blocks out of the offering daemon's memory (:mod:`.direct`)."""
-        if not asked or source.pid != peer.direct_read_pid:
-            raise IncompatibleError(f"peer {peer.daemon_id} answered with a direct read this daemon did not prove")
+        """Read the offered blocks out of the offering daemon's memory (:mod:`.direct`), once
+        this transfer's nonce is found there."""
+        why = nonce_missing(int(source.pid), int(source.nonce_address), nonce) if nonce else "it was not asked for"
+        if why:
+            raise IncompatibleError(f"peer {peer.daemon_id} answered with a direct read, but {why}")
         record.transport = DIRECT_READ
         src, src_plan = source_plan(source, sender, dst, dst_ids, plan.chunk_bytes, bool(record.mapping))
         if src_plan.total_bytes != plan.total_bytes:

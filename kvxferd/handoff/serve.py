@@ -61,8 +61,8 @@ class ServeRequest:
     timeout_s: float
     #: Positions in the offer's block list to send (None: all).
     offer_block_indices: npt.NDArray[np.int64] | None = None
-    #: The receiver reads the blocks itself where it can (see :mod:`.direct`).
-    direct_read: bool = False
+    #: Non-empty when the receiver reads the blocks itself where it can (see :mod:`.direct`).
+    direct_read_nonce: bytes = b""
 
 
 class OffererStream(Protocol):
@@ -228,8 +228,10 @@ class TransferServer:
             plan = stream_plan(side.total_bytes, chunk)
         elif not self.ucx.gather_send or pool.process is not None:
             plan = build_plan(pool.regions, src_ids, chunk)  # staging depends on it
-        source = source_of(pool, src_ids) if start.direct_read and self.settings.same_host_direct_read else None
-        if source is not None:
+        asked = start.direct_read_nonce and self.settings.same_host_direct_read
+        lent = source_of(pool, src_ids, start.direct_read_nonce) if asked else None
+        if lent is not None:
+            source, _nonce_held = lent  # the nonce's memory stays referenced until we return
             # The receiver reads the blocks itself: say where they are, and nothing to send.
             record.transport = DIRECT_READ
             signature = pool.layout.signature()

@@ -212,7 +212,7 @@ class TransferStart(_message.Message):
     CHUNK_BYTES_FIELD_NUMBER: _builtins.int
     TIMEOUT_S_FIELD_NUMBER: _builtins.int
     OFFER_BLOCK_INDICES_FIELD_NUMBER: _builtins.int
-    DIRECT_READ_FIELD_NUMBER: _builtins.int
+    DIRECT_READ_NONCE_FIELD_NUMBER: _builtins.int
     transfer_id: _builtins.str
     offer_id: _builtins.str
     token: _builtins.bytes
@@ -224,10 +224,12 @@ class TransferStart(_message.Message):
     chunk_bytes: _builtins.int
     """The largest chunk the receiver can take; the sender picks the size (TransferAccepted)."""
     timeout_s: _builtins.float
-    direct_read: _builtins.bool
-    """The receiver reads the offered blocks itself (its ProbeDirectRead of this daemon
-    succeeded): the offerer answers with TransferAccepted.direct instead of sending chunks
-    over UCX, where its pool is mapped in its own memory (else it sends as usual).
+    direct_read_nonce: _builtins.bytes
+    """Set (16 random bytes) when the receiver reads the offered blocks itself (its
+    ProbeDirectRead of this daemon succeeded): the offerer copies the nonce into its memory,
+    answers with TransferAccepted.direct instead of sending chunks over UCX, where its pool is
+    mapped in its own memory (else it sends as usual). The receiver reads the nonce back
+    before any block: each transfer proves anew which process it reads.
     """
     @_builtins.property
     def receiver_signature(self) -> _common_pb2.LayoutSignature: ...
@@ -251,11 +253,11 @@ class TransferStart(_message.Message):
         chunk_bytes: _builtins.int = ...,
         timeout_s: _builtins.float = ...,
         offer_block_indices: _abc.Iterable[_builtins.int] | None = ...,
-        direct_read: _builtins.bool = ...,
+        direct_read_nonce: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["receiver_signature", b"receiver_signature"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_bytes", b"chunk_bytes", "direct_read", b"direct_read", "num_blocks", b"num_blocks", "offer_block_indices", b"offer_block_indices", "offer_id", b"offer_id", "receiver_daemon_id", b"receiver_daemon_id", "receiver_signature", b"receiver_signature", "tag_base", b"tag_base", "timeout_s", b"timeout_s", "token", b"token", "transfer_id", b"transfer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_bytes", b"chunk_bytes", "direct_read_nonce", b"direct_read_nonce", "num_blocks", b"num_blocks", "offer_block_indices", b"offer_block_indices", "offer_id", b"offer_id", "receiver_daemon_id", b"receiver_daemon_id", "receiver_signature", b"receiver_signature", "tag_base", b"tag_base", "timeout_s", b"timeout_s", "token", b"token", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -373,8 +375,11 @@ class DirectReadSource(_message.Message):
     REGION_OFFSET_FIELD_NUMBER: _builtins.int
     REGION_STRIDE_FIELD_NUMBER: _builtins.int
     BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    NONCE_ADDRESS_FIELD_NUMBER: _builtins.int
     pid: _builtins.int
     """The daemon's pid (as the receiver's probe of it found)."""
+    nonce_address: _builtins.int
+    """Where TransferStart.direct_read_nonce now lies in that process."""
     @_builtins.property
     def buffer_address(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Base address of each of the pool's buffers in that process."""
@@ -402,10 +407,11 @@ class DirectReadSource(_message.Message):
         region_offset: _abc.Iterable[_builtins.int] | None = ...,
         region_stride: _abc.Iterable[_builtins.int] | None = ...,
         block_ids: _abc.Iterable[_builtins.int] | None = ...,
+        nonce_address: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "buffer_address", b"buffer_address", "pid", b"pid", "region_buffer", b"region_buffer", "region_offset", b"region_offset", "region_stride", b"region_stride"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "buffer_address", b"buffer_address", "nonce_address", b"nonce_address", "pid", b"pid", "region_buffer", b"region_buffer", "region_offset", b"region_offset", "region_stride", b"region_stride"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -98,11 +98,10 @@ class PeerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ProbeDirectRead(self, request, context):
-        """Same-host peers: lets the caller prove it can read this daemon's memory itself (one-sided
-        direct reads, TransferStart.direct_read). The daemon copies the caller's fresh nonce into
-        its own memory and says where; the caller reads it back with process_vm_readv. Only a
-        process the called daemon can write holds the nonce, so what the caller reads there later
-        is memory the called daemon could have sent anyway.
+        """Same-host peers: lets the caller find out whether it can read this daemon's memory itself
+        (one-sided direct reads, TransferStart.direct_read_nonce). The daemon copies the caller's
+        fresh nonce into its own memory and says where; the caller reads it back with
+        process_vm_readv. Each direct transfer then proves itself the same way.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

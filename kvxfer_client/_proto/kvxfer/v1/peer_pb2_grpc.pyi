@@ -58,11 +58,10 @@ class PeerServiceStub:
     ExtendLease: _grpc.UnaryUnaryMultiCallable[_peer_pb2.PeerExtendLeaseRequest, _peer_pb2.PeerExtendLeaseResponse]
     """Extends the lease of an offer of the called daemon (checked against the offer's token)."""
     ProbeDirectRead: _grpc.UnaryUnaryMultiCallable[_peer_pb2.DirectReadProbe, _peer_pb2.DirectReadProof]
-    """Same-host peers: lets the caller prove it can read this daemon's memory itself (one-sided
-    direct reads, TransferStart.direct_read). The daemon copies the caller's fresh nonce into
-    its own memory and says where; the caller reads it back with process_vm_readv. Only a
-    process the called daemon can write holds the nonce, so what the caller reads there later
-    is memory the called daemon could have sent anyway.
+    """Same-host peers: lets the caller find out whether it can read this daemon's memory itself
+    (one-sided direct reads, TransferStart.direct_read_nonce). The daemon copies the caller's
+    fresh nonce into its own memory and says where; the caller reads it back with
+    process_vm_readv. Each direct transfer then proves itself the same way.
     """
 
 @_typing.type_check_only
@@ -92,11 +91,10 @@ class PeerServiceAsyncStub(PeerServiceStub):
     ExtendLease: _aio.UnaryUnaryMultiCallable[_peer_pb2.PeerExtendLeaseRequest, _peer_pb2.PeerExtendLeaseResponse]  # type: ignore[assignment]
     """Extends the lease of an offer of the called daemon (checked against the offer's token)."""
     ProbeDirectRead: _aio.UnaryUnaryMultiCallable[_peer_pb2.DirectReadProbe, _peer_pb2.DirectReadProof]  # type: ignore[assignment]
-    """Same-host peers: lets the caller prove it can read this daemon's memory itself (one-sided
-    direct reads, TransferStart.direct_read). The daemon copies the caller's fresh nonce into
-    its own memory and says where; the caller reads it back with process_vm_readv. Only a
-    process the called daemon can write holds the nonce, so what the caller reads there later
-    is memory the called daemon could have sent anyway.
+    """Same-host peers: lets the caller find out whether it can read this daemon's memory itself
+    (one-sided direct reads, TransferStart.direct_read_nonce). The daemon copies the caller's
+    fresh nonce into its own memory and says where; the caller reads it back with
+    process_vm_readv. Each direct transfer then proves itself the same way.
     """
 
 class PeerServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -147,11 +145,10 @@ class PeerServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _peer_pb2.DirectReadProbe,
         context: _ServicerContext,
     ) -> _typing.Union[_peer_pb2.DirectReadProof, _abc.Awaitable[_peer_pb2.DirectReadProof]]:
-        """Same-host peers: lets the caller prove it can read this daemon's memory itself (one-sided
-        direct reads, TransferStart.direct_read). The daemon copies the caller's fresh nonce into
-        its own memory and says where; the caller reads it back with process_vm_readv. Only a
-        process the called daemon can write holds the nonce, so what the caller reads there later
-        is memory the called daemon could have sent anyway.
+        """Same-host peers: lets the caller find out whether it can read this daemon's memory itself
+        (one-sided direct reads, TransferStart.direct_read_nonce). The daemon copies the caller's
+        fresh nonce into its own memory and says where; the caller reads it back with
+        process_vm_readv. Each direct transfer then proves itself the same way.
         """
 
 def add_PeerServiceServicer_to_server(servicer: PeerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

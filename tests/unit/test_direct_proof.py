@@ -74,3 +74,16 @@ def test_a_probe_holds_only_where_the_nonce_lies() -> None:
     assert not probe_peer(peer_pb2.DirectReadProof(pid=pid, address=address), new_nonce(), "peer")
     assert not probe_peer(peer_pb2.DirectReadProof(pid=pid, address=8), nonce, "peer")  # unmapped: EFAULT
     assert not probe_peer(peer_pb2.DirectReadProof(pid=2**22 + 1, address=address), nonce, "peer")  # no such pid
+
+
+@pytest.mark.parametrize("nonce", [b"x", b"y" * 17])
+def test_a_start_with_a_malformed_nonce_is_refused_before_any_offer_is_claimed(nonce: bytes) -> None:
+    from kvxferd.control import wire
+
+    start = peer_pb2.TransferStart(transfer_id="t-1", chunk_bytes=1 << 20, direct_read_nonce=nonce)
+    with pytest.raises(InvalidRequestError, match="direct_read_nonce"):
+        wire.serve_request(start, 30.0)
+    assert (
+        wire.serve_request(peer_pb2.TransferStart(transfer_id="t-2", chunk_bytes=1 << 20), 30.0).direct_read_nonce
+        == b""
+    )
