@@ -22,6 +22,12 @@ from .workloads import WORKLOADS, both_paths, run_concurrent, run_sequential
 SEED = 7
 
 
+#: The workloads measure the UCX data plane, which daemons on different hosts use: here both
+#: daemons share one host, where they would read each other's memory directly by default.
+#: ``lean`` measures both.
+UCX_ONLY = {"KVXFERD_SAME_HOST_DIRECT_READ": "false"}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--iters", type=int, default=8)
@@ -50,7 +56,7 @@ def main() -> None:
             continue
         w = WORKLOADS[name]
         with Cluster() as c:
-            for path, prefill, decode in both_paths(c, w, SEED, "bench"):
+            for path, prefill, decode in both_paths(c, w, SEED, "bench", env=UCX_ONLY):
                 if name == "small":
                     row = run_concurrent(prefill, decode, w, rng, args.small_count, args.concurrency)
                 else:

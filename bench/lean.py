@@ -5,12 +5,14 @@ round by round in one run so that the machine's drift hits every figure alike:
 
 * ``fixed``: a 4 KiB handoff (offer in the prefill engine + pull in the decode engine), local
   and remote, against two gRPC unary echoes (health checks on the daemon's engine socket);
+* every remote figure for two pairs of same-host daemons: with direct reads (the default:
+  the decode daemon reads the offered blocks itself) and without (UCX's shared memory);
 * ``size``: remote GB/s of a 16 MiB request (about 128 tokens of Llama-3-8B KV) against a
   256 MiB one;
 * ``offers``: an offer's latency idle, and with 64 remote pulls of 4 MiB in flight on the
   offering daemon;
-* ``cpu``: both daemons' CPU seconds per GB moved (256 MiB remote handoffs), and their CPU
-  use while idle with live peers;
+* ``cpu``: each daemon's CPU seconds per GB moved (256 MiB remote handoffs); ``idle``: the
+  daemons' CPU use while idle with live peers;
 * ``contended``: 256 MiB remote GB/s quiet and with ``--busy`` busy-looping processes beside
   the daemons, over the same-host transport UCX picks between two daemons here and over TCP
   (a second pair of daemons with ``UCX_TLS=tcp,self``, as two hosts without RDMA use).
@@ -112,97 +114,119 @@ def main() -> None:
 
 
 def run(rounds: int, busy: int, emit: Callable[[dict[str, Any]], None]) -> None:
-    """Every figure, ``rounds`` rounds interleaved (the heavier ones every fifth round)."""
+    """Every figure, ``rounds`` rounds interleaved (the heavier ones every fifth round), for
+    three pairs of daemons: same host with direct reads (the default), same host over UCX's
+    shared memory (direct reads off), and UCX over TCP."""
     with Cluster() as cluster:
-        bench = Bench(cluster)
-        tcp = Bench(cluster, "lean-tcp", env={"UCX_TLS": "tcp,self"})
-        tcp_quiet, tcp_contended = [], []
-        local, remote, echo2, mid, big = [], [], [], [], []
-        idle_offer, loaded_offer = [], []
-        cpu_big, quiet, contended, cpu_quiet, cpu_contended = [], [], [], [], []
-        daemons = (bench.a, bench.b)
+        pairs = {
+            "direct": Bench(cluster, "lean", env={"KVXFERD_SAME_HOST_DIRECT_READ": "true"}),
+            "ucx-shm": Bench(cluster, "lean-shm", env={"KVXFERD_SAME_HOST_DIRECT_READ": "false"}),
+            "tcp": Bench(cluster, "lean-tcp", env={"UCX_TLS": "tcp,self", "KVXFERD_SAME_HOST_DIRECT_READ": "false"}),
+        }
+        first = pairs["direct"]
+        local, echo2 = [], []
+        figs: dict[str, dict[str, list[float]]] = {name: {} for name in pairs}
         for r in range(rounds + 2):
-            warm = r >= 2
-            e = bench.small_local("echo", count=4)["seconds"]
-            h_local = bench.handoff(bench.small_p, bench.small_local, 1, 4096)
-            h_remote = bench.handoff(bench.small_p, bench.small_remote, 1, 4096)
-            h_mid = bench.handoff(bench.big_p, bench.big_remote, 8, 256)  # 16 MiB
-            cpu0 = sum(cpu_seconds(d) for d in daemons)
-            h_big = bench.handoff(bench.big_p, bench.big_remote, 128, 256)  # 256 MiB
-            cpu1 = sum(cpu_seconds(d) for d in daemons)
-            idle = [bench.small_p("offer", requests=[[int(bench.rng.integers(4096))]])["offer_s"] for _ in range(3)]
+            warm, heavy = r >= 2, r >= 2 and r % 5 == 2
+            e = first.small_local("echo", count=4)["seconds"]
+            h_local = first.handoff(first.small_p, first.small_local, 1, 4096)
             if warm:
                 echo2 += [e[0] + e[1], e[2] + e[3]]
                 local.append(h_local["offer_s"] + h_local["pull_s"])
-                remote.append(h_remote["offer_s"] + h_remote["pull_s"])
-                mid.append(16 * MIB / (h_mid["offer_s"] + h_mid["pull_s"]))
-                big.append(256 * MIB / (h_big["offer_s"] + h_big["pull_s"]))
-                cpu_big.append((cpu1 - cpu0) / (256 * MIB / 1e9))
-                idle_offer += idle
-            if warm and r % 5 == 2:  # the heavier rounds, every fifth
-                loaded_offer += bench.offers_under_load(64)
-                q, c, cq, cc = _contended(bench, daemons, busy)
-                quiet.append(q)
-                contended.append(c)
-                cpu_quiet.append(cq)
-                cpu_contended.append(cc)
-                q, c, _, _ = _contended(tcp, (tcp.a, tcp.b), busy)
-                tcp_quiet.append(q)
-                tcp_contended.append(c)
+            for name, bench in pairs.items():
+                if name != "tcp" or heavy:
+                    _round(bench, figs[name], warm, heavy and name != "tcp", heavy, busy)
         emit(
             {
                 "figure": "fixed",
                 "echo2_p50_ms": p50(echo2),
                 "local_4k_p50_ms": p50(local),
-                "remote_4k_p50_ms": p50(remote),
                 "local_vs_echo2": statistics.median(local) / statistics.median(echo2),
-                "remote_vs_echo2": statistics.median(remote) / statistics.median(echo2),
+                **{f"remote_4k_{n}_p50_ms": p50(figs[n]["remote"]) for n in ("direct", "ucx-shm")},
+                **{
+                    f"remote_{n}_vs_echo2": statistics.median(figs[n]["remote"]) / statistics.median(echo2)
+                    for n in ("direct", "ucx-shm")
+                },
             }
         )
-        emit(
-            {
-                "figure": "size",
-                "remote_16mib_gbps": statistics.median(mid) / 1e9,
-                "remote_256mib_gbps": statistics.median(big) / 1e9,
-                "ratio": statistics.median(mid) / statistics.median(big),
-            }
-        )
-        emit(
-            {
-                "figure": "offers",
-                "idle_p50_ms": p50(idle_offer),
-                "with_64_pulls_p50_ms": p50(loaded_offer),
-                "ratio": statistics.median(loaded_offer) / statistics.median(idle_offer),
-                "samples": len(loaded_offer),
-            }
-        )
+        for name in ("direct", "ucx-shm"):
+            f, bench = figs[name], pairs[name]
+            emit(
+                {
+                    "figure": "size",
+                    "pair": name,
+                    "remote_16mib_gbps": statistics.median(f["mid"]) / 1e9,
+                    "remote_256mib_gbps": statistics.median(f["big"]) / 1e9,
+                    "ratio": statistics.median(f["mid"]) / statistics.median(f["big"]),
+                }
+            )
+            emit(
+                {
+                    "figure": "offers",
+                    "pair": name,
+                    "idle_p50_ms": p50(f["idle_offer"]),
+                    "with_64_pulls_p50_ms": p50(f["loaded_offer"]),
+                    "ratio": statistics.median(f["loaded_offer"]) / statistics.median(f["idle_offer"]),
+                    "samples": len(f["loaded_offer"]),
+                }
+            )
+            emit(
+                {
+                    "figure": "cpu",
+                    "pair": name,
+                    "sender_cpu_s_per_gb": statistics.median(f["cpu_sender"]),
+                    "receiver_cpu_s_per_gb": statistics.median(f["cpu_receiver"]),
+                }
+            )
         time.sleep(1.0)
+        daemons = [d for bench in pairs.values() for d in (bench.a, bench.b)]
         cpu0, t0 = sum(cpu_seconds(d) for d in daemons), time.monotonic()
         time.sleep(5.0)
         idle_pct = 100 * (sum(cpu_seconds(d) for d in daemons) - cpu0) / (time.monotonic() - t0)
-        emit({"figure": "cpu", "daemons_cpu_s_per_gb": statistics.median(cpu_big), "idle_cpu_pct": idle_pct})
-        emit(
-            {
-                "figure": "contended",
-                "busy": busy,
-                "quiet_gbps": statistics.median(quiet),
-                "contended_gbps": statistics.median(contended),
-                "ratio": statistics.median(contended) / statistics.median(quiet),
-                "cpu_s_per_gb_quiet": statistics.median(cpu_quiet),
-                "cpu_s_per_gb_contended": statistics.median(cpu_contended),
-                "transport": bench.transport,
-            }
-        )
-        emit(
-            {
-                "figure": "contended",
-                "busy": busy,
-                "quiet_gbps": statistics.median(tcp_quiet),
-                "contended_gbps": statistics.median(tcp_contended),
-                "ratio": statistics.median(tcp_contended) / statistics.median(tcp_quiet),
-                "transport": tcp.transport,
-            }
-        )
+        emit({"figure": "idle", "daemons": len(daemons), "cpu_pct": idle_pct})
+        for name, bench in pairs.items():
+            f = figs[name]
+            emit(
+                {
+                    "figure": "contended",
+                    "pair": name,
+                    "busy": busy,
+                    "quiet_gbps": statistics.median(f["quiet"]),
+                    "contended_gbps": statistics.median(f["contended"]),
+                    "ratio": statistics.median(f["contended"]) / statistics.median(f["quiet"]),
+                    "cpu_s_per_gb_quiet": statistics.median(f["cpu_quiet"]),
+                    "cpu_s_per_gb_contended": statistics.median(f["cpu_contended"]),
+                    "transport": bench.transport,
+                }
+            )
+
+
+def _round(bench: Bench, f: dict[str, list[float]], warm: bool, loaded: bool, contend: bool, busy: int) -> None:
+    """One round of a pair's measurements into ``f`` (kept once ``warm``)."""
+    h_remote = bench.handoff(bench.small_p, bench.small_remote, 1, 4096)
+    h_mid = bench.handoff(bench.big_p, bench.big_remote, 8, 256)  # 16 MiB
+    a0, b0 = cpu_seconds(bench.a), cpu_seconds(bench.b)
+    h_big = bench.handoff(bench.big_p, bench.big_remote, 128, 256)  # 256 MiB
+    a1, b1 = cpu_seconds(bench.a), cpu_seconds(bench.b)
+    idle = [bench.small_p("offer", requests=[[int(bench.rng.integers(4096))]])["offer_s"] for _ in range(3)]
+    if not warm:
+        return
+    gb = 256 * MIB / 1e9
+    for key, value in (
+        ("remote", h_remote["offer_s"] + h_remote["pull_s"]),
+        ("mid", 16 * MIB / (h_mid["offer_s"] + h_mid["pull_s"])),
+        ("big", 256 * MIB / (h_big["offer_s"] + h_big["pull_s"])),
+        ("cpu_sender", (a1 - a0) / gb),
+        ("cpu_receiver", (b1 - b0) / gb),
+    ):
+        f.setdefault(key, []).append(value)
+    f.setdefault("idle_offer", []).extend(idle)
+    if loaded:
+        f.setdefault("loaded_offer", []).extend(bench.offers_under_load(64))
+    if contend:
+        q, c, cq, cc = _contended(bench, (bench.a, bench.b), busy)
+        for key, value in (("quiet", q), ("contended", c), ("cpu_quiet", cq), ("cpu_contended", cc)):
+            f.setdefault(key, []).append(value)
 
 
 def _contended(bench: Bench, daemons: tuple[Daemon, ...], busy: int) -> tuple[float, float, float, float]:

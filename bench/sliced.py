@@ -101,7 +101,8 @@ def run(iters: int, emit: Callable[[dict[str, Any]], None]) -> list[dict[str, An
     rows = []
     rng = np.random.default_rng(5)
     with Cluster() as cluster:
-        a, b = cluster.daemon("sliced-a"), cluster.daemon("sliced-b")
+        ucx_only = {"KVXFERD_SAME_HOST_DIRECT_READ": "false"}  # the remote path as between hosts
+        a, b = cluster.daemon("sliced-a", env=ucx_only), cluster.daemon("sliced-b", env=ucx_only)
         for path, daemon in (("local", a), ("remote", b)):
             pairs = [_Pair(cluster, a, daemon, case, path) for case in CASES]
             for i in range(iters + 2):

@@ -48,12 +48,18 @@ WORKLOADS = {
 
 
 def both_paths(
-    cluster: Cluster, w: Workload, seed: int, prefix: str, memory: str = "host", daemon_args: tuple[str, ...] = ()
+    cluster: Cluster,
+    w: Workload,
+    seed: int,
+    prefix: str,
+    memory: str = "host",
+    daemon_args: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
 ) -> Iterator[tuple[str, EngineProcess, EngineProcess]]:
     """Daemons A and B; a prefill engine on A with a pool filled from ``seed``; then, for the
     local path a decode engine on A and for the remote path one on B. ``memory``: "host" or
     "gpu" pools on both sides."""
-    a, b = cluster.daemon(f"{prefix}-a", *daemon_args), cluster.daemon(f"{prefix}-b", *daemon_args)
+    a, b = cluster.daemon(f"{prefix}-a", *daemon_args, env=env), cluster.daemon(f"{prefix}-b", *daemon_args, env=env)
     prefill = cluster.engine(a, "prefill")
     prefill("pool", shape=w.shape, seed=seed, memory=memory)
     for path, daemon in (("local", a), ("remote", b)):
