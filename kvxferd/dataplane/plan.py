@@ -20,6 +20,7 @@ plan grows with the number of chunks and regions, never with the number of block
 from __future__ import annotations
 
 from collections.abc import Iterable
+from itertools import pairwise
 from dataclasses import dataclass
 
 import numpy as np
@@ -105,8 +106,45 @@ def plan_segments(seg_buf: I64, seg_off: I64, seg_len: I64, chunk_bytes: int) ->
     a layout; ``remap`` from two geometries)."""
     if chunk_bytes <= 0:
         raise ValueError("chunk_bytes must be positive")
+    if 0 < len(seg_len) <= SMALL_PLAN:
+        return _plan_small(seg_buf, seg_off, seg_len, chunk_bytes)
     whole = _plan_whole(seg_buf, seg_off, seg_len, chunk_bytes) if len(seg_len) else None
     return whole if whole is not None else _plan_general(seg_buf, seg_off, seg_len, chunk_bytes)
+
+
+#: Up to this many segments a plain Python loop plans faster than numpy's calls cost: a
+#: 2-segment plan (a one-block handoff) took ~50 µs through numpy, measured here.
+SMALL_PLAN = 64
+
+
+def _plan_small(seg_buf: I64, seg_off: I64, seg_len: I64, chunk_bytes: int) -> SidePlan:
+    """:func:`plan_segments` for a few segments, one piece at a time."""
+    chunks: list[ChunkPlan] = []
+    pieces: list[tuple[int, int, int, int]] = []  # (buffer, offset, length, offset in the chunk)
+    filled = 0
+    for buf, off, length in zip(seg_buf.tolist(), seg_off.tolist(), seg_len.tolist(), strict=True):
+        while length > 0:
+            take = min(length, chunk_bytes - filled)
+            pieces.append((buf, off, take, filled))
+            off, length, filled = off + take, length - take, filled + take
+            if filled == chunk_bytes:
+                chunks.append(_small_chunk(len(chunks), pieces, filled))
+                pieces, filled = [], 0
+    if pieces:
+        chunks.append(_small_chunk(len(chunks), pieces, filled))
+    return SidePlan(int(seg_len.sum()), chunk_bytes, len(seg_len), tuple(chunks))
+
+
+def _small_chunk(index: int, pieces: list[tuple[int, int, int, int]], nbytes: int) -> ChunkPlan:
+    adjacent = all(b == a[0] and o == a[1] + a[2] for a, (b, o, _, _) in pairwise(pieces))
+    runs: list[Run] = []
+    start = 0
+    for i in range(1, len(pieces) + 1):
+        if i == len(pieces) or pieces[i][0] != pieces[start][0] or pieces[i][2] != pieces[start][2]:
+            offsets = np.array([p[1] for p in pieces[start:i]], dtype=np.int64)
+            runs.append(Run(pieces[start][0], pieces[start][2], offsets, pieces[start][3]))
+            start = i
+    return ChunkPlan(index, nbytes, (pieces[0][0], pieces[0][1]) if adjacent else None, tuple(runs))
 
 
 def _plan_general(seg_buf: I64, seg_off: I64, seg_len: I64, chunk_bytes: int) -> SidePlan:

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from kvxferd.dataplane.cma import copy_iov, self_copy_works
 from kvxferd.dataplane.hostcopy import chunk_iov, copy_chunk, gather_chunk, scatter_chunk
-from kvxferd.dataplane.plan import RegionTable, _plan_general, _plan_whole, build_plan
+from kvxferd.dataplane.plan import RegionTable, _plan_general, _plan_small, _plan_whole, build_plan
 
 
 def reference_copy(regions, src, dst, src_ids, dst_ids):  # type: ignore[no-untyped-def]
@@ -143,3 +143,23 @@ def test_whole_segment_plans_match_the_general_arithmetic() -> None:
                 (r.buffer, r.length, r.chunk_offset, r.offsets.tolist()) for r in theirs.runs
             ]
     assert shortcuts > 50
+
+
+def test_small_plans_match_the_general_arithmetic() -> None:
+    """plan_segments' pure-Python path for a few segments gives the general path's plan,
+    segments crossing chunk boundaries included."""
+    rng = np.random.default_rng(5)
+    for _ in range(300):
+        n = int(rng.integers(1, 65))
+        lengths = rng.integers(1, 40, n)
+        buf = np.sort(rng.integers(0, 3, n))
+        gaps = np.where(rng.random(n) < 0.6, 0, rng.integers(1, 50, n))
+        off = np.cumsum(lengths + gaps) - (lengths[0] + gaps[0])
+        chunk = int(rng.integers(1, 120))
+        mine, ref = _plan_small(buf, off, lengths, chunk), _plan_general(buf, off, lengths, chunk)
+        assert (mine.total_bytes, mine.num_segments) == (ref.total_bytes, ref.num_segments)
+        for a, b in zip(mine.chunks, ref.chunks, strict=True):
+            assert (a.index, a.nbytes, a.contiguous) == (b.index, b.nbytes, b.contiguous)
+            assert [(r.buffer, r.length, r.chunk_offset, r.offsets.tolist()) for r in a.runs] == [
+                (r.buffer, r.length, r.chunk_offset, r.offsets.tolist()) for r in b.runs
+            ]
