@@ -20,8 +20,8 @@ plan grows with the number of chunks and regions, never with the number of block
 from __future__ import annotations
 
 from collections.abc import Iterable
-from itertools import pairwise
 from dataclasses import dataclass
+from itertools import pairwise
 
 import numpy as np
 import numpy.typing as npt
