@@ -25,7 +25,7 @@ import grpc
 import numpy as np
 import numpy.typing as npt
 
-from kvxfer_client._errors import IncompatibleError, PermissionDeniedError, UnavailableError
+from kvxfer_client._errors import PermissionDeniedError, UnavailableError
 from kvxfer_client._proto import common_pb2, peer_pb2
 from kvxfer_client._ticket import Ticket
 from kvxfer_client._version import PROTOCOL_VERSION, __version__
@@ -113,7 +113,8 @@ class Node:
             self.faults,
         )
         self.pulls = Pulls(self.daemon_id, self.transfers, local, None)
-        self.proofs = ProofSlots()
+        #: Where same-host peers' direct-read probes are answered (see :mod:`.handoff.direct`).
+        self.proofs = ProofSlots(settings.same_host_direct_read)
         # Made by start_peers(), once the peer listener's address is known:
         self.peers: PeerDirectory | None = None
         self.remote: RemotePlane | None = None
@@ -302,13 +303,6 @@ class Node:
         pool = self.owned_pool(pool_id, session_id)
         ids = check_block_ids(block_ids, pool.layout.num_blocks, "pull destination")
         return await self.pulls.pull(ticket, pool, ids, timeout_s, transfer_id, offer_block_indices)
-
-    def prove_direct_read(self, nonce: bytes) -> tuple[int, int]:
-        """A same-host peer's probe: where its nonce now lies in this process (see
-        :mod:`.handoff.direct`)."""
-        if not self.settings.same_host_direct_read:
-            raise IncompatibleError("direct reads are off on this daemon (same_host_direct_read: false)")
-        return self.proofs.write(nonce)
 
     async def serve(self, start: ServeRequest, stream: OffererStream) -> None:
         if self.server is None:

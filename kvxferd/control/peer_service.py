@@ -38,7 +38,7 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
     async def ProbeDirectRead(  # noqa: N802
         self, request: peer_pb2.DirectReadProbe, context: Ctx
     ) -> peer_pb2.DirectReadProof:
-        pid, address = self.node.prove_direct_read(bytes(request.nonce))
+        pid, address = self.node.proofs.write(bytes(request.nonce))
         return peer_pb2.DirectReadProof(pid=pid, address=address)
 
     @rpc_method

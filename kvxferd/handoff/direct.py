@@ -71,14 +71,18 @@ _MAX_ADDRESS = 1 << 62
 
 
 class ProofSlots:
-    """The offering side of a probe: nonces copied into this daemon's memory, in a ring."""
+    """The offering side of a probe: nonces copied into this daemon's memory, in a ring
+    (``enabled``: the daemon's ``same_host_direct_read``; off, every probe is refused)."""
 
-    def __init__(self) -> None:
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
         self._slots = np.zeros((SLOTS, NONCE_BYTES), dtype=np.uint8)
         self._next = 0
 
     def write(self, nonce: bytes) -> tuple[int, int]:
         """Copy ``nonce`` into a slot; returns ``(pid, address)`` where it now lies."""
+        if not self.enabled:
+            raise IncompatibleError("direct reads are off on this daemon (same_host_direct_read: false)")
         if len(nonce) != NONCE_BYTES:
             raise InvalidRequestError(f"a direct-read probe's nonce is {NONCE_BYTES} bytes, not {len(nonce)}")
         slot = self._slots[self._next]

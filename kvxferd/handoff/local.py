@@ -94,18 +94,11 @@ class LocalHandoff:
         try:
             await self.faults.hit("before_local_copy", transfer_id=record.transfer_id)
             started = time.perf_counter()
-            if src.on_gpu or dst.on_gpu:
-                with src.in_use():
-                    record.transport, record.device_s = await self._copy_gpu(src, src_ids, dst, dst_ids)
-                record.nbytes = len(src_ids) * src.layout.bytes_per_block
-            else:
-                src_plan, dst_plan = plans or (
-                    build_plan(src.regions, src_ids, self.chunk_bytes),
-                    build_plan(dst.regions, dst_ids, self.chunk_bytes),
-                )
-                record.nbytes = src_plan.total_bytes
-                with src.in_use():
-                    await self._copy_host(src, src_plan, dst, dst_plan)
+            on_host = not (src.on_gpu or dst.on_gpu)
+            plans = plans or (self._plans(src, src_ids, dst, dst_ids) if on_host else None)
+            record.nbytes = plans[0].total_bytes if plans else len(src_ids) * src.layout.bytes_per_block
+            transport, record.device_s = await self.copy_blocks(src, src_ids, dst, dst_ids, plans)
+            record.transport = transport or record.transport
             record.data_plane_s = time.perf_counter() - started
         except BaseException as exc:
             detail = f"local pull failed: {exc!r}"
@@ -114,19 +107,29 @@ class LocalHandoff:
         self.offers.pulled(offer, record.transfer_id)
 
     async def copy_blocks(
-        self, src: Pool, src_ids: np.ndarray[Any, Any], dst: Pool, dst_ids: np.ndarray[Any, Any]
-    ) -> None:
-        """Copy blocks between two pools holding the same bytes per block, no offer involved
-        (a shared remote read hands its bytes on: :mod:`.shared`)."""
+        self,
+        src: Pool,
+        src_ids: np.ndarray[Any, Any],
+        dst: Pool,
+        dst_ids: np.ndarray[Any, Any],
+        plans: tuple[SidePlan, SidePlan] | None = None,
+    ) -> tuple[str, float]:
+        """Copy blocks between two pools, no offer involved (a pull, or a shared remote read
+        handing its bytes on: :mod:`.shared`); ``plans``: both host sides' plans where made
+        already (a remap). Returns the GPU copy's transport and GPU time ("" and 0 on host)."""
         if (src.on_gpu or dst.on_gpu) and (src.process or dst.process):
             raise IncompatibleError(PROCESS_MEMORY_OFF_GPU)
         with src.in_use():
             if src.on_gpu or dst.on_gpu:
-                await self._copy_gpu(src, src_ids, dst, dst_ids)
-            else:
-                src_plan = build_plan(src.regions, src_ids, self.chunk_bytes)
-                dst_plan = build_plan(dst.regions, dst_ids, self.chunk_bytes)
-                await self._copy_host(src, src_plan, dst, dst_plan)
+                return await self._copy_gpu(src, src_ids, dst, dst_ids)
+            src_plan, dst_plan = plans or self._plans(src, src_ids, dst, dst_ids)
+            await self._copy_host(src, src_plan, dst, dst_plan)
+            return "", 0.0
+
+    def _plans(
+        self, src: Pool, src_ids: np.ndarray[Any, Any], dst: Pool, dst_ids: np.ndarray[Any, Any]
+    ) -> tuple[SidePlan, SidePlan]:
+        return build_plan(src.regions, src_ids, self.chunk_bytes), build_plan(dst.regions, dst_ids, self.chunk_bytes)
 
     async def _copy_host(self, src: Pool, src_plan: SidePlan, dst: Pool, dst_plan: SidePlan) -> None:
         await copy_in_threads(

@@ -139,8 +139,8 @@ class RemotePull:
                     plan = _receive_plan(dst, side, dst_ids, chunk)
                 if total_bytes != plan.total_bytes:
                     raise IncompatibleError(f"peer sends {total_bytes} bytes, destination expects {plan.total_bytes}")
-                started = time.perf_counter()
                 if source is not None:
+                    started = time.perf_counter()
                     receiving = asyncio.create_task(self._read(record, peer, source, sender, dst, dst_ids, plan, nonce))
                 else:
                     staging, need = self.plane.staging_for(dst, plan, "receive")

@@ -47,7 +47,7 @@ from ..memory.pools import Pool
 __all__ = ["SharedReads", "holds_same_blocks"]
 
 #: Copies blocks between two pools that hold the same bytes per block (no offer involved).
-CopyBlocks = Callable[[Pool, np.ndarray[Any, Any], Pool, np.ndarray[Any, Any]], Awaitable[None]]
+CopyBlocks = Callable[[Pool, np.ndarray[Any, Any], Pool, np.ndarray[Any, Any]], Awaitable[object]]
 
 
 def holds_same_blocks(a: common_pb2.LayoutSignature, b: common_pb2.LayoutSignature) -> bool:
