@@ -108,9 +108,9 @@ def offer_block_indices(values: Sequence[int]) -> npt.NDArray[np.int64] | None:
     return np.asarray(values, dtype=np.int64)
 
 
-def serve_request(msg: peer_pb2.TransferStart, default_timeout_s: float) -> ServeRequest:
-    """A peer's ``start``: chunk size and ids in range (the offer and token are checked when
-    the offer is claimed)."""
+def serve_request(msg: peer_pb2.TransferStart, default_timeout_s: float, peer_timeout_s: float) -> ServeRequest:
+    """A peer's ``start``: chunk size, ids and deadlines in range (the offer and token are
+    checked when the offer is claimed)."""
     if not MIN_CHUNK <= msg.chunk_bytes <= MAX_CHUNK:
         raise InvalidRequestError(f"chunk_bytes must be in {MIN_CHUNK}..{MAX_CHUNK}")
     transfer_id(msg.transfer_id, required=True)
@@ -120,6 +120,12 @@ def serve_request(msg: peer_pb2.TransferStart, default_timeout_s: float) -> Serv
         raise InvalidRequestError(f"num_blocks must be at most {MAX_BLOCKS}")
     if len(msg.direct_read_nonce) not in (0, NONCE_BYTES):
         raise InvalidRequestError(f"direct_read_nonce must be empty or {NONCE_BYTES} bytes")
+    timeout_s = min(msg.timeout_s or default_timeout_s, MAX_PULL_TIMEOUT_S)
+    if not timeout_s > 0:  # also NaN
+        raise InvalidRequestError(f"timeout_s must be positive, got {msg.timeout_s}")
+    deadline_s = msg.deadline_s or timeout_s + peer_timeout_s
+    if not timeout_s <= deadline_s <= 2 * MAX_PULL_TIMEOUT_S:
+        raise InvalidRequestError(f"deadline_s must be in [timeout_s, {2 * MAX_PULL_TIMEOUT_S:.0f}], got {deadline_s}")
     return ServeRequest(
         transfer_id=msg.transfer_id,
         offer_id=msg.offer_id,
@@ -130,6 +136,7 @@ def serve_request(msg: peer_pb2.TransferStart, default_timeout_s: float) -> Serv
         offer_block_indices=offer_block_indices(msg.offer_block_indices),
         tag_base=msg.tag_base,
         chunk_bytes=msg.chunk_bytes,
-        timeout_s=min(msg.timeout_s or default_timeout_s, MAX_PULL_TIMEOUT_S),
+        timeout_s=timeout_s,
+        deadline_s=deadline_s,
         direct_read_nonce=bytes(msg.direct_read_nonce),
     )

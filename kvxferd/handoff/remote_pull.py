@@ -1,5 +1,6 @@
-"""The decode side of a remote handoff: pull an offer from the daemon that made it, over one
-``PeerService.Transfer`` stream for the steps and UCX tagged messages for the bytes.
+"""The decode side of a remote handoff: pull an offer from the daemon that made it, one
+transfer on our ``PeerService.Transfers`` stream to it for the steps (:mod:`.transfer_stream`)
+and UCX tagged messages (or a direct read, :mod:`.direct`) for the bytes.
 
 Steps (peer.proto): start → accepted → (chunks land) → done → closed. Every chunk is a
 receive posted ahead (``window`` at once) with tag ``tag_base | chunk``, straight into the
@@ -38,7 +39,7 @@ from .direct import DIRECT_READ, new_nonce, nonce_missing, source_plan
 from .local import copy_in_threads
 from .peers import Peer
 from .remote import RemotePlane
-from .steps import MIN_CHUNK
+from .steps import MIN_CHUNK, within
 
 __all__ = ["RemotePull"]
 
@@ -91,9 +92,10 @@ class RemotePull:
             ep = await self.plane.endpoint(peer)
             record.mark("endpoint")
             tag_base = secrets.randbits(40) << 24
-            # The stream's deadline (which the offerer sees too) bounds the wait for closed.
-            stream_deadline_s = timeout + self.settings.peer_timeout_s
-            call = peer.open_transfer(stream_deadline_s)
+            # The transfer's deadline (the offerer keeps it too) bounds the wait for closed.
+            transfer_deadline_s = timeout + self.settings.peer_timeout_s
+            ends_at = asyncio.get_running_loop().time() + transfer_deadline_s
+            call = peer.open_transfer(record.transfer_id)
             record.mark("opened")
             receiving: asyncio.Task[None] | None = None
             sent: asyncio.Task[Any] | None = None
@@ -101,27 +103,32 @@ class RemotePull:
             nonce = new_nonce() if side is None and await self.plane.direct_read_ok(peer) else b""
             source = None
             try:
-                await call.start(
-                    transfer_id=record.transfer_id,
-                    offer_id=ticket.offer_id,
-                    token=ticket.token,
-                    receiver_daemon_id=self.daemon_id,
-                    receiver_signature=dst.layout.signature(),
-                    num_blocks=len(dst_ids),
-                    offer_block_indices=indices,
-                    tag_base=tag_base,
-                    chunk_bytes=max_chunk,
-                    timeout_s=timeout,
-                    direct_read_nonce=nonce,
+                call.start(
+                    peer_pb2.TransferStart(
+                        transfer_id=record.transfer_id,
+                        offer_id=ticket.offer_id,
+                        token=ticket.token,
+                        receiver_daemon_id=self.daemon_id,
+                        receiver_signature=dst.layout.signature(),
+                        num_blocks=len(dst_ids),
+                        offer_block_indices=[] if indices is None else indices.tolist(),
+                        tag_base=tag_base,
+                        chunk_bytes=max_chunk,
+                        timeout_s=timeout,
+                        direct_read_nonce=nonce,
+                        deadline_s=transfer_deadline_s,
+                    )
                 )
                 record.mark("start_sent")
                 # Planned while the offerer claims and plans its side (the sender nearly
                 # always takes the offered chunk size).
                 mapped = dst.layout.geometry is not None
                 expected = None if mapped else _receive_plan(dst, side, dst_ids, max_chunk)
-                chunk, total_bytes, sender, source = await call.accepted(self.settings.peer_timeout_s)
+                accepted = await call.accepted(self.settings.peer_timeout_s)
                 record.mark("accepted")
-                chunk = chunk or max_chunk
+                chunk, total_bytes = accepted.chunk_bytes or max_chunk, accepted.total_bytes
+                sender = accepted.sender_signature
+                source = accepted.direct if accepted.HasField("direct") else None
                 if not MIN_CHUNK <= chunk <= max_chunk:
                     raise IncompatibleError(f"peer chose {chunk}-byte chunks; this side takes {MIN_CHUNK}..{max_chunk}")
                 record.mapping = mapping_between(sender, dst.layout.signature()) if mapped else ""
@@ -160,15 +167,15 @@ class RemotePull:
                 # transfer's own): say done now, while the offerer's "sent" is on its way.
                 await self.faults.hit("before_done", transfer_id=record.transfer_id)
                 record.committed = True  # the sender releases the offer as pulled on this message
-                await call.done(self.settings.peer_timeout_s, readers)
-                # From here the offerer decides (peer.proto, "Outcomes"): closed is success, an
-                # error status is failure. Neither the pull's own deadline nor a step deadline
-                # may decide instead, or a late closed would fail this side only; the stream's
+                call.done(readers)
+                # From here the offerer decides (peer.proto, "Outcomes"): closed is success,
+                # failed is failure. Neither the pull's own deadline nor a step deadline may
+                # decide instead, or a late closed would fail this side only; the transfer's
                 # deadline, which the offerer also keeps, bounds the wait.
                 deadline.reschedule(None)
                 await self.faults.hit("before_closed_read", transfer_id=record.transfer_id)
-                await sent
-                await call.closed()
+                await within(sent, _left(ends_at), "the peer's 'sent'")
+                await call.closed(_left(ends_at))
                 record.mark("closed")
             except BaseException as exc:
                 if sent is not None and not sent.done():
@@ -180,11 +187,11 @@ class RemotePull:
                     await self._unwind(record, receiving, peer)
                     if lease is not None:
                         lease.poisoned = True
-                call.cancel()
+                call.abort(_why(exc))
                 if record.committed and isinstance(exc, DeadlineExceededError):
                     raise DeadlineExceededError(
                         f"pull {record.transfer_id}: every byte landed, but {ticket.peer_address} did not close "
-                        f"the transfer within the stream's deadline of {stream_deadline_s}s: both sides fail it"
+                        f"the transfer within its deadline of {transfer_deadline_s}s: both sides fail it"
                     ) from None
                 if isinstance(exc, UnavailableError):
                     self.plane.drop_peer(peer)  # the next pull says Hello again and makes a new endpoint
@@ -258,6 +265,20 @@ class RemotePull:
             # UCX would not cancel a matched receive: closing the endpoint makes it give the
             # receive up (the next pull says Hello again).
             self.plane.drop_peer(peer)
+
+
+def _left(ends_at: float) -> float:
+    """Seconds until the loop time ``ends_at`` (at least a moment: the step then times out)."""
+    return max(ends_at - asyncio.get_running_loop().time(), 1e-3)
+
+
+def _why(exc: BaseException) -> str:
+    """The reason an abort gives the offerer."""
+    if isinstance(exc, asyncio.CancelledError):
+        return "the pull was cancelled"
+    if isinstance(exc, TimeoutError) and not isinstance(exc, DeadlineExceededError):
+        return "the pull's deadline passed"
+    return str(exc) or type(exc).__name__
 
 
 def _receive_plan(dst: Pool, side: BlockSide | None, dst_ids: np.ndarray[Any, Any], chunk: int) -> SidePlan:

@@ -1,10 +1,10 @@
 """The offering side of a remote handoff: answer a peer's pull of one of our offers.
 
-The control plane reads and checks the stream's ``start`` (:class:`ServeRequest`) and gives
+The control plane reads and checks a transfer's ``start`` (:class:`ServeRequest`) and gives
 :meth:`TransferServer.serve` the stream as an :class:`OffererStream`; from there this module
 claims the offer, sends every chunk over UCX and decides the outcome (peer.proto, "Outcomes"):
 the offer is released as pulled only when ``done`` arrives with at least
-:data:`~.steps.COMMIT_MARGIN_S` of the stream's deadline left, and as failed otherwise.
+:data:`~.steps.COMMIT_MARGIN_S` of the transfer's deadline left, and as failed otherwise.
 """
 
 from __future__ import annotations
@@ -57,8 +57,10 @@ class ServeRequest:
     num_blocks: int
     tag_base: int
     chunk_bytes: int
-    #: The pull's deadline (the stream's is this plus ``peer_timeout_s``).
+    #: The pull's deadline.
     timeout_s: float
+    #: The transfer's (peer.proto, ``Transfers``): the pull's plus the puller's peer timeout.
+    deadline_s: float
     #: Positions in the offer's block list to send (None: all).
     offer_block_indices: npt.NDArray[np.int64] | None = None
     #: Non-empty when the receiver reads the blocks itself where it can (see :mod:`.direct`).
@@ -66,16 +68,17 @@ class ServeRequest:
 
 
 class OffererStream(Protocol):
-    """The offering side's end of the Transfer stream, as the control plane adapts it."""
+    """The offering side's end of one transfer on a ``Transfers`` stream, as the control plane
+    adapts it."""
 
     def puller_gone(self) -> bool:
-        """The puller hung up (or its deadline passed)."""
+        """The puller gave the transfer up (or the stream is lost)."""
 
     def on_puller_gone(self, callback: Callable[[], None]) -> None:
-        """Call ``callback`` when the puller hangs up."""
+        """Call ``callback`` when the puller gives the transfer up."""
 
     def time_remaining(self) -> float | None:
-        """Seconds left of the stream's deadline (None: no deadline)."""
+        """Seconds left of the transfer's deadline (None: as the start says, from now)."""
 
     async def send_headers(self) -> None: ...
 
@@ -167,7 +170,7 @@ class TransferServer:
         except BaseException:
             self.offers.unclaim(offer)
             raise
-        # The puller hanging up cancels this handler whatever step it is in, so the offer is
+        # The puller giving up cancels this handler whatever step it is in, so the offer is
         # released at once rather than at our deadline.
         handler = asyncio.current_task()
         serving = True
@@ -179,7 +182,8 @@ class TransferServer:
         stream.on_puller_gone(puller_gone)
         try:
             with offer.pool.in_use():
-                async with asyncio.timeout(start.timeout_s + self.settings.peer_timeout_s):
+                left = stream.time_remaining()
+                async with asyncio.timeout(start.deadline_s if left is None else left):
                     await self._send_and_commit(start, peer, offer, src_ids, record, stream, remapped)
         except BaseException as exc:
             # This handler's own deadline (a step's deadline is a DeadlineExceededError already).
@@ -195,8 +199,8 @@ class TransferServer:
             if own_deadline:
                 raise DeadlineExceededError(f"transfer {record.transfer_id} exceeded its deadline") from None
             if isinstance(exc, asyncio.CancelledError) and record.abort_detail:
-                # Cancelled here (an engine or operator aborted it), not by the peer hanging
-                # up: end the stream with a status, or the puller would wait for its deadline.
+                # Cancelled here (an engine or operator aborted it), not by the peer giving it
+                # up: the puller hears of it (failed), or it would wait for its deadline.
                 raise CancelledError(record.abort_detail) from None
             raise
         finally:
@@ -255,7 +259,7 @@ class TransferServer:
             # The puller gives up at this same deadline: closed might not reach it in time, so
             # both sides fail rather than risk a success on this side only.
             raise DeadlineExceededError(
-                f"transfer {record.transfer_id}: done came with {max(left, 0.0):.2f}s of the stream's "
+                f"transfer {record.transfer_id}: done came with {max(left, 0.0):.2f}s of the transfer's "
                 f"deadline left (under {COMMIT_MARGIN_S}s): too late to commit"
             )
         record.committed = True  # with the release below, in one step of the loop

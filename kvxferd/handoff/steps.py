@@ -16,7 +16,7 @@ T = TypeVar("T")
 MIN_CHUNK = 64 << 10
 MAX_CHUNK = 256 << 20
 #: The offering side commits (releases the offer as pulled, says closed) only with at least
-#: this much of the transfer stream's deadline left, so that closed reaches the puller before
+#: this much of the transfer's deadline left, so that closed reaches the puller before
 #: the same deadline ends its wait (peer.proto, "Outcomes").
 COMMIT_MARGIN_S = 1.0
 

@@ -131,9 +131,10 @@ async def test_a_hello_with_a_random_worker_address_then_a_transfer_is_refused_a
                 await stub.Hello(peer_pb2.HelloRequest(identity=identity), timeout=10)
             assert hello.value.code() == grpc.StatusCode.FAILED_PRECONDITION
             assert "malformed UCX worker address" in (hello.value.details() or "")
-            call = stub.Transfer(timeout=10)
+            call = stub.Transfers(timeout=10)
             await call.write(
                 peer_pb2.TransferClientMessage(
+                    transfer_id="evil-1",
                     start=peer_pb2.TransferStart(
                         transfer_id="evil-1",
                         offer_id=ticket.offer_id,
@@ -144,12 +145,13 @@ async def test_a_hello_with_a_random_worker_address_then_a_transfer_is_refused_a
                         tag_base=1 << 24,
                         chunk_bytes=1 << 20,
                         timeout_s=5,
-                    )
+                    ),
                 )
             )
-            with pytest.raises(grpc.aio.AioRpcError) as transfer:
-                await call.read()
-            assert transfer.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            answer = await call.read()
+            assert answer.transfer_id == "evil-1" and answer.WhichOneof("msg") == "failed"
+            assert answer.failed.code == grpc.StatusCode.FAILED_PRECONDITION.value[0], answer
+            call.cancel()
         assert a.proc is not None and a.proc.poll() is None, a.log()
         # The offer was never claimed: the real decode engine still pulls it.
         await d.pull(ticket, dst, [1, 2], timeout_s=20)
@@ -209,3 +211,54 @@ async def test_daemons_that_differ_in_ucx_error_handling_fail_at_once_naming_the
         with pytest.raises(IncompatibleError, match="give both daemons the same ucx_error_handling"):
             await decode.pull(ticket, dst, [0], timeout_s=30)
         assert time.monotonic() - started < 10
+
+
+async def test_malformed_messages_on_a_transfer_stream_get_typed_refusals_and_the_stream_keeps_serving(
+    daemon_pair: tuple[Daemon, Daemon],
+) -> None:
+    a, _ = daemon_pair
+
+    def start(transfer_id: str, **changes: object) -> peer_pb2.TransferClientMessage:
+        fields: dict[str, object] = {
+            "transfer_id": transfer_id,
+            "offer_id": "no-such-offer",
+            "receiver_daemon_id": "stranger",
+            "receiver_signature": common_pb2.LayoutSignature(),
+            "num_blocks": 1,
+            "tag_base": 1 << 24,
+            "chunk_bytes": 1 << 20,
+            "timeout_s": 5,
+        }
+        fields.update(changes)
+        return peer_pb2.TransferClientMessage(transfer_id=transfer_id, start=peer_pb2.TransferStart(**fields))
+
+    async with grpc.aio.insecure_channel(a.info["peer_address"]) as channel:
+        call = peer_pb2_grpc.PeerServiceStub(channel).Transfers(timeout=30)
+        cases = [
+            # (message, its transfer id, the code it must be refused with)
+            (start(""), "", grpc.StatusCode.INVALID_ARGUMENT),
+            (start("x" * 129), "x" * 128, grpc.StatusCode.INVALID_ARGUMENT),
+            (start("nan", deadline_s=float("nan")), "nan", grpc.StatusCode.INVALID_ARGUMENT),
+            (start("neg", timeout_s=-1), "neg", grpc.StatusCode.INVALID_ARGUMENT),
+            (start("huge", chunk_bytes=1 << 40), "huge", grpc.StatusCode.INVALID_ARGUMENT),
+            # A start whose body names another transfer than its message.
+            (
+                peer_pb2.TransferClientMessage(transfer_id="outer", start=start("inner").start),
+                "outer",
+                grpc.StatusCode.INVALID_ARGUMENT,
+            ),
+            # Well formed, from a daemon that never said Hello.
+            (start("stranger"), "stranger", grpc.StatusCode.FAILED_PRECONDITION),
+        ]
+        for msg, transfer_id, code in cases:
+            # Messages for transfers that are not running are ignored, not answered.
+            await call.write(peer_pb2.TransferClientMessage(transfer_id="ghost", done=peer_pb2.TransferDone(ok=True)))
+            await call.write(peer_pb2.TransferClientMessage(transfer_id="ghost", abort=peer_pb2.TransferAbort()))
+            await call.write(peer_pb2.TransferClientMessage(transfer_id="ghost"))
+            await call.write(msg)
+            answer = await call.read()
+            assert (answer.transfer_id, answer.WhichOneof("msg")) == (transfer_id, "failed"), answer
+            assert answer.failed.code == code.value[0], answer
+        call.cancel()
+    assert a.proc is not None and a.proc.poll() is None, a.log()
+    await _local_handoff_works(a)

@@ -87,8 +87,12 @@ def test_a_prefill_daemon_restarted_on_the_same_address_is_greeted_again(cluster
     cluster.daemon("b")
     shape = {"layers": 1, "blocks": 8, "block_bytes": 8192}
     prefill, decode = engines(cluster, "remote", shape, seed=2, tag="before")
-    ticket = prefill("offer", requests=[[1]])["tickets"][0]
-    assert decode("pull", pulls=[[ticket, [2]]])["results"][0]["ok"]
+    tickets = prefill("offer", requests=[[1], [3], [4]])["tickets"]
+    assert all(r["ok"] for r in decode("pull", pulls=[[tickets[0], [2]], [tickets[1], [5]]])["results"])
+    assert decode("pull", pulls=[[tickets[2], [7]]])["results"][0]["ok"]
+    b = cluster.daemons[1]
+    # Every pull from a peer rides one long-lived transfer stream (peer.proto, Transfers).
+    assert b.log().count("peer.transfer_stream_opened") == 1, b.log()
 
     prefill.kill()
     a.kill()
@@ -100,6 +104,7 @@ def test_a_prefill_daemon_restarted_on_the_same_address_is_greeted_again(cluster
     result = decode("pull", pulls=[[ticket2, [6]]])["results"][0]
     assert result["ok"], result
     assert decode("verify", seed=3, pairs=[[[5], [6]]])["verified"]
+    assert b.log().count("peer.transfer_stream_opened") == 2, "the restarted daemon needs a stream of its own"
 
 
 @pytest.mark.parametrize("single_pass", [True, False], ids=["kernel-single-pass", "numpy-two-pass"])

@@ -18,6 +18,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.cluster import Cluster, Daemon, _env
+from kvxfer_client._version import PROTOCOL_VERSION
 
 
 def scrape(address: str) -> str:
@@ -59,7 +60,7 @@ def test_metrics_count_transfers_bytes_offers_pools_and_expiries(cluster: Cluste
     decode("pool", shape=shape)
     before = scrape(a.info["metrics_address"])
     assert sample(before, "kvxfer_pool_registered_bytes", memory_kind="host", device="cpu") == 2 * 2 * 2 * 32 * 4096
-    assert sample(before, "kvxfer_build_info", version=_version(), protocol_version="1") == 1
+    assert sample(before, "kvxfer_build_info", version=_version(), protocol_version=str(PROTOCOL_VERSION)) == 1
 
     tickets = prefill("offer", requests=[[1, 2, 3], [4, 5]])["tickets"]
     assert sample(scrape(a.info["metrics_address"]), "kvxfer_offers_active") == 2

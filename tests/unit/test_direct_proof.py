@@ -82,8 +82,8 @@ def test_a_start_with_a_malformed_nonce_is_refused_before_any_offer_is_claimed(n
 
     start = peer_pb2.TransferStart(transfer_id="t-1", chunk_bytes=1 << 20, direct_read_nonce=nonce)
     with pytest.raises(InvalidRequestError, match="direct_read_nonce"):
-        wire.serve_request(start, 30.0)
+        wire.serve_request(start, 30.0, 5.0)
     assert (
-        wire.serve_request(peer_pb2.TransferStart(transfer_id="t-2", chunk_bytes=1 << 20), 30.0).direct_read_nonce
+        wire.serve_request(peer_pb2.TransferStart(transfer_id="t-2", chunk_bytes=1 << 20), 30.0, 5.0).direct_read_nonce
         == b""
     )

@@ -265,6 +265,7 @@ class Offerer:
             "tag_base": 1 << 24,
             "chunk_bytes": 1 << 20,
             "timeout_s": 10.0,
+            "deadline_s": 15.0,
         }
         fields.update(changes)
         return ServeRequest(**fields)

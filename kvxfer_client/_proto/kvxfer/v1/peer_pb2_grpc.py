@@ -40,8 +40,8 @@ class PeerServiceStub:
                 request_serializer=kvxfer_dot_v1_dot_peer__pb2.HelloRequest.SerializeToString,
                 response_deserializer=kvxfer_dot_v1_dot_peer__pb2.HelloResponse.FromString,
                 _registered_method=True)
-        self.Transfer = channel.stream_stream(
-                '/kvxfer.v1.PeerService/Transfer',
+        self.Transfers = channel.stream_stream(
+                '/kvxfer.v1.PeerService/Transfers',
                 request_serializer=kvxfer_dot_v1_dot_peer__pb2.TransferClientMessage.SerializeToString,
                 response_deserializer=kvxfer_dot_v1_dot_peer__pb2.TransferServerMessage.FromString,
                 _registered_method=True)
@@ -67,11 +67,22 @@ class PeerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Transfer(self, request_iterator, context):
-        """One pull of one offer. The decode daemon (client) sends start, the offering daemon answers
-        accepted, sends the bytes over UCX and then says sent; the client says done once every byte
-        has landed (it need not have read sent yet), and the offering daemon answers closed after
-        releasing the offer. The pull succeeds only on closed.
+    def Transfers(self, request_iterator, context):
+        """Pulls of this daemon's offers, any number at once, on one long-lived stream per pair of
+        daemons: the pulling daemon opens it with its first pull from this daemon and keeps it
+        while both live (opening a stream per pull cost about as much again as the messages it
+        carried). Every message names its transfer; a transfer is this exchange:
+
+        The decode daemon (client) sends start, the offering daemon answers accepted, sends the
+        bytes over UCX and then says sent; the client says done once every byte has landed (it
+        need not have read sent yet), and the offering daemon answers closed after releasing the
+        offer. The pull succeeds only on closed. Either side may end a transfer early: the client
+        with abort (it gave up: a cancel, its deadline, a failure of its own), the offering
+        daemon with failed (a status code and detail). A lost stream ends every transfer on it.
+
+        Deadline: each transfer has one, TransferStart.deadline_s (the pull's timeout plus the
+        puller's peer timeout), counted by the puller from sending start and by the offerer from
+        reading it.
 
         Outcomes. Both sides report the same outcome in every interleaving; the offering side
         decides once done is on its way (tests/faults/test_outcomes.py hits each row through the
@@ -80,11 +91,11 @@ class PeerServiceServicer:
         released as failed; a puller that leaves before the claim leaves it pullable);
         done sent, offering side cancelled before reading it -> both fail (cancelled);
         done sent, cancel on the pulling side -> too late, not cancelled; both succeed;
-        done read with >= 1 s of the stream's deadline left -> released as pulled, closed;
-        the puller waits for closed up to the stream's deadline (pull timeout_s +
-        peer_timeout_s), with no step deadline, so a late closed is still success;
+        done read with >= 1 s of the transfer's deadline left -> released as pulled, closed;
+        the puller waits for closed up to that deadline, with no step deadline, so a late
+        closed is still success;
         done read with < 1 s of that deadline left -> both fail (deadline exceeded);
-        the stream's deadline passes before closed -> both fail, the error naming that deadline.
+        the transfer's deadline passes before closed -> both fail, the error naming it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -115,8 +126,8 @@ def add_PeerServiceServicer_to_server(servicer, server):
                     request_deserializer=kvxfer_dot_v1_dot_peer__pb2.HelloRequest.FromString,
                     response_serializer=kvxfer_dot_v1_dot_peer__pb2.HelloResponse.SerializeToString,
             ),
-            'Transfer': grpc.stream_stream_rpc_method_handler(
-                    servicer.Transfer,
+            'Transfers': grpc.stream_stream_rpc_method_handler(
+                    servicer.Transfers,
                     request_deserializer=kvxfer_dot_v1_dot_peer__pb2.TransferClientMessage.FromString,
                     response_serializer=kvxfer_dot_v1_dot_peer__pb2.TransferServerMessage.SerializeToString,
             ),
@@ -169,7 +180,7 @@ class PeerService:
             _registered_method=True)
 
     @staticmethod
-    def Transfer(request_iterator,
+    def Transfers(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -182,7 +193,7 @@ class PeerService:
         return grpc.experimental.stream_stream(
             request_iterator,
             target,
-            '/kvxfer.v1.PeerService/Transfer',
+            '/kvxfer.v1.PeerService/Transfers',
             kvxfer_dot_v1_dot_peer__pb2.TransferClientMessage.SerializeToString,
             kvxfer_dot_v1_dot_peer__pb2.TransferServerMessage.FromString,
             options,
