@@ -8,7 +8,8 @@ round by round in one run so that the machine's drift hits every figure alike:
 * every remote figure for two pairs of same-host daemons: with direct reads (the default:
   the decode daemon reads the offered blocks itself) and without (UCX's shared memory);
 * ``size``: remote GB/s of a 16 MiB request (about 128 tokens of Llama-3-8B KV) against a
-  256 MiB one;
+  256 MiB one, and the most that ratio can be given the same run's 4 KiB fixed cost
+  (``bound``: only a smaller fixed cost raises it);
 * ``offers``: an offer's latency idle, and with 64 remote pulls of 4 MiB in flight on the
   offering daemon;
 * ``cpu``: each daemon's CPU seconds per GB moved (256 MiB remote handoffs); ``idle``: the
@@ -151,13 +152,17 @@ def run(rounds: int, busy: int, emit: Callable[[dict[str, Any]], None]) -> None:
         )
         for name in ("direct", "ucx-shm"):
             f, bench = figs[name], pairs[name]
+            ratio = statistics.median(f["mid"]) / statistics.median(f["big"])
+            bound = _size_bound(statistics.median(f["remote"]), statistics.median(f["big"]))
             emit(
                 {
                     "figure": "size",
                     "pair": name,
                     "remote_16mib_gbps": statistics.median(f["mid"]) / 1e9,
                     "remote_256mib_gbps": statistics.median(f["big"]) / 1e9,
-                    "ratio": statistics.median(f["mid"]) / statistics.median(f["big"]),
+                    "ratio": ratio,
+                    "bound": bound,
+                    "of_bound": ratio / bound,
                 }
             )
             emit(
@@ -199,6 +204,18 @@ def run(rounds: int, busy: int, emit: Callable[[dict[str, Any]], None]) -> None:
                     "transport": bench.transport,
                 }
             )
+
+
+def _size_bound(fixed_s: float, big_bps: float) -> float:
+    """The 16/256 MiB ratio a 16 MiB handoff would reach if it cost exactly the same run's
+    4 KiB handoff (its fixed cost) plus its bytes at the 256 MiB handoff's rate beyond that
+    fixed cost: what no faster data plane can beat, only a smaller fixed cost.
+
+    >>> round(_size_bound(2e-3, 256 * MIB / 34e-3), 3)  # 2 ms fixed, 32 ms for 256 MiB of bytes
+    0.531
+    """
+    per_byte = (256 * MIB / big_bps - fixed_s) / (256 * MIB)
+    return (16 * MIB / (fixed_s + 16 * MIB * per_byte)) / big_bps
 
 
 def _round(bench: Bench, f: dict[str, list[float]], warm: bool, loaded: bool, contend: bool, busy: int) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import secrets
 import time
 from collections import OrderedDict
@@ -249,8 +250,14 @@ class OfferTable:
         if len(self._ended) > ENDED_MEMORY:
             self._ended.popitem(last=False)
         self._count(name)
+        # A pulled offer is the transfer's own line (transfer.done); any other end is news.
         log_event(
-            "offer.release", offer_id=offer.offer_id, reason=name, transfer_id=transfer_id or "-", detail=detail or "-"
+            "offer.release",
+            logging.DEBUG if reason == common_pb2.RELEASE_REASON_PULLED else logging.INFO,
+            offer_id=offer.offer_id,
+            reason=name,
+            transfer_id=transfer_id or "-",
+            detail=detail or "-",
         )
         self._on_release(offer, reason, detail, transfer_id)
 
