@@ -6,7 +6,7 @@ prefill side receives an :class:`OfferReleased` event once it may free them.
 """
 
 from ._blocking import KvxferClient
-from ._client import AsyncKvxferClient, CancelResult, Pool, PullResult
+from ._client import AsyncKvxferClient, CancelResult, Pool, PullResult, PushResult
 from ._config import default_socket_path
 from ._connector import ConnectorMetadata, ConnectorScheduler, ConnectorWorker, LoadSpec, SendSpec
 from ._errors import (
@@ -54,6 +54,7 @@ __all__ = [
     "PermissionDeniedError",
     "Pool",
     "PullResult",
+    "PushResult",
     "Region",
     "ReleaseReason",
     "ResourceExhaustedError",

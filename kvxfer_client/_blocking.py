@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from ._client import AsyncKvxferClient, CancelResult, Event, Pool, PullResult
+from ._client import AsyncKvxferClient, CancelResult, Event, Pool, PullResult, PushResult
 from ._events import OfferReleased
 from ._layout import Layout
 from ._ticket import Ticket
@@ -156,6 +156,34 @@ class KvxferClient:
             timeout_s=timeout_s,
             offer_block_indices=offer_block_indices,
         )
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def push(
+        self,
+        pool: Pool | str,
+        block_ids: Sequence[int] | np.ndarray[Any, Any],
+        transfer_id: str,
+        to_peer_address: str,
+        *,
+        lease_s: float = 0.0,
+        offer_key: bytes = b"",
+    ) -> PushResult:
+        """See :meth:`AsyncKvxferClient.push`."""
+        coro = self._async.push(pool, block_ids, transfer_id, to_peer_address, lease_s=lease_s, offer_key=offer_key)
+        return self._run(coro)
+
+    def start_receive(
+        self,
+        transfer_id: str,
+        pool: Pool | str,
+        block_ids: Sequence[int] | np.ndarray[Any, Any],
+        *,
+        timeout_s: float = 60.0,
+        from_daemon_id: str = "",
+    ) -> concurrent.futures.Future[PullResult]:
+        """:meth:`AsyncKvxferClient.receive`, returning at once; the future completes when the
+        pushed bytes landed (or holds the error that ended the wait or the move)."""
+        coro = self._async.receive(transfer_id, pool, block_ids, timeout_s=timeout_s, from_daemon_id=from_daemon_id)
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     def watch_release(self, offer_id: str, timeout_s: float | None = None) -> concurrent.futures.Future[OfferReleased]:

@@ -96,6 +96,29 @@ class PullResult:
         return self.bytes / self.duration_s / 1e9 if self.duration_s > 0 else 0.0
 
 
+@dataclass(frozen=True)
+class PushResult:
+    """How a push went: its offer's ticket, and the mode the pair ended up in."""
+
+    ticket: Ticket
+    #: "push" (the decode daemon took it) or "pull" (hand ``ticket`` over to be pulled).
+    mode: str
+    mode_reason: str
+
+
+def _pull_result(resp: engine_pb2.PullResponse) -> PullResult:
+    return PullResult(
+        resp.transfer_id,
+        resp.bytes,
+        _PATHS.get(resp.path, "?"),
+        resp.transport,
+        resp.duration_s,
+        resp.data_plane_s,
+        resp.device_s,
+        resp.mapping,
+    )
+
+
 def _block_ids(block_ids: Sequence[int] | np.ndarray[Any, Any], what: str) -> list[int]:
     arr = np.asarray(block_ids)
     if arr.ndim != 1 or arr.size == 0:
@@ -475,16 +498,67 @@ class AsyncKvxferClient:
         # The daemon enforces timeout_s; the RPC deadline leaves it room to say why it failed
         # and whether the destination may still be written (see PULL_ANSWER_MARGIN_S).
         resp = await self._hot_call("pull", self._engine.Pull, req, timeout_s=timeout_s + PULL_ANSWER_MARGIN_S)
-        return PullResult(
-            resp.transfer_id,
-            resp.bytes,
-            _PATHS.get(resp.path, "?"),
-            resp.transport,
-            resp.duration_s,
-            resp.data_plane_s,
-            resp.device_s,
-            resp.mapping,
+        return _pull_result(resp)
+
+    async def push(
+        self,
+        pool: Pool | str,
+        block_ids: Sequence[int] | np.ndarray[Any, Any],
+        transfer_id: str,
+        to_peer_address: str,
+        *,
+        lease_s: float = 0.0,
+        offer_key: bytes = b"",
+    ) -> PushResult:
+        """Offer blocks to the decode engine that expects ``transfer_id`` (its :meth:`receive`)
+        on the daemon at ``to_peer_address`` (that engine's ``peer_address``): its daemon moves
+        them as soon as both sides are there, with no ticket to hand over.
+
+        ``transfer_id``: the router's, unguessable (e.g. 128 random bits), or the receiver
+        names this daemon (``from_daemon_id``). Returns once the push is announced; the release
+        event (``pulled``, ``failed``, ``expired``) says how it ended. Where the decode daemon
+        could not take it, ``mode`` is ``"pull"`` and ``mode_reason`` says why: hand
+        ``ticket`` over to be pulled instead.
+        """
+        await self._ready()
+        offer = engine_pb2.OfferRequest(
+            pool_id=pool.pool_id if isinstance(pool, Pool) else pool,
+            block_ids=_block_ids(block_ids, "block_ids"),
+            lease_s=lease_s,
+            session_id=self.session_id,
+            offer_key=offer_key,
         )
+        req = engine_pb2.PushRequest(offer=offer, transfer_id=transfer_id, to_peer_address=to_peer_address)
+        resp = await self._hot_call("push", self._engine.Push, req)
+        return PushResult(Ticket.from_proto(resp.ticket), resp.mode, resp.mode_reason)
+
+    async def receive(
+        self,
+        transfer_id: str,
+        pool: Pool | str,
+        block_ids: Sequence[int] | np.ndarray[Any, Any],
+        *,
+        timeout_s: float = 60.0,
+        from_daemon_id: str = "",
+    ) -> PullResult:
+        """Expect the push of ``transfer_id`` into ``block_ids`` of ``pool``; returns once the
+        bytes landed, as :meth:`pull` does (same result, same errors).
+
+        The wait for the push and the move share ``timeout_s``; a push that never comes fails
+        with :class:`DeadlineExceededError` naming it. ``from_daemon_id``: accept the push only
+        from that daemon. :meth:`cancel` with the transfer id stops the wait.
+        """
+        await self._ready()
+        req = engine_pb2.ReceiveRequest(
+            transfer_id=transfer_id,
+            pool_id=pool.pool_id if isinstance(pool, Pool) else pool,
+            block_ids=_block_ids(block_ids, "dst block_ids"),
+            timeout_s=timeout_s,
+            session_id=self.session_id,
+            from_daemon_id=from_daemon_id,
+        )
+        resp = await self._hot_call("receive", self._engine.Receive, req, timeout_s=timeout_s + PULL_ANSWER_MARGIN_S)
+        return _pull_result(resp)
 
     async def release(self, offer_id: str) -> None:
         """Withdraw an offer nobody pulled yet (the engine gets a ``cancelled`` release)."""

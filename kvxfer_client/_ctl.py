@@ -133,6 +133,8 @@ class Ctl:
                 "offer": t.offer_id,
                 "peer": t.peer_daemon_id,
                 "mapping": t.mapping,
+                "mode": t.mode,
+                "mode_reason": t.mode_reason,
                 "detail": t.detail,
             }
             for t in resp.transfers
@@ -290,6 +292,7 @@ PEER_COLUMNS = ("peer", "address", "host", "state", "version", "transports", "he
 TRANSFER_COLUMNS = (
     "transfer",
     "role",
+    "mode",
     "path",
     "transport",
     "state",

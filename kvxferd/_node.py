@@ -46,6 +46,7 @@ from .handoff.direct import ProofSlots
 from .handoff.local import LocalHandoff
 from .handoff.peers import PeerDirectory
 from .handoff.pull import Pulls
+from .handoff.push import PushHandoff
 from .handoff.remote import RemotePlane
 from .handoff.remote_pull import RemotePull
 from .handoff.serve import OffererStream, ServeRequest, TransferServer
@@ -113,6 +114,8 @@ class Node:
             self.faults,
         )
         self.pulls = Pulls(self.daemon_id, self.transfers, local, None)
+        #: Push mode: Push and Receive matched on transfer ids (see :mod:`.handoff.push`).
+        self.pushes = PushHandoff(self)
         #: Where same-host peers' direct-read probes are answered (see :mod:`.handoff.direct`).
         self.proofs = ProofSlots(settings.same_host_direct_read)
         # Made by start_peers(), once the peer listener's address is known:
@@ -298,12 +301,13 @@ class Node:
         timeout_s: float,
         transfer_id: str = "",
         offer_block_indices: npt.NDArray[np.int64] | None = None,
+        pushed_by: str = "",
     ) -> TransferRecord:
         if self.draining:
             raise UnavailableError("kvxferd is draining: no new pulls")
         pool = self.owned_pool(pool_id, session_id)
         ids = check_block_ids(block_ids, pool.layout.num_blocks, "pull destination")
-        return await self.pulls.pull(ticket, pool, ids, timeout_s, transfer_id, offer_block_indices)
+        return await self.pulls.pull(ticket, pool, ids, timeout_s, transfer_id, offer_block_indices, pushed_by)
 
     async def serve(self, start: ServeRequest, stream: OffererStream) -> None:
         if self.server is None:
@@ -314,6 +318,8 @@ class Node:
         """Cancel a running transfer (our pull, or a peer's pull of our offer: the peer then
         sees its pull fail), or release an offer nobody is pulling. ``session_id``: an engine
         acts only on its own pools' transfers and offers (None: an operator)."""
+        if self.pushes.table.cancel(target_id, session_id):
+            return CancelOutcome(True, True, detail="receive cancelled before its push came")
         records = self.transfers.find(target_id)
         if records:
             if session_id is not None:

@@ -69,6 +69,9 @@ class Offer:
     readers: int = 1
     pulled: int = 0
     pulling: int = 0
+    #: Set for an offer pushed to a decode daemon (engine.proto, Push): where and under which
+    #: transfer id, shown as the transfer's mode reason.
+    pushed_to: str = ""
 
     def blocks_at(self, indices: npt.NDArray[np.int64] | None) -> npt.NDArray[np.int64]:
         """The blocks a pull moves: all of the offer's (``indices`` None), or those at these

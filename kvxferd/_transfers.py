@@ -85,6 +85,9 @@ class TransferRecord:
     device_s: float = 0.0
     #: How blocks were remapped between geometries (see PullResponse.mapping); "" if not.
     mapping: str = ""
+    #: "pull" or "push" (engine.proto, Push), and why (admin.proto, TransferInfo.mode_reason).
+    mode: str = "pull"
+    mode_reason: str = ""
     detail: str = ""
     #: Pools whose memory this transfer touches (cancelled if one is deregistered).
     pools: tuple[str, ...] = ()
@@ -119,6 +122,8 @@ class TransferRecord:
             duration_s=duration,
             detail=self.detail,
             mapping=self.mapping,
+            mode=self.mode,
+            mode_reason=self.mode_reason,
         )
 
 

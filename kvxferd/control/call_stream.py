@@ -29,7 +29,7 @@ from kvxfer_client._proto import engine_pb2
 from .._log import log_event
 from ._rpc import status_of
 
-__all__ = ["MAX_CALLS_IN_FLIGHT", "serve_calls"]
+__all__ = ["MAX_CALLS_IN_FLIGHT", "Handlers", "serve_calls"]
 
 #: Calls one stream may have running at once (one engine's pulls in flight are far fewer).
 MAX_CALLS_IN_FLIGHT = 4096

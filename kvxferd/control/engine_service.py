@@ -7,13 +7,14 @@ import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
-from kvxfer_client._errors import KvxferError
+from kvxfer_client._errors import InvalidRequestError, KvxferError, UnavailableError
 from kvxfer_client._proto import engine_pb2, engine_pb2_grpc
 
 from .._node import Node
+from .._transfers import TransferRecord
 from . import wire
 from ._rpc import rpc_method
-from .call_stream import serve_calls
+from .call_stream import Handlers, serve_calls
 
 Ctx = Any  # grpc.aio.ServicerContext
 T = TypeVar("T")
@@ -102,16 +103,56 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
         record = await self.node.pull(
             request.session_id, request.pool_id, ticket, request.block_ids, timeout, transfer_id, indices
         )
-        return engine_pb2.PullResponse(
-            transfer_id=record.transfer_id,
-            bytes=record.nbytes,
-            path=record.path,
-            transport=record.transport,
-            duration_s=record.duration_s,
-            data_plane_s=record.data_plane_s,
-            device_s=record.device_s,
-            mapping=record.mapping,
+        return _pull_response(record)
+
+    async def _push(self, request: engine_pb2.PushRequest) -> engine_pb2.PushResponse:
+        return await self._timed("push", self._push_now(request))
+
+    async def _receive(self, request: engine_pb2.ReceiveRequest) -> engine_pb2.PullResponse:
+        return await self._timed("receive", self._receive_now(request))
+
+    async def _push_now(self, request: engine_pb2.PushRequest) -> engine_pb2.PushResponse:
+        s, offer = self.node.settings, request.offer
+        if offer.offer_id or offer.token or offer.readers > 1:
+            raise InvalidRequestError("a push makes its own offer for one reader: no offer_id, token or readers")
+        pushed = await self.node.pushes.push(
+            offer.session_id,
+            offer.pool_id,
+            offer.block_ids,
+            wire.lease_s(offer.lease_s, s.default_lease_s, s.max_lease_s),
+            wire.transfer_id(request.transfer_id, required=True),
+            wire.peer_address(request.to_peer_address),
+            bytes(offer.offer_key),
         )
+        return engine_pb2.PushResponse(
+            ticket=pushed.ticket.to_proto(),
+            lease_deadline_unix=pushed.offer.deadline,
+            mode=pushed.mode,
+            mode_reason=pushed.mode_reason,
+        )
+
+    async def _receive_now(self, request: engine_pb2.ReceiveRequest) -> engine_pb2.PullResponse:
+        if self.node.draining:
+            raise UnavailableError("kvxferd is draining: no new pulls")
+        if len(request.from_daemon_id) > 256:
+            raise InvalidRequestError("from_daemon_id too long")
+        record = await self.node.pushes.receive(
+            request.session_id,
+            request.pool_id,
+            request.block_ids,
+            wire.transfer_id(request.transfer_id, required=True),
+            wire.pull_timeout_s(request.timeout_s, self.node.settings.pull_timeout_s),
+            request.from_daemon_id,
+        )
+        return _pull_response(record)
+
+    @rpc_method
+    async def Push(self, request: engine_pb2.PushRequest, context: Ctx) -> engine_pb2.PushResponse:  # noqa: N802
+        return await self._push(request)
+
+    @rpc_method
+    async def Receive(self, request: engine_pb2.ReceiveRequest, context: Ctx) -> engine_pb2.PullResponse:  # noqa: N802
+        return await self._receive(request)
 
     @rpc_method
     async def Offer(self, request: engine_pb2.OfferRequest, context: Ctx) -> engine_pb2.OfferResponse:  # noqa: N802
@@ -124,7 +165,8 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
     @rpc_method
     # Served with context.read()/write(): answers go out in completion order, not request order.
     async def Calls(self, request_iterator: Any, context: Ctx) -> None:  # type: ignore[override]  # noqa: N802
-        await serve_calls(context, {"offer": self._offer, "pull": self._pull})
+        handlers: Handlers = {"offer": self._offer, "pull": self._pull, "push": self._push, "receive": self._receive}
+        await serve_calls(context, handlers)
 
     @rpc_method
     async def Release(self, request: engine_pb2.ReleaseRequest, context: Ctx) -> engine_pb2.ReleaseResponse:  # noqa: N802
@@ -144,3 +186,16 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
         lease = wire.lease_s(request.lease_s, None, self.node.settings.max_lease_s)
         remaining = await self.node.extend_lease(ticket, lease)
         return engine_pb2.ExtendLeaseResponse(lease_remaining_s=remaining)
+
+
+def _pull_response(record: TransferRecord) -> engine_pb2.PullResponse:
+    return engine_pb2.PullResponse(
+        transfer_id=record.transfer_id,
+        bytes=record.nbytes,
+        path=record.path,
+        transport=record.transport,
+        duration_s=record.duration_s,
+        data_plane_s=record.data_plane_s,
+        device_s=record.device_s,
+        mapping=record.mapping,
+    )

@@ -44,6 +44,18 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
         await serve_transfers(context, self.node)
 
     @rpc_method
+    async def Announce(self, request: peer_pb2.PushAnnouncement, context: Ctx) -> peer_pb2.PushAnnounced:  # noqa: N802
+        settings = self.node.settings
+        matched = self.node.pushes.announced(
+            wire.transfer_id(request.transfer_id, required=True),
+            wire.ticket(request.ticket),
+            wire.lease_s(request.lease_s, None, settings.max_lease_s),
+            request.daemon_id,
+        )
+        log_event("push.announced", transfer_id=request.transfer_id, peer_daemon_id=request.daemon_id, matched=matched)
+        return peer_pb2.PushAnnounced(matched=matched)
+
+    @rpc_method
     async def ExtendLease(  # noqa: N802
         self, request: peer_pb2.PeerExtendLeaseRequest, context: Ctx
     ) -> peer_pb2.PeerExtendLeaseResponse:

@@ -42,9 +42,18 @@ def ticket(msg: common_pb2.Ticket) -> Ticket:
         raise InvalidRequestError("malformed ticket (offer id or 16-byte token missing)")
     if not t.daemon_id or len(t.daemon_id) > 256:
         raise InvalidRequestError("malformed ticket (daemon id missing)")
-    if not _ADDRESS.match(t.peer_address) or not 0 < int(t.peer_address.rsplit(":", 1)[1]) < 65536:
-        raise InvalidRequestError(f"malformed ticket: peer address {t.peer_address[:100]!r} is not host:port")
+    try:
+        peer_address(t.peer_address)
+    except InvalidRequestError as exc:
+        raise InvalidRequestError(f"malformed ticket: {exc}") from None
     return t
+
+
+def peer_address(value: str) -> str:
+    """A daemon's peer address, host:port (IPv6 hosts in brackets)."""
+    if not _ADDRESS.match(value) or not 0 < int(value.rsplit(":", 1)[1]) < 65536:
+        raise InvalidRequestError(f"peer address {value[:100]!r} is not host:port")
+    return value
 
 
 def transfer_id(value: str, required: bool = False) -> str:

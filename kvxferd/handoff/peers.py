@@ -82,6 +82,15 @@ class Peer:
             raise peer_error(exc, self.address) from None
         return proof
 
+    async def announce(self, request: peer_pb2.PushAnnouncement, timeout_s: float) -> bool:
+        """Announce a pushed offer (see :mod:`.push`); True when the peer's engine was waiting."""
+        assert self.stub is not None, "only dialled peers are pushed to"
+        try:
+            answer: peer_pb2.PushAnnounced = await self.stub.Announce(request, timeout=timeout_s)
+        except grpc.RpcError as exc:
+            raise peer_error(exc, self.address) from None
+        return bool(answer.matched)
+
     async def extend_lease(self, offer_id: str, token: bytes, lease_s: float, timeout_s: float) -> float:
         """Extend an offer of this peer's; returns its seconds left."""
         assert self.stub is not None, "only dialled peers are asked"

@@ -54,10 +54,12 @@ class Pulls:
         timeout_s: float,
         transfer_id: str = "",
         indices: np.ndarray[Any, Any] | None = None,
+        pushed_by: str = "",
     ) -> TransferRecord:
         """Move the ticket's blocks (those at ``indices`` of its list, or all) into ``dst_ids``
         of ``dst`` within ``timeout_s``; returns the finished record. ``transfer_id`` names a
-        retryable pull (empty: a fresh id)."""
+        retryable pull (empty: a fresh id); ``pushed_by``: the daemon that announced it, for a
+        push (:mod:`.push`)."""
         _check_against(ticket, dst, dst_ids, indices)
         dst_key = _destination_key(dst.pool_id, dst_ids, indices)
         if transfer_id:
@@ -81,6 +83,8 @@ class Pulls:
             nbytes=len(dst_ids) * dst.layout.bytes_per_block,
             pools=(dst.pool_id,),
             dst_key=dst_key,
+            mode="push" if pushed_by else "pull",
+            mode_reason=f"pushed by {pushed_by}" if pushed_by else "the engine pulled a ticket",
         )
         self.transfers.begin(record)
         try:

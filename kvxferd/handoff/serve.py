@@ -141,6 +141,8 @@ class TransferServer:
             nbytes=offer.nbytes,
             transport=self.plane.transport(peer, offer.pool),
             pools=(offer.pool.pool_id,),
+            mode="push" if offer.pushed_to else "pull",
+            mode_reason=offer.pushed_to or "the peer pulled a ticket",
         )
         remapped: SidePlan | None = None
         try:

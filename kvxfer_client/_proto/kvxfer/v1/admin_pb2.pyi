@@ -313,6 +313,8 @@ class TransferInfo(_message.Message):
     DURATION_S_FIELD_NUMBER: _builtins.int
     DETAIL_FIELD_NUMBER: _builtins.int
     MAPPING_FIELD_NUMBER: _builtins.int
+    MODE_FIELD_NUMBER: _builtins.int
+    MODE_REASON_FIELD_NUMBER: _builtins.int
     transfer_id: _builtins.str
     role: _builtins.str
     """"decode" (this daemon pulls) or "prefill" (a peer pulls from this daemon)."""
@@ -327,6 +329,11 @@ class TransferInfo(_message.Message):
     detail: _builtins.str
     mapping: _builtins.str
     """See PullResponse.mapping."""
+    mode: _builtins.str
+    """"pull" (the decode engine pulled a ticket) or "push" (engine.proto, Push and Receive), and
+    why: who announced a push, or why a push fell back to a pull.
+    """
+    mode_reason: _builtins.str
     def __init__(
         self,
         *,
@@ -342,10 +349,12 @@ class TransferInfo(_message.Message):
         duration_s: _builtins.float = ...,
         detail: _builtins.str = ...,
         mapping: _builtins.str = ...,
+        mode: _builtins.str = ...,
+        mode_reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "detail", b"detail", "duration_s", b"duration_s", "mapping", b"mapping", "offer_id", b"offer_id", "path", b"path", "peer_daemon_id", b"peer_daemon_id", "role", b"role", "started_unix", b"started_unix", "state", b"state", "transfer_id", b"transfer_id", "transport", b"transport"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "detail", b"detail", "duration_s", b"duration_s", "mapping", b"mapping", "mode", b"mode", "mode_reason", b"mode_reason", "offer_id", b"offer_id", "path", b"path", "peer_daemon_id", b"peer_daemon_id", "role", b"role", "started_unix", b"started_unix", "state", b"state", "transfer_id", b"transfer_id", "transport", b"transport"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

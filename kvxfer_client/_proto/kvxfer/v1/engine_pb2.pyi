@@ -27,6 +27,8 @@ class CallRequest(_message.Message):
     CALL_ID_FIELD_NUMBER: _builtins.int
     OFFER_FIELD_NUMBER: _builtins.int
     PULL_FIELD_NUMBER: _builtins.int
+    PUSH_FIELD_NUMBER: _builtins.int
+    RECEIVE_FIELD_NUMBER: _builtins.int
     ABANDON_FIELD_NUMBER: _builtins.int
     call_id: _builtins.int
     """Chosen by the client; unique among its calls still running on this stream."""
@@ -38,19 +40,25 @@ class CallRequest(_message.Message):
     def offer(self) -> Global___OfferRequest: ...
     @_builtins.property
     def pull(self) -> Global___PullRequest: ...
+    @_builtins.property
+    def push(self) -> Global___PushRequest: ...
+    @_builtins.property
+    def receive(self) -> Global___ReceiveRequest: ...
     def __init__(
         self,
         *,
         call_id: _builtins.int = ...,
         offer: Global___OfferRequest | None = ...,
         pull: Global___PullRequest | None = ...,
+        push: Global___PushRequest | None = ...,
+        receive: Global___ReceiveRequest | None = ...,
         abandon: _builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["abandon", b"abandon", "call", b"call", "offer", b"offer", "pull", b"pull"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["abandon", b"abandon", "call", b"call", "offer", b"offer", "pull", b"pull", "push", b"push", "receive", b"receive"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["abandon", b"abandon", "call", b"call", "call_id", b"call_id", "offer", b"offer", "pull", b"pull"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abandon", b"abandon", "call", b"call", "call_id", b"call_id", "offer", b"offer", "pull", b"pull", "push", b"push", "receive", b"receive"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_call: _TypeAlias = _typing.Literal["offer", "pull", "abandon"]  # noqa: Y015
+    _WhichOneofReturnType_call: _TypeAlias = _typing.Literal["offer", "pull", "push", "receive", "abandon"]  # noqa: Y015
     _WhichOneofArgType_call: _TypeAlias = _typing.Literal["call", b"call"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_call) -> _WhichOneofReturnType_call | None: ...
 
@@ -63,12 +71,18 @@ class CallResponse(_message.Message):
     CALL_ID_FIELD_NUMBER: _builtins.int
     OFFER_FIELD_NUMBER: _builtins.int
     PULL_FIELD_NUMBER: _builtins.int
+    PUSH_FIELD_NUMBER: _builtins.int
+    RECEIVE_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     call_id: _builtins.int
     @_builtins.property
     def offer(self) -> Global___OfferResponse: ...
     @_builtins.property
     def pull(self) -> Global___PullResponse: ...
+    @_builtins.property
+    def push(self) -> Global___PushResponse: ...
+    @_builtins.property
+    def receive(self) -> Global___PullResponse: ...
     @_builtins.property
     def error(self) -> Global___CallStatus:
         """The call failed: the status a unary call would have ended with."""
@@ -79,13 +93,15 @@ class CallResponse(_message.Message):
         call_id: _builtins.int = ...,
         offer: Global___OfferResponse | None = ...,
         pull: Global___PullResponse | None = ...,
+        push: Global___PushResponse | None = ...,
+        receive: Global___PullResponse | None = ...,
         error: Global___CallStatus | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "offer", b"offer", "pull", b"pull", "result", b"result"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "offer", b"offer", "pull", b"pull", "push", b"push", "receive", b"receive", "result", b"result"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["call_id", b"call_id", "error", b"error", "offer", b"offer", "pull", b"pull", "result", b"result"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["call_id", b"call_id", "error", b"error", "offer", b"offer", "pull", b"pull", "push", b"push", "receive", b"receive", "result", b"result"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["offer", "pull", "error"]  # noqa: Y015
+    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["offer", "pull", "push", "receive", "error"]  # noqa: Y015
     _WhichOneofArgType_result: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_result) -> _WhichOneofReturnType_result | None: ...
 
@@ -541,6 +557,111 @@ class PullResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PullResponse: _TypeAlias = PullResponse  # noqa: Y015
+
+@_typing.final
+class PushRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OFFER_FIELD_NUMBER: _builtins.int
+    TRANSFER_ID_FIELD_NUMBER: _builtins.int
+    TO_PEER_ADDRESS_FIELD_NUMBER: _builtins.int
+    transfer_id: _builtins.str
+    """The id the decode engine expects: 1..128 characters that no peer can guess (the router's
+    128 random bits), or ReceiveRequest.from_daemon_id names this daemon.
+    """
+    to_peer_address: _builtins.str
+    """The decode engine's daemon: its peer address (SessionStarted.peer_address), host:port."""
+    @_builtins.property
+    def offer(self) -> Global___OfferRequest:
+        """The blocks to offer, as for Offer (one reader)."""
+
+    def __init__(
+        self,
+        *,
+        offer: Global___OfferRequest | None = ...,
+        transfer_id: _builtins.str = ...,
+        to_peer_address: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["offer", b"offer"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["offer", b"offer", "to_peer_address", b"to_peer_address", "transfer_id", b"transfer_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PushRequest: _TypeAlias = PushRequest  # noqa: Y015
+
+@_typing.final
+class PushResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TICKET_FIELD_NUMBER: _builtins.int
+    LEASE_DEADLINE_UNIX_FIELD_NUMBER: _builtins.int
+    MODE_FIELD_NUMBER: _builtins.int
+    MODE_REASON_FIELD_NUMBER: _builtins.int
+    lease_deadline_unix: _builtins.float
+    mode: _builtins.str
+    """"push": the decode daemon holds the announcement (or has started the transfer);
+    "pull": it could not take it (mode_reason says why): hand the ticket over to be pulled.
+    """
+    mode_reason: _builtins.str
+    @_builtins.property
+    def ticket(self) -> _common_pb2.Ticket:
+        """The offer's ticket: a pull of it works as for any offer."""
+
+    def __init__(
+        self,
+        *,
+        ticket: _common_pb2.Ticket | None = ...,
+        lease_deadline_unix: _builtins.float = ...,
+        mode: _builtins.str = ...,
+        mode_reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ticket", b"ticket"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_deadline_unix", b"lease_deadline_unix", "mode", b"mode", "mode_reason", b"mode_reason", "ticket", b"ticket"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PushResponse: _TypeAlias = PushResponse  # noqa: Y015
+
+@_typing.final
+class ReceiveRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TRANSFER_ID_FIELD_NUMBER: _builtins.int
+    POOL_ID_FIELD_NUMBER: _builtins.int
+    BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    FROM_DAEMON_ID_FIELD_NUMBER: _builtins.int
+    transfer_id: _builtins.str
+    """The id the prefill engine pushes under (PushRequest.transfer_id)."""
+    pool_id: _builtins.str
+    """The destination, as for Pull."""
+    timeout_s: _builtins.float
+    """Seconds to wait for the push and move the bytes, all told; 0 means pull_timeout_s."""
+    session_id: _builtins.str
+    from_daemon_id: _builtins.str
+    """Accept the push only from this daemon (empty: any daemon that said Hello)."""
+    @_builtins.property
+    def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        transfer_id: _builtins.str = ...,
+        pool_id: _builtins.str = ...,
+        block_ids: _abc.Iterable[_builtins.int] | None = ...,
+        timeout_s: _builtins.float = ...,
+        session_id: _builtins.str = ...,
+        from_daemon_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "from_daemon_id", b"from_daemon_id", "pool_id", b"pool_id", "session_id", b"session_id", "timeout_s", b"timeout_s", "transfer_id", b"transfer_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReceiveRequest: _TypeAlias = ReceiveRequest  # noqa: Y015
 
 @_typing.final
 class ReleaseRequest(_message.Message):

@@ -80,6 +80,16 @@ class EngineServiceStub:
                 request_serializer=kvxfer_dot_v1_dot_engine__pb2.CallRequest.SerializeToString,
                 response_deserializer=kvxfer_dot_v1_dot_engine__pb2.CallResponse.FromString,
                 _registered_method=True)
+        self.Push = channel.unary_unary(
+                '/kvxfer.v1.EngineService/Push',
+                request_serializer=kvxfer_dot_v1_dot_engine__pb2.PushRequest.SerializeToString,
+                response_deserializer=kvxfer_dot_v1_dot_engine__pb2.PushResponse.FromString,
+                _registered_method=True)
+        self.Receive = channel.unary_unary(
+                '/kvxfer.v1.EngineService/Receive',
+                request_serializer=kvxfer_dot_v1_dot_engine__pb2.ReceiveRequest.SerializeToString,
+                response_deserializer=kvxfer_dot_v1_dot_engine__pb2.PullResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServiceServicer:
@@ -156,6 +166,25 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Push(self, request, context):
+        """Push mode: the router picks a transfer id and gives it to both engines at once. The decode
+        engine expects it (Receive: where the blocks go, how long it waits); the prefill engine
+        offers its blocks under that id to the decode engine's daemon (Push). The prefill daemon
+        announces the offer to that daemon, which moves the bytes exactly as a pull of it the
+        moment both sides are there. Whichever comes first waits: the expectation up to its
+        timeout, the announcement up to the offer's lease. Receive answers when the bytes have
+        landed, with what Pull answers and the same errors.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Receive(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -203,6 +232,16 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.Calls,
                     request_deserializer=kvxfer_dot_v1_dot_engine__pb2.CallRequest.FromString,
                     response_serializer=kvxfer_dot_v1_dot_engine__pb2.CallResponse.SerializeToString,
+            ),
+            'Push': grpc.unary_unary_rpc_method_handler(
+                    servicer.Push,
+                    request_deserializer=kvxfer_dot_v1_dot_engine__pb2.PushRequest.FromString,
+                    response_serializer=kvxfer_dot_v1_dot_engine__pb2.PushResponse.SerializeToString,
+            ),
+            'Receive': grpc.unary_unary_rpc_method_handler(
+                    servicer.Receive,
+                    request_deserializer=kvxfer_dot_v1_dot_engine__pb2.ReceiveRequest.FromString,
+                    response_serializer=kvxfer_dot_v1_dot_engine__pb2.PullResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -448,6 +487,60 @@ class EngineService:
             '/kvxfer.v1.EngineService/Calls',
             kvxfer_dot_v1_dot_engine__pb2.CallRequest.SerializeToString,
             kvxfer_dot_v1_dot_engine__pb2.CallResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Push(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvxfer.v1.EngineService/Push',
+            kvxfer_dot_v1_dot_engine__pb2.PushRequest.SerializeToString,
+            kvxfer_dot_v1_dot_engine__pb2.PushResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Receive(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvxfer.v1.EngineService/Receive',
+            kvxfer_dot_v1_dot_engine__pb2.ReceiveRequest.SerializeToString,
+            kvxfer_dot_v1_dot_engine__pb2.PullResponse.FromString,
             options,
             channel_credentials,
             insecure,

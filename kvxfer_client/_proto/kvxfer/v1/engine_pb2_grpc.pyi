@@ -62,6 +62,16 @@ class EngineServiceStub:
     status code and message, in CallStatus). Closing or losing the stream cancels the calls
     still running on it, as a disconnect cancels a unary call.
     """
+    Push: _grpc.UnaryUnaryMultiCallable[_engine_pb2.PushRequest, _engine_pb2.PushResponse]
+    """Push mode: the router picks a transfer id and gives it to both engines at once. The decode
+    engine expects it (Receive: where the blocks go, how long it waits); the prefill engine
+    offers its blocks under that id to the decode engine's daemon (Push). The prefill daemon
+    announces the offer to that daemon, which moves the bytes exactly as a pull of it the
+    moment both sides are there. Whichever comes first waits: the expectation up to its
+    timeout, the announcement up to the offer's lease. Receive answers when the bytes have
+    landed, with what Pull answers and the same errors.
+    """
+    Receive: _grpc.UnaryUnaryMultiCallable[_engine_pb2.ReceiveRequest, _engine_pb2.PullResponse]
 
 @_typing.type_check_only
 class EngineServiceAsyncStub(EngineServiceStub):
@@ -96,6 +106,16 @@ class EngineServiceAsyncStub(EngineServiceStub):
     status code and message, in CallStatus). Closing or losing the stream cancels the calls
     still running on it, as a disconnect cancels a unary call.
     """
+    Push: _aio.UnaryUnaryMultiCallable[_engine_pb2.PushRequest, _engine_pb2.PushResponse]  # type: ignore[assignment]
+    """Push mode: the router picks a transfer id and gives it to both engines at once. The decode
+    engine expects it (Receive: where the blocks go, how long it waits); the prefill engine
+    offers its blocks under that id to the decode engine's daemon (Push). The prefill daemon
+    announces the offer to that daemon, which moves the bytes exactly as a pull of it the
+    moment both sides are there. Whichever comes first waits: the expectation up to its
+    timeout, the announcement up to the offer's lease. Receive answers when the bytes have
+    landed, with what Pull answers and the same errors.
+    """
+    Receive: _aio.UnaryUnaryMultiCallable[_engine_pb2.ReceiveRequest, _engine_pb2.PullResponse]  # type: ignore[assignment]
 
 class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -181,5 +201,27 @@ class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
         status code and message, in CallStatus). Closing or losing the stream cancels the calls
         still running on it, as a disconnect cancels a unary call.
         """
+
+    @_abc_1.abstractmethod
+    def Push(
+        self,
+        request: _engine_pb2.PushRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_engine_pb2.PushResponse, _abc.Awaitable[_engine_pb2.PushResponse]]:
+        """Push mode: the router picks a transfer id and gives it to both engines at once. The decode
+        engine expects it (Receive: where the blocks go, how long it waits); the prefill engine
+        offers its blocks under that id to the decode engine's daemon (Push). The prefill daemon
+        announces the offer to that daemon, which moves the bytes exactly as a pull of it the
+        moment both sides are there. Whichever comes first waits: the expectation up to its
+        timeout, the announcement up to the offer's lease. Receive answers when the bytes have
+        landed, with what Pull answers and the same errors.
+        """
+
+    @_abc_1.abstractmethod
+    def Receive(
+        self,
+        request: _engine_pb2.ReceiveRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_engine_pb2.PullResponse, _abc.Awaitable[_engine_pb2.PullResponse]]: ...
 
 def add_EngineServiceServicer_to_server(servicer: EngineServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -24,6 +24,59 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
+class PushAnnouncement(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TRANSFER_ID_FIELD_NUMBER: _builtins.int
+    TICKET_FIELD_NUMBER: _builtins.int
+    LEASE_S_FIELD_NUMBER: _builtins.int
+    DAEMON_ID_FIELD_NUMBER: _builtins.int
+    transfer_id: _builtins.str
+    lease_s: _builtins.float
+    """Seconds the offer stays pullable (its lease)."""
+    daemon_id: _builtins.str
+    """The calling daemon (it must have said Hello)."""
+    @_builtins.property
+    def ticket(self) -> _common_pb2.Ticket:
+        """The offer's ticket: it must name the calling daemon (a peer pushes only its own offers)."""
+
+    def __init__(
+        self,
+        *,
+        transfer_id: _builtins.str = ...,
+        ticket: _common_pb2.Ticket | None = ...,
+        lease_s: _builtins.float = ...,
+        daemon_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ticket", b"ticket"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["daemon_id", b"daemon_id", "lease_s", b"lease_s", "ticket", b"ticket", "transfer_id", b"transfer_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PushAnnouncement: _TypeAlias = PushAnnouncement  # noqa: Y015
+
+@_typing.final
+class PushAnnounced(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MATCHED_FIELD_NUMBER: _builtins.int
+    matched: _builtins.bool
+    """True when an engine was already waiting: the transfer has started."""
+    def __init__(
+        self,
+        *,
+        matched: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["matched", b"matched"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PushAnnounced: _TypeAlias = PushAnnounced  # noqa: Y015
+
+@_typing.final
 class DirectReadProbe(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

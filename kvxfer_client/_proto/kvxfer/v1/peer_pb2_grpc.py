@@ -55,6 +55,11 @@ class PeerServiceStub:
                 request_serializer=kvxfer_dot_v1_dot_peer__pb2.DirectReadProbe.SerializeToString,
                 response_deserializer=kvxfer_dot_v1_dot_peer__pb2.DirectReadProof.FromString,
                 _registered_method=True)
+        self.Announce = channel.unary_unary(
+                '/kvxfer.v1.PeerService/Announce',
+                request_serializer=kvxfer_dot_v1_dot_peer__pb2.PushAnnouncement.SerializeToString,
+                response_deserializer=kvxfer_dot_v1_dot_peer__pb2.PushAnnounced.FromString,
+                _registered_method=True)
 
 
 class PeerServiceServicer:
@@ -118,6 +123,16 @@ class PeerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Announce(self, request, context):
+        """Push mode (engine.proto, Push): the caller offered blocks for an engine of the called
+        daemon under a transfer id. The called daemon pulls the offer as soon as one of its
+        engines expects that id (Receive), at once if one already does; until then it holds the
+        announcement, at most lease_s.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -140,6 +155,11 @@ def add_PeerServiceServicer_to_server(servicer, server):
                     servicer.ProbeDirectRead,
                     request_deserializer=kvxfer_dot_v1_dot_peer__pb2.DirectReadProbe.FromString,
                     response_serializer=kvxfer_dot_v1_dot_peer__pb2.DirectReadProof.SerializeToString,
+            ),
+            'Announce': grpc.unary_unary_rpc_method_handler(
+                    servicer.Announce,
+                    request_deserializer=kvxfer_dot_v1_dot_peer__pb2.PushAnnouncement.FromString,
+                    response_serializer=kvxfer_dot_v1_dot_peer__pb2.PushAnnounced.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -250,6 +270,33 @@ class PeerService:
             '/kvxfer.v1.PeerService/ProbeDirectRead',
             kvxfer_dot_v1_dot_peer__pb2.DirectReadProbe.SerializeToString,
             kvxfer_dot_v1_dot_peer__pb2.DirectReadProof.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Announce(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvxfer.v1.PeerService/Announce',
+            kvxfer_dot_v1_dot_peer__pb2.PushAnnouncement.SerializeToString,
+            kvxfer_dot_v1_dot_peer__pb2.PushAnnounced.FromString,
             options,
             channel_credentials,
             insecure,

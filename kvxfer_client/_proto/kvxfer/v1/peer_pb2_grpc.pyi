@@ -75,6 +75,12 @@ class PeerServiceStub:
     fresh nonce into its own memory and says where; the caller reads it back with
     process_vm_readv. Each direct transfer then proves itself the same way.
     """
+    Announce: _grpc.UnaryUnaryMultiCallable[_peer_pb2.PushAnnouncement, _peer_pb2.PushAnnounced]
+    """Push mode (engine.proto, Push): the caller offered blocks for an engine of the called
+    daemon under a transfer id. The called daemon pulls the offer as soon as one of its
+    engines expects that id (Receive), at once if one already does; until then it holds the
+    announcement, at most lease_s.
+    """
 
 @_typing.type_check_only
 class PeerServiceAsyncStub(PeerServiceStub):
@@ -118,6 +124,12 @@ class PeerServiceAsyncStub(PeerServiceStub):
     (one-sided direct reads, TransferStart.direct_read_nonce). The daemon copies the caller's
     fresh nonce into its own memory and says where; the caller reads it back with
     process_vm_readv. Each direct transfer then proves itself the same way.
+    """
+    Announce: _aio.UnaryUnaryMultiCallable[_peer_pb2.PushAnnouncement, _peer_pb2.PushAnnounced]  # type: ignore[assignment]
+    """Push mode (engine.proto, Push): the caller offered blocks for an engine of the called
+    daemon under a transfer id. The called daemon pulls the offer as soon as one of its
+    engines expects that id (Receive), at once if one already does; until then it holds the
+    announcement, at most lease_s.
     """
 
 class PeerServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -183,6 +195,18 @@ class PeerServiceServicer(metaclass=_abc_1.ABCMeta):
         (one-sided direct reads, TransferStart.direct_read_nonce). The daemon copies the caller's
         fresh nonce into its own memory and says where; the caller reads it back with
         process_vm_readv. Each direct transfer then proves itself the same way.
+        """
+
+    @_abc_1.abstractmethod
+    def Announce(
+        self,
+        request: _peer_pb2.PushAnnouncement,
+        context: _ServicerContext,
+    ) -> _typing.Union[_peer_pb2.PushAnnounced, _abc.Awaitable[_peer_pb2.PushAnnounced]]:
+        """Push mode (engine.proto, Push): the caller offered blocks for an engine of the called
+        daemon under a transfer id. The called daemon pulls the offer as soon as one of its
+        engines expects that id (Receive), at once if one already does; until then it holds the
+        announcement, at most lease_s.
         """
 
 def add_PeerServiceServicer_to_server(servicer: PeerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
