@@ -61,7 +61,7 @@ async def test_an_announcement_is_forgotten_at_its_lease_and_an_expectation_at_i
     table.announce("t", "x", lease_s=0.01, from_daemon_id="p")
     await asyncio.sleep(0.05)
     assert table.held == 0
-    with pytest.raises(DeadlineExceededError, match="no push for transfer t came within 0.01s"):
+    with pytest.raises(DeadlineExceededError, match=r"no push for transfer t came within 0\.01s"):
         await table.wait("t", "s", "", timeout_s=0.01)
     assert table.cancel("t", None) is False  # nothing waits any more
 
