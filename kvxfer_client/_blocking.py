@@ -94,9 +94,10 @@ class KvxferClient:
         ticket: Ticket | None = None,
         offer_key: bytes = b"",
         readers: int | None = None,
+        layers: int = 0,
     ) -> Ticket:
         return self.start_offer(
-            pool, block_ids, lease_s=lease_s, ticket=ticket, offer_key=offer_key, readers=readers
+            pool, block_ids, lease_s=lease_s, ticket=ticket, offer_key=offer_key, readers=readers, layers=layers
         ).result()
 
     def start_offer(
@@ -108,9 +109,12 @@ class KvxferClient:
         ticket: Ticket | None = None,
         offer_key: bytes = b"",
         readers: int | None = None,
+        layers: int = 0,
     ) -> concurrent.futures.Future[Ticket]:
         """Like :meth:`offer` but returns at once (an engine step must not wait on the daemon)."""
-        coro = self._async.offer(pool, block_ids, lease_s=lease_s, ticket=ticket, offer_key=offer_key, readers=readers)
+        coro = self._async.offer(
+            pool, block_ids, lease_s=lease_s, ticket=ticket, offer_key=offer_key, readers=readers, layers=layers
+        )
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     def new_ticket(self, pool: Pool, num_blocks: int, readers: int = 1) -> Ticket:
@@ -167,10 +171,19 @@ class KvxferClient:
         *,
         lease_s: float = 0.0,
         offer_key: bytes = b"",
+        layers: int = 0,
     ) -> PushResult:
         """See :meth:`AsyncKvxferClient.push`."""
-        coro = self._async.push(pool, block_ids, transfer_id, to_peer_address, lease_s=lease_s, offer_key=offer_key)
+        coro = self._async.push(
+            pool, block_ids, transfer_id, to_peer_address, lease_s=lease_s, offer_key=offer_key, layers=layers
+        )
         return self._run(coro)
+
+    def layers_ready(
+        self, offers: Sequence[Ticket | str] | Ticket | str, layers: int, *, offer_key: bytes = b""
+    ) -> None:
+        """See :meth:`AsyncKvxferClient.layers_ready`."""
+        self._run(self._async.layers_ready(offers, layers, offer_key=offer_key))
 
     def start_receive(
         self,

@@ -411,6 +411,7 @@ class AsyncKvxferClient:
         ticket: Ticket | None = None,
         offer_key: bytes = b"",
         readers: int | None = None,
+        layers: int = 0,
     ) -> Ticket:
         """Pin blocks for a decode engine and return the ticket to hand it.
 
@@ -419,7 +420,9 @@ class AsyncKvxferClient:
         (``Pool.offer_key``) when it is another session's of this engine, e.g. a vLLM worker's
         pool offered from the scheduler process. ``readers``: how many pulls the offer serves
         before it is released (decode ranks that each take their heads; default the ticket's,
-        else one).
+        else one). ``layers``: the blocks are still being written, one layer after the other
+        (the layout's regions in that many equal groups); say how far with
+        :meth:`layers_ready`, and pulls move each layer once written.
         """
         await self._ready()
         pool_id = pool.pool_id if isinstance(pool, Pool) else pool
@@ -431,6 +434,7 @@ class AsyncKvxferClient:
             session_id=self.session_id,
             offer_key=offer_key,
             readers=readers if readers is not None else (ticket.readers if ticket is not None else 1),
+            layers=layers,
         )
         if ticket is not None:
             if ticket.num_blocks != len(ids):
@@ -509,6 +513,7 @@ class AsyncKvxferClient:
         *,
         lease_s: float = 0.0,
         offer_key: bytes = b"",
+        layers: int = 0,
     ) -> PushResult:
         """Offer blocks to the decode engine that expects ``transfer_id`` (its :meth:`receive`)
         on the daemon at ``to_peer_address`` (that engine's ``peer_address``): its daemon moves
@@ -518,7 +523,7 @@ class AsyncKvxferClient:
         names this daemon (``from_daemon_id``). Returns once the push is announced; the release
         event (``pulled``, ``failed``, ``expired``) says how it ended. Where the decode daemon
         could not take it, ``mode`` is ``"pull"`` and ``mode_reason`` says why: hand
-        ``ticket`` over to be pulled instead.
+        ``ticket`` over to be pulled instead. ``layers``: as for :meth:`offer`.
         """
         await self._ready()
         offer = engine_pb2.OfferRequest(
@@ -527,10 +532,24 @@ class AsyncKvxferClient:
             lease_s=lease_s,
             session_id=self.session_id,
             offer_key=offer_key,
+            layers=layers,
         )
         req = engine_pb2.PushRequest(offer=offer, transfer_id=transfer_id, to_peer_address=to_peer_address)
         resp = await self._hot_call("push", self._engine.Push, req)
         return PushResult(Ticket.from_proto(resp.ticket), resp.mode, resp.mode_reason)
+
+    async def layers_ready(
+        self, offers: Sequence[Ticket | str] | Ticket | str, layers: int, *, offer_key: bytes = b""
+    ) -> None:
+        """Say that the first ``layers`` layers of these layer-wise offers (tickets or offer
+        ids) are written, e.g. after each layer (group) of a prefill step, for all its requests
+        at once. Saying less than before changes nothing."""
+        many = offers if isinstance(offers, Sequence) and not isinstance(offers, str) else [offers]
+        ids = [o.offer_id if isinstance(o, Ticket) else o for o in many]
+        req = engine_pb2.LayersReadyRequest(
+            session_id=self.session_id, offer_ids=ids, layers=layers, offer_key=offer_key
+        )
+        await self._hot_call("layers_ready", self._engine.LayersReady, req)
 
     async def receive(
         self,

@@ -66,6 +66,15 @@ class Settings:
         "(its ticket went out before the offer); at most half of peer_timeout_s is used.",
     )
     max_offers: int = _setting(100_000, "Most offers held at once; more are refused with RESOURCE_EXHAUSTED.")
+    # Layer-wise streaming pays a message and a chunk boundary per layer: worth it once the
+    # transfer takes longer than that. SGLang measured per-layer-group pipelining at +18% TTFT
+    # for 256-token prompts (32 MiB of Llama-8B KV) and -61% at 1K tokens (128 MiB).
+    layerwise_min_bytes: int = _setting(
+        64 * _MiB, "Transfers of a layer-by-layer offer smaller than this wait for every layer and go whole."
+    )
+    layerwise_batch_bytes: int = _setting(
+        4 * _MiB, "A layer-wise transfer sends written layers once this much is waiting (or the last one is)."
+    )
     # Bigger chunks amortise UCX's per-message handshake; smaller ones fill the pipeline
     # sooner. Of 2, 4, 8 and 32 MiB, 8 MiB moved b16 host handoffs fastest on the dev VM.
     chunk_bytes: int = _setting(8 * _MiB, "Bytes of one pipelined chunk on the UCX path (= one staging buffer).")

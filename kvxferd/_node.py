@@ -25,7 +25,7 @@ import grpc
 import numpy as np
 import numpy.typing as npt
 
-from kvxfer_client._errors import PermissionDeniedError, UnavailableError
+from kvxfer_client._errors import NotFoundError, PermissionDeniedError, UnavailableError
 from kvxfer_client._proto import common_pb2, peer_pb2
 from kvxfer_client._ticket import Ticket
 from kvxfer_client._version import PROTOCOL_VERSION, __version__
@@ -241,6 +241,7 @@ class Node:
         chosen: tuple[str, bytes] | None = None,
         offer_key: bytes = b"",
         readers: int = 1,
+        layers: int = 0,
     ) -> tuple[Offer, Ticket]:
         """Pin blocks under an offer (``chosen``: the id and token the engine picked in advance;
         ``offer_key``: the pool's, when another session of its engine offers; ``readers``: the
@@ -254,7 +255,7 @@ class Node:
         else:
             pool = self.owned_pool(pool_id, session_id)
         ids = check_block_ids(block_ids, pool.layout.num_blocks, "offer")
-        offer = self.offers.create(pool, ids, lease_s, chosen, readers)
+        offer = self.offers.create(pool, ids, lease_s, chosen, readers, layers)
         ticket = Ticket(
             daemon_id=self.daemon_id,
             peer_address=self.peer_address,
@@ -275,6 +276,20 @@ class Node:
             readers=readers,
         )
         return offer, ticket
+
+    def layers_ready(self, session_id: str, offer_ids: Sequence[str], layers: int, offer_key: bytes = b"") -> None:
+        """The engine wrote the first ``layers`` layers of these layer-wise offers. Offers that
+        ended already are passed over (their pull committed or failed); unknown ones refused."""
+        for offer_id in offer_ids:
+            offer = self.offers.offers.get(offer_id)
+            if offer is None:
+                if not self.offers.ended(offer_id):
+                    raise NotFoundError(f"no offer {offer_id!r}")
+                continue
+            pool = offer.pool
+            if pool.session_id != session_id and not (offer_key and hmac.compare_digest(pool.offer_key, offer_key)):
+                raise PermissionDeniedError(f"offer {offer_id!r} is another engine session's")
+            offer.mark_ready(layers)
 
     def release(self, offer_id: str, session_id: str) -> None:
         """The engine releases its own offer before anyone pulled it."""

@@ -14,7 +14,7 @@ import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
@@ -22,6 +22,7 @@ import numpy.typing as npt
 from kvxfer_client._errors import (
     AlreadyExistsError,
     IncompatibleError,
+    InvalidRequestError,
     NotFoundError,
     PermissionDeniedError,
     ResourceExhaustedError,
@@ -72,6 +73,29 @@ class Offer:
     #: Set for an offer pushed to a decode daemon (engine.proto, Push): where and under which
     #: transfer id, shown as the transfer's mode reason.
     pushed_to: str = ""
+    #: Layer-wise offers (OfferRequest.layers): how many layers the engine writes, and how many
+    #: it has said are written. 0 layers: written before the offer.
+    layers: int = 0
+    ready_layers: int = 0
+    _advanced: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+
+    @property
+    def written(self) -> bool:
+        return self.ready_layers >= self.layers
+
+    def mark_ready(self, layers: int) -> None:
+        """The engine wrote the first ``layers`` layers (more than it said before, or nothing)."""
+        if layers > self.ready_layers and self.layers:
+            self.ready_layers = min(layers, self.layers)
+            advanced, self._advanced = self._advanced, asyncio.Event()
+            advanced.set()
+
+    async def wait_ready(self, layers: int) -> int:
+        """Wait until at least ``layers`` layers are written (all of them when fewer exist);
+        returns how many are."""
+        while self.ready_layers < min(layers, self.layers):
+            await self._advanced.wait()
+        return self.ready_layers if self.layers else 0
 
     def blocks_at(self, indices: npt.NDArray[np.int64] | None) -> npt.NDArray[np.int64]:
         """The blocks a pull moves: all of the offer's (``indices`` None), or those at these
@@ -116,9 +140,14 @@ class OfferTable:
         lease_s: float,
         chosen: tuple[str, bytes] | None = None,
         readers: int = 1,
+        layers: int = 0,
     ) -> Offer:
         """A new offer; ``chosen``: the id and token the engine picked in advance (checked for
-        form by the control plane), else fresh ones; ``readers``: pulls it serves."""
+        form by the control plane), else fresh ones; ``readers``: pulls it serves; ``layers``:
+        written layer by layer (0: written already)."""
+        regions = len(pool.layout.regions)
+        if layers and (layers > regions or regions % layers):
+            raise InvalidRequestError(f"{layers} layers do not divide the pool's {regions} regions into equal groups")
         if len(self.offers) >= self.max_offers:
             raise ResourceExhaustedError(f"this daemon holds its maximum of {self.max_offers} offers")
         offer_id, token = chosen or (DAEMON_OFFER_PREFIX + secrets.token_hex(8), secrets.token_bytes(16))
@@ -132,6 +161,7 @@ class OfferTable:
             deadline=time.time() + lease_s,
             nbytes=len(block_ids) * pool.layout.bytes_per_block,
             readers=readers,
+            layers=layers,
         )
         self._arm(offer)
         self.offers[offer.offer_id] = offer
@@ -140,6 +170,10 @@ class OfferTable:
         if awaited is not None:
             awaited[0].set()
         return offer
+
+    def ended(self, offer_id: str) -> bool:
+        """Whether ``offer_id`` was an offer of this daemon that has ended (recently)."""
+        return offer_id in self._ended
 
     def _arm(self, offer: Offer) -> None:
         if offer.timer is not None:

@@ -17,6 +17,8 @@ from ._rpc import rpc_method
 from .call_stream import Handlers, serve_calls
 
 Ctx = Any  # grpc.aio.ServicerContext
+#: Offers one LayersReady may name (one step of an engine's batch).
+MAX_OFFER_IDS = 4096
 T = TypeVar("T")
 
 
@@ -92,6 +94,7 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
             chosen,
             bytes(request.offer_key),
             wire.readers(request.readers),
+            wire.layers(request.layers),
         )
         return engine_pb2.OfferResponse(ticket=ticket.to_proto(), lease_deadline_unix=offer.deadline)
 
@@ -123,6 +126,7 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
             wire.transfer_id(request.transfer_id, required=True),
             wire.peer_address(request.to_peer_address),
             bytes(offer.offer_key),
+            wire.layers(offer.layers),
         )
         return engine_pb2.PushResponse(
             ticket=pushed.ticket.to_proto(),
@@ -146,6 +150,18 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
         )
         return _pull_response(record)
 
+    async def _layers_ready(self, request: engine_pb2.LayersReadyRequest) -> engine_pb2.LayersReadyResponse:
+        if len(request.offer_ids) > MAX_OFFER_IDS:
+            raise InvalidRequestError("too many offer_ids")
+        self.node.layers_ready(request.session_id, request.offer_ids, request.layers, bytes(request.offer_key))
+        return engine_pb2.LayersReadyResponse()
+
+    @rpc_method
+    async def LayersReady(  # noqa: N802
+        self, request: engine_pb2.LayersReadyRequest, context: Ctx
+    ) -> engine_pb2.LayersReadyResponse:
+        return await self._layers_ready(request)
+
     @rpc_method
     async def Push(self, request: engine_pb2.PushRequest, context: Ctx) -> engine_pb2.PushResponse:  # noqa: N802
         return await self._push(request)
@@ -165,7 +181,13 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
     @rpc_method
     # Served with context.read()/write(): answers go out in completion order, not request order.
     async def Calls(self, request_iterator: Any, context: Ctx) -> None:  # type: ignore[override]  # noqa: N802
-        handlers: Handlers = {"offer": self._offer, "pull": self._pull, "push": self._push, "receive": self._receive}
+        handlers: Handlers = {
+            "offer": self._offer,
+            "pull": self._pull,
+            "push": self._push,
+            "receive": self._receive,
+            "layers_ready": self._layers_ready,
+        }
         await serve_calls(context, handlers)
 
     @rpc_method

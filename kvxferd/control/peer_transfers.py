@@ -170,6 +170,7 @@ class _OffererStream:
         chunk_bytes: int,
         signature: common_pb2.LayoutSignature,
         direct: peer_pb2.DirectReadSource | None = None,
+        layers: int = 0,
     ) -> None:
         self._send(
             accepted=peer_pb2.TransferAccepted(
@@ -178,8 +179,12 @@ class _OffererStream:
                 chunk_bytes=chunk_bytes,
                 sender_signature=signature,
                 direct=direct,
+                layers=layers,
             )
         )
+
+    async def ready(self, layers: int) -> None:
+        self._send(ready=peer_pb2.TransferReady(layers=layers))
 
     async def sent(self, nbytes: int, transport: str) -> None:
         self._send(sent=peer_pb2.TransferSent(bytes=nbytes, transport=transport))

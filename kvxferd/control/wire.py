@@ -20,7 +20,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvxfer_client._errors import InvalidRequestError
-from kvxfer_client._layout import MAX_BLOCKS
+from kvxfer_client._layout import MAX_BLOCKS, MAX_REGIONS
 from kvxfer_client._proto import common_pb2, peer_pb2
 from kvxfer_client._ticket import Ticket
 
@@ -47,6 +47,13 @@ def ticket(msg: common_pb2.Ticket) -> Ticket:
     except InvalidRequestError as exc:
         raise InvalidRequestError(f"malformed ticket: {exc}") from None
     return t
+
+
+def layers(value: int) -> int:
+    """The layer count of a layer-wise offer (0: none), at most a layout's region count."""
+    if value > MAX_REGIONS:
+        raise InvalidRequestError(f"layers must be at most {MAX_REGIONS}")
+    return value
 
 
 def peer_address(value: str) -> str:

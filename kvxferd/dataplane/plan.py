@@ -26,7 +26,17 @@ from itertools import pairwise
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["ChunkPlan", "RegionTable", "Run", "SidePlan", "build_plan", "plan_segments", "stream_plan"]
+__all__ = [
+    "ChunkPlan",
+    "RegionTable",
+    "Run",
+    "SidePlan",
+    "build_layered_plan",
+    "build_plan",
+    "plan_segments",
+    "stream_plan",
+    "sub_plan",
+]
 
 I64 = npt.NDArray[np.int64]
 
@@ -99,6 +109,43 @@ def build_plan(regions: RegionTable, block_ids: npt.NDArray[np.integer], chunk_b
     seg_len = np.repeat(regions.nbytes, n)
     seg_buf = np.repeat(regions.buffer, n)
     return plan_segments(seg_buf, seg_off, seg_len, chunk_bytes)
+
+
+def build_layered_plan(
+    regions: RegionTable, block_ids: npt.NDArray[np.integer], chunk_bytes: int, layers: int
+) -> tuple[SidePlan, list[int]]:
+    """:func:`build_plan` for a stream written layer by layer: the regions fall into
+    ``layers`` equal groups in order (a layer's K and V), each group is planned on its own so
+    that no chunk spans two, and the chunks are numbered on across groups. Returns the plan
+    and where each group's chunks start (then the end), so a group can move once written.
+
+    >>> regions = RegionTable.from_regions([(0, 0, 8, 8), (1, 0, 8, 8)])   # 2 layers, 8 B a block
+    >>> plan, starts = build_layered_plan(regions, np.array([0, 1, 2]), chunk_bytes=16, layers=2)
+    >>> [(c.index, c.nbytes) for c in plan.chunks], starts
+    ([(0, 16), (1, 8), (2, 16), (3, 8)], [0, 2, 4])
+    """
+    n = len(regions.nbytes)
+    if layers < 1 or n % layers:
+        raise ValueError(f"{n} regions do not fall into {layers} equal layers")
+    per = n // layers
+    chunks: list[ChunkPlan] = []
+    starts = [0]
+    total = segments = 0
+    for g in range(layers):
+        part = slice(g * per, (g + 1) * per)
+        group = RegionTable(regions.buffer[part], regions.offset[part], regions.stride[part], regions.nbytes[part])
+        plan = build_plan(group, block_ids, chunk_bytes)
+        first = len(chunks)
+        chunks.extend(ChunkPlan(first + c.index, c.nbytes, c.contiguous, c.runs) for c in plan.chunks)
+        starts.append(len(chunks))
+        total, segments = total + plan.total_bytes, segments + plan.num_segments
+    return SidePlan(total, chunk_bytes, segments, tuple(chunks)), starts
+
+
+def sub_plan(plan: SidePlan, first: int, end: int) -> SidePlan:
+    """Chunks ``first`` up to ``end`` of ``plan`` (their indices kept) as a plan of their own."""
+    chunks = plan.chunks[first:end]
+    return SidePlan(sum(c.nbytes for c in chunks), plan.chunk_bytes, plan.num_segments, chunks)
 
 
 def plan_segments(seg_buf: I64, seg_off: I64, seg_len: I64, chunk_bytes: int) -> SidePlan:

@@ -46,7 +46,7 @@ from kvxfer_client._proto import common_pb2, peer_pb2
 from .._log import log_event
 from ..dataplane.cma import read_iov
 from ..dataplane.hostmem import ProcessMemory
-from ..dataplane.plan import RegionTable, SidePlan, build_plan
+from ..dataplane.plan import RegionTable, SidePlan, build_layered_plan, build_plan
 from ..dataplane.remap import peer_side, plan_remap, side_of
 from ..memory.pools import Pool
 
@@ -151,6 +151,7 @@ def source_plan(
     dst_ids: npt.NDArray[np.int64],
     chunk_bytes: int,
     mapped: bool,
+    layers: int = 0,
 ) -> tuple[ProcessMemory, SidePlan]:
     """The offering daemon's memory and its side of the stream, from what it said (checked:
     a hostile peer's numbers fail here, as typed errors, or read only its own memory)."""
@@ -176,6 +177,10 @@ def source_plan(
     if mapped:
         src_side = peer_side(sender, len(ids), regions, ids)
         plan = plan_remap(src_side, side_of(dst.layout, dst.regions, dst_ids), chunk_bytes, "src")
+    elif layers:
+        if len(regions.nbytes) % layers:
+            raise IncompatibleError(f"direct read: {len(regions.nbytes)} regions do not make {layers} layers")
+        plan = build_layered_plan(regions, ids, chunk_bytes, layers)[0]
     else:
         plan = build_plan(regions, ids, chunk_bytes)
     memory = ProcessMemory(int(source.pid), np.asarray(source.buffer_address, dtype=np.int64), _never, "peer daemon")

@@ -21,15 +21,16 @@ from kvxfer_client._proto import common_pb2
 from kvxfer_client._ticket import Ticket
 
 from .._faults import Faults
-from .._offers import OfferTable
+from .._offers import Offer, OfferTable
 from .._transfers import TransferRecord
 from ..dataplane.aligned import CACHE_LINE, aligned_empty
 from ..dataplane.gpu_kernel import BlockSide
 from ..dataplane.gpucopy import GpuDevices
 from ..dataplane.hostmem import HostMemory, copy_between
-from ..dataplane.plan import SidePlan, build_plan
+from ..dataplane.plan import SidePlan, build_layered_plan, build_plan, sub_plan
 from ..dataplane.remap import remap_plans
 from ..memory.pools import PROCESS_MEMORY_OFF_GPU, Pool
+from .layers import layer_batches, layer_sizes
 
 __all__ = ["INLINE_COPY_BYTES", "LocalHandoff"]
 
@@ -93,8 +94,14 @@ class LocalHandoff:
             raise
         try:
             await self.faults.hit("before_local_copy", transfer_id=record.transfer_id)
-            started = time.perf_counter()
             on_host = not (src.on_gpu or dst.on_gpu)
+            if offer.layers and on_host and plans is None:
+                # Written layer by layer: copy each layer once the engine says it is written.
+                await self._copy_layers(offer, src, src_ids, dst, dst_ids, record)
+                self.offers.pulled(offer, record.transfer_id)
+                return
+            await offer.wait_ready(offer.layers)  # a layer-wise offer moving whole: once written
+            started = time.perf_counter()
             plans = plans or (self._plans(src, src_ids, dst, dst_ids) if on_host else None)
             record.nbytes = plans[0].total_bytes if plans else len(src_ids) * src.layout.bytes_per_block
             transport, record.device_s = await self.copy_blocks(src, src_ids, dst, dst_ids, plans)
@@ -105,6 +112,27 @@ class LocalHandoff:
             self.offers.release(offer, common_pb2.RELEASE_REASON_FAILED, detail, record.transfer_id)
             raise
         self.offers.pulled(offer, record.transfer_id)
+
+    async def _copy_layers(
+        self,
+        offer: Offer,
+        src: Pool,
+        src_ids: np.ndarray[Any, Any],
+        dst: Pool,
+        dst_ids: np.ndarray[Any, Any],
+        record: TransferRecord,
+    ) -> None:
+        layers = offer.layers
+        src_plan, starts = build_layered_plan(src.regions, src_ids, self.chunk_bytes, layers)
+        dst_plan, _ = build_layered_plan(dst.regions, dst_ids, self.chunk_bytes, layers)
+        record.nbytes = src_plan.total_bytes
+        sizes = layer_sizes([r.block_bytes for r in src.layout.regions], len(src_ids), layers)
+        started = time.perf_counter()
+        with src.in_use():
+            async for first, end in layer_batches(offer, sizes, 0):
+                a, b = starts[first], starts[end]
+                await self._copy_host(src, sub_plan(src_plan, a, b), dst, sub_plan(dst_plan, a, b))
+        record.data_plane_s = time.perf_counter() - started
 
     async def copy_blocks(
         self,

@@ -183,6 +183,7 @@ class PushNode(Protocol):
         chosen: tuple[str, bytes] | None = None,
         offer_key: bytes = b"",
         readers: int = 1,
+        layers: int = 0,
     ) -> tuple[Offer, Ticket]: ...
 
     def owned_pool(self, pool_id: str, session_id: str) -> Pool: ...
@@ -226,12 +227,13 @@ class PushHandoff:
         transfer_id: str,
         to_peer_address: str,
         offer_key: bytes = b"",
+        layers: int = 0,
     ) -> Pushed:
         """Offer the blocks and announce them for ``transfer_id`` to the daemon at
         ``to_peer_address`` (this one, for an engine beside us). Where that daemon cannot take
         the push, the offer stands and the answer says "pull" and why."""
         node = self.node
-        offer, ticket = node.offer(session_id, pool_id, block_ids, lease_s, None, offer_key)
+        offer, ticket = node.offer(session_id, pool_id, block_ids, lease_s, None, offer_key, 1, layers)
         offer.pushed_to = f"pushed to {to_peer_address} as transfer {transfer_id}"
         if to_peer_address == node.peer_address:
             self.table.announce(transfer_id, ticket, lease_s, node.daemon_id)

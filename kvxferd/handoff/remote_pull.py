@@ -30,7 +30,7 @@ from .._faults import Faults
 from .._transfers import TransferRecord
 from ..dataplane.gpu_kernel import BlockSide
 from ..dataplane.gpucopy import GpuDevices
-from ..dataplane.plan import SidePlan, build_plan, stream_plan
+from ..dataplane.plan import SidePlan, build_layered_plan, build_plan, stream_plan, sub_plan
 from ..dataplane.remap import peer_side, plan_remap, side_of
 from ..dataplane.staging import StagingLease
 from ..dataplane.ucp_iov import CANCEL_CONFIRM_S
@@ -40,6 +40,7 @@ from .local import copy_in_threads
 from .peers import Peer
 from .remote import RemotePlane
 from .steps import MIN_CHUNK, within
+from .transfer_stream import TransferCall
 
 __all__ = ["RemotePull"]
 
@@ -132,7 +133,13 @@ class RemotePull:
                 if not MIN_CHUNK <= chunk <= max_chunk:
                     raise IncompatibleError(f"peer chose {chunk}-byte chunks; this side takes {MIN_CHUNK}..{max_chunk}")
                 record.mapping = mapping_between(sender, dst.layout.signature()) if mapped else ""
-                if record.mapping:
+                layers, starts = accepted.layers, None
+                if layers and (record.mapping or side is not None or layers > len(dst.regions.nbytes)):
+                    raise IncompatibleError(f"peer cut the stream into {layers} layers, which this pull cannot take")
+                if layers:
+                    # Written layer by layer: both sides cut the stream per layer (peer.proto).
+                    plan, starts = build_layered_plan(dst.regions, dst_ids, chunk, layers)
+                elif record.mapping:
                     if side is not None:
                         raise IncompatibleError(f"GPU pools move blocks as they are; this pull needs {record.mapping}")
                     sender_blocks = len(indices) if indices is not None else ticket.num_blocks
@@ -148,17 +155,23 @@ class RemotePull:
                     raise IncompatibleError(f"peer sends {total_bytes} bytes, destination expects {plan.total_bytes}")
                 if source is not None:
                     started = time.perf_counter()
-                    receiving = asyncio.create_task(self._read(record, peer, source, sender, dst, dst_ids, plan, nonce))
+                    layered = (call, starts) if starts is not None else None
+                    receiving = asyncio.create_task(
+                        self._read(record, peer, source, sender, dst, dst_ids, plan, nonce, layered)
+                    )
                 else:
                     staging, need = self.plane.staging_for(dst, plan, "receive")
                     lease = await stack.enter_async_context(staging.lease(need))
                     record.mark("staging")
                     started = time.perf_counter()
                     receiving = asyncio.create_task(self._receive(record, ep, dst, side, plan, tag_base, lease))
-                sent = asyncio.create_task(call.sent())
-                first, _ = await asyncio.wait({receiving, sent}, return_when=asyncio.FIRST_COMPLETED)
-                if sent in first:
-                    sent.result()  # the offerer failed (or aborted) while bytes were due: end now
+                # The offerer's sent (or failure) comes while bytes land; a layer-wise direct read
+                # reads it itself, after the offerer's last ready.
+                if source is None or starts is None:
+                    sent = asyncio.create_task(call.sent())
+                    first, _ = await asyncio.wait({receiving, sent}, return_when=asyncio.FIRST_COMPLETED)
+                    if sent in first:
+                        sent.result()  # the offerer failed (or aborted) while bytes were due: end now
                 await receiving
                 record.data_plane_s = time.perf_counter() - started
                 record.mark("received")
@@ -174,7 +187,8 @@ class RemotePull:
                 # deadline, which the offerer also keeps, bounds the wait.
                 deadline.reschedule(None)
                 await self.faults.hit("before_closed_read", transfer_id=record.transfer_id)
-                await within(sent, _left(ends_at), "the peer's 'sent'")
+                if sent is not None:
+                    await within(sent, _left(ends_at), "the peer's 'sent'")
                 await call.closed(_left(ends_at))
                 record.mark("closed")
             except BaseException as exc:
@@ -207,21 +221,37 @@ class RemotePull:
         dst_ids: np.ndarray[Any, Any],
         plan: SidePlan,
         nonce: bytes,
+        layered: tuple[TransferCall, list[int]] | None = None,
     ) -> None:
         """Read the offered blocks out of the offering daemon's memory (:mod:`.direct`), once
-        this transfer's nonce is found there."""
+        this transfer's nonce is found there; ``layered``: the transfer and where each layer's
+        chunks start, when the offer is written layer by layer (each read once said written)."""
         why = nonce_missing(int(source.pid), int(source.nonce_address), nonce) if nonce else "it was not asked for"
         if why:
             raise IncompatibleError(f"peer {peer.daemon_id} answered with a direct read, but {why}")
         record.transport = DIRECT_READ
-        src, src_plan = source_plan(source, sender, dst, dst_ids, plan.chunk_bytes, bool(record.mapping))
+        layers = len(layered[1]) - 1 if layered is not None else 0
+        src, src_plan = source_plan(source, sender, dst, dst_ids, plan.chunk_bytes, bool(record.mapping), layers)
         if src_plan.total_bytes != plan.total_bytes:
             raise IncompatibleError(f"peer lends {src_plan.total_bytes} bytes, destination expects {plan.total_bytes}")
         if [c.nbytes for c in src_plan.chunks] != [c.nbytes for c in plan.chunks]:
             raise IncompatibleError("the peer's blocks and the destination's cut into different chunks")
         record.mark("lent")
         threads = self.settings.copy_threads
-        await copy_in_threads(self.executor, threads, (src, src_plan), (dst.host_memory(), plan), single_pass=False)
+        if layered is None:
+            await copy_in_threads(self.executor, threads, (src, src_plan), (dst.host_memory(), plan), single_pass=False)
+            return
+        call, starts = layered
+        copied = 0
+        while copied < layers:
+            written = await call.ready()
+            if not copied < written <= layers:
+                raise UnavailableError(f"peer {peer.daemon_id} said {written} of {layers} layers are written")
+            first, end = starts[copied], starts[written]
+            parts = (src, sub_plan(src_plan, first, end)), (dst.host_memory(), sub_plan(plan, first, end))
+            await copy_in_threads(self.executor, threads, *parts, single_pass=False)
+            copied = written
+        await call.sent()
 
     def _receive(
         self,

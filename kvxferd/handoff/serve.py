@@ -34,10 +34,11 @@ from .._offers import Offer, OfferTable
 from .._transfers import TransferRecord, TransferTable
 from ..dataplane.gpu_kernel import BlockSide
 from ..dataplane.gpucopy import GpuDevices
-from ..dataplane.plan import SidePlan, build_plan, num_chunks, stream_plan
+from ..dataplane.plan import SidePlan, build_layered_plan, build_plan, num_chunks, stream_plan, sub_plan
 from ..dataplane.remap import peer_side, plan_remap, side_of
 from ..memory.pools import Pool
 from .direct import DIRECT_READ, source_of
+from .layers import layer_batches, layer_sizes
 from .peers import Peer
 from .remote import RemotePlane
 from .steps import COMMIT_MARGIN_S
@@ -89,7 +90,11 @@ class OffererStream(Protocol):
         chunk_bytes: int,
         signature: common_pb2.LayoutSignature,
         direct: peer_pb2.DirectReadSource | None = None,
+        layers: int = 0,
     ) -> None: ...
+
+    async def ready(self, layers: int) -> None:
+        """Layer-wise direct reads: the first ``layers`` layers are written."""
 
     async def sent(self, nbytes: int, transport: str) -> None: ...
 
@@ -234,18 +239,31 @@ class TransferServer:
             plan = stream_plan(side.total_bytes, chunk)
         elif not self.ucx.gather_send or pool.process is not None:
             plan = build_plan(pool.regions, src_ids, chunk)  # staging depends on it
-        asked = start.direct_read_nonce and self.settings.same_host_direct_read
+        # A layer-wise offer (still being written) moves per layer where its blocks move as they
+        # are, from host memory; otherwise whole, once written.
+        layers = offer.layers if remapped is None and side is None else 0
+        per_layer = layers > 1 and record.nbytes >= self.settings.layerwise_min_bytes
+        asked = start.direct_read_nonce and self.settings.same_host_direct_read and (layers or offer.written)
         lent = source_of(pool, src_ids, start.direct_read_nonce) if asked else None
         if lent is not None:
             source, _nonce_held = lent  # the nonce's memory stays referenced until we return
-            # The receiver reads the blocks itself: say where they are, and nothing to send.
+            # The receiver reads the blocks itself: say where they are (and, layer-wise, how far
+            # they are written), and nothing to send.
             record.transport = DIRECT_READ
             signature = pool.layout.signature()
-            await stream.accepted(record.nbytes, num_chunks(record.nbytes, chunk), chunk, signature, source)
+            await stream.accepted(record.nbytes, num_chunks(record.nbytes, chunk), chunk, signature, source, layers)
             await self.faults.hit("after_accepted", transfer_id=record.transfer_id)
             record.mark("lent")
+            if layers:
+                sizes = layer_sizes([r.block_bytes for r in pool.layout.regions], len(src_ids), layers)
+                batch = self.settings.layerwise_batch_bytes if per_layer else float("inf")
+                async for _, written in layer_batches(offer, sizes, batch):
+                    await stream.ready(written)
+        elif per_layer:
+            plan, starts = build_layered_plan(pool.regions, src_ids, chunk, layers)
+            await self._send(start, peer, pool, src_ids, record, stream, chunk, plan, side, offer, starts)
         else:
-            await self._send(start, peer, pool, src_ids, record, stream, chunk, plan, side)
+            await self._send(start, peer, pool, src_ids, record, stream, chunk, plan, side, offer)
         record.mark("sent")
         await stream.sent(record.nbytes, record.transport)
         done = await stream.read_done()
@@ -279,8 +297,12 @@ class TransferServer:
         chunk: int,
         plan: SidePlan | None,
         side: BlockSide | None,
+        offer: Offer,
+        layer_starts: list[int] | None = None,
     ) -> None:
-        """accepted, then every chunk over UCX (``plan``: made already where staging depends on it)."""
+        """accepted, then every chunk over UCX (``plan``: made already where staging depends on
+        it), once written: layer by layer given ``layer_starts`` (where each layer's chunks
+        start in ``plan``), else whole."""
         ep = await self.plane.endpoint(peer)
         try:
             await self.faults.hit("endpoint_broken", transfer_id=record.transfer_id, peer=peer.daemon_id)
@@ -289,12 +311,29 @@ class TransferServer:
         staging, need = self.plane.staging_for(pool, plan, "send")
         async with staging.lease(need) as lease:
             record.mark("staging")
-            await stream.accepted(record.nbytes, num_chunks(record.nbytes, chunk), chunk, pool.layout.signature())
+            layers = len(layer_starts) - 1 if layer_starts is not None else 0
+            signature = pool.layout.signature()
+            await stream.accepted(record.nbytes, num_chunks(record.nbytes, chunk), chunk, signature, None, layers)
             await self.faults.hit("after_accepted", transfer_id=record.transfer_id)
             if plan is None:
                 # UCX gathers from the pool: planned while the receiver posts receives.
                 plan = build_plan(pool.regions, src_ids, chunk)
             record.mark("planned")
+            if layer_starts is not None:
+                sizes = layer_sizes([r.block_bytes for r in pool.layout.regions], len(src_ids), layers)
+                async for first, end in layer_batches(offer, sizes, self.settings.layerwise_batch_bytes):
+                    part = sub_plan(plan, layer_starts[first], layer_starts[end])
+                    await self.ucx.send(
+                        ep,
+                        part,
+                        pool.host_memory(),
+                        start.tag_base,
+                        lease,
+                        self.settings.window,
+                        after_chunk=self.plane.chunk_fault(record.transfer_id),
+                    )
+                return
+            await offer.wait_ready(offer.layers)  # a layer-wise offer moving whole: once written
             if side is not None:
                 copier = self._gpu().copier(side.device)
                 await self.ucx.send_gpu(

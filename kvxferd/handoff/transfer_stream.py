@@ -142,6 +142,11 @@ class TransferCall:
         msg: peer_pb2.TransferAccepted = await self._read("accepted", timeout)
         return msg
 
+    async def ready(self) -> int:
+        """Layer-wise direct reads: how many layers the offerer says are written now."""
+        msg: peer_pb2.TransferReady = await self._read("ready", None)
+        return int(msg.layers)
+
     async def sent(self, timeout: float | None = None) -> None:
         """The offerer has sent every chunk (or failed the transfer)."""
         await self._read("sent", timeout)

@@ -29,6 +29,7 @@ class CallRequest(_message.Message):
     PULL_FIELD_NUMBER: _builtins.int
     PUSH_FIELD_NUMBER: _builtins.int
     RECEIVE_FIELD_NUMBER: _builtins.int
+    LAYERS_READY_FIELD_NUMBER: _builtins.int
     ABANDON_FIELD_NUMBER: _builtins.int
     call_id: _builtins.int
     """Chosen by the client; unique among its calls still running on this stream."""
@@ -44,6 +45,8 @@ class CallRequest(_message.Message):
     def push(self) -> Global___PushRequest: ...
     @_builtins.property
     def receive(self) -> Global___ReceiveRequest: ...
+    @_builtins.property
+    def layers_ready(self) -> Global___LayersReadyRequest: ...
     def __init__(
         self,
         *,
@@ -52,13 +55,14 @@ class CallRequest(_message.Message):
         pull: Global___PullRequest | None = ...,
         push: Global___PushRequest | None = ...,
         receive: Global___ReceiveRequest | None = ...,
+        layers_ready: Global___LayersReadyRequest | None = ...,
         abandon: _builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["abandon", b"abandon", "call", b"call", "offer", b"offer", "pull", b"pull", "push", b"push", "receive", b"receive"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["abandon", b"abandon", "call", b"call", "layers_ready", b"layers_ready", "offer", b"offer", "pull", b"pull", "push", b"push", "receive", b"receive"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["abandon", b"abandon", "call", b"call", "call_id", b"call_id", "offer", b"offer", "pull", b"pull", "push", b"push", "receive", b"receive"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abandon", b"abandon", "call", b"call", "call_id", b"call_id", "layers_ready", b"layers_ready", "offer", b"offer", "pull", b"pull", "push", b"push", "receive", b"receive"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_call: _TypeAlias = _typing.Literal["offer", "pull", "push", "receive", "abandon"]  # noqa: Y015
+    _WhichOneofReturnType_call: _TypeAlias = _typing.Literal["offer", "pull", "push", "receive", "layers_ready", "abandon"]  # noqa: Y015
     _WhichOneofArgType_call: _TypeAlias = _typing.Literal["call", b"call"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_call) -> _WhichOneofReturnType_call | None: ...
 
@@ -73,6 +77,7 @@ class CallResponse(_message.Message):
     PULL_FIELD_NUMBER: _builtins.int
     PUSH_FIELD_NUMBER: _builtins.int
     RECEIVE_FIELD_NUMBER: _builtins.int
+    LAYERS_READY_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     call_id: _builtins.int
     @_builtins.property
@@ -83,6 +88,8 @@ class CallResponse(_message.Message):
     def push(self) -> Global___PushResponse: ...
     @_builtins.property
     def receive(self) -> Global___PullResponse: ...
+    @_builtins.property
+    def layers_ready(self) -> Global___LayersReadyResponse: ...
     @_builtins.property
     def error(self) -> Global___CallStatus:
         """The call failed: the status a unary call would have ended with."""
@@ -95,13 +102,14 @@ class CallResponse(_message.Message):
         pull: Global___PullResponse | None = ...,
         push: Global___PushResponse | None = ...,
         receive: Global___PullResponse | None = ...,
+        layers_ready: Global___LayersReadyResponse | None = ...,
         error: Global___CallStatus | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "offer", b"offer", "pull", b"pull", "push", b"push", "receive", b"receive", "result", b"result"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "layers_ready", b"layers_ready", "offer", b"offer", "pull", b"pull", "push", b"push", "receive", b"receive", "result", b"result"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["call_id", b"call_id", "error", b"error", "offer", b"offer", "pull", b"pull", "push", b"push", "receive", b"receive", "result", b"result"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["call_id", b"call_id", "error", b"error", "layers_ready", b"layers_ready", "offer", b"offer", "pull", b"pull", "push", b"push", "receive", b"receive", "result", b"result"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["offer", "pull", "push", "receive", "error"]  # noqa: Y015
+    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["offer", "pull", "push", "receive", "layers_ready", "error"]  # noqa: Y015
     _WhichOneofArgType_result: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_result) -> _WhichOneofReturnType_result | None: ...
 
@@ -393,6 +401,7 @@ class OfferRequest(_message.Message):
     TOKEN_FIELD_NUMBER: _builtins.int
     OFFER_KEY_FIELD_NUMBER: _builtins.int
     READERS_FIELD_NUMBER: _builtins.int
+    LAYERS_FIELD_NUMBER: _builtins.int
     pool_id: _builtins.str
     lease_s: _builtins.float
     """Seconds the blocks stay pinned if nobody pulls them; 0 means the daemon's default."""
@@ -416,6 +425,11 @@ class OfferRequest(_message.Message):
     ranks of a larger tensor-parallel size each pull their heads from the one offer. A reader
     that never comes leaves the offer to its lease.
     """
+    layers: _builtins.int
+    """0: the blocks are written. L > 0: the engine is still writing them, one layer after the
+    other, and says how far it got with LayersReady; the layout's regions fall into L equal
+    groups in order (a layer's K and V). Pulls start at once and move each layer once written.
+    """
     @_builtins.property
     def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
@@ -429,10 +443,11 @@ class OfferRequest(_message.Message):
         token: _builtins.bytes = ...,
         offer_key: _builtins.bytes = ...,
         readers: _builtins.int = ...,
+        layers: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "lease_s", b"lease_s", "offer_id", b"offer_id", "offer_key", b"offer_key", "pool_id", b"pool_id", "readers", b"readers", "session_id", b"session_id", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "layers", b"layers", "lease_s", b"lease_s", "offer_id", b"offer_id", "offer_key", b"offer_key", "pool_id", b"pool_id", "readers", b"readers", "session_id", b"session_id", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -662,6 +677,53 @@ class ReceiveRequest(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReceiveRequest: _TypeAlias = ReceiveRequest  # noqa: Y015
+
+@_typing.final
+class LayersReadyRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    OFFER_IDS_FIELD_NUMBER: _builtins.int
+    LAYERS_FIELD_NUMBER: _builtins.int
+    OFFER_KEY_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    layers: _builtins.int
+    """How many layers of each, counted from the first, are written now."""
+    offer_key: _builtins.bytes
+    @_builtins.property
+    def offer_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Offers of this session (or of the pool whose offer_key is given) made with layers."""
+
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+        offer_ids: _abc.Iterable[_builtins.str] | None = ...,
+        layers: _builtins.int = ...,
+        offer_key: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["layers", b"layers", "offer_ids", b"offer_ids", "offer_key", b"offer_key", "session_id", b"session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LayersReadyRequest: _TypeAlias = LayersReadyRequest  # noqa: Y015
+
+@_typing.final
+class LayersReadyResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LayersReadyResponse: _TypeAlias = LayersReadyResponse  # noqa: Y015
 
 @_typing.final
 class ReleaseRequest(_message.Message):

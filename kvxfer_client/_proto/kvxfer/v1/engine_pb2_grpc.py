@@ -90,6 +90,11 @@ class EngineServiceStub:
                 request_serializer=kvxfer_dot_v1_dot_engine__pb2.ReceiveRequest.SerializeToString,
                 response_deserializer=kvxfer_dot_v1_dot_engine__pb2.PullResponse.FromString,
                 _registered_method=True)
+        self.LayersReady = channel.unary_unary(
+                '/kvxfer.v1.EngineService/LayersReady',
+                request_serializer=kvxfer_dot_v1_dot_engine__pb2.LayersReadyRequest.SerializeToString,
+                response_deserializer=kvxfer_dot_v1_dot_engine__pb2.LayersReadyResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServiceServicer:
@@ -185,6 +190,16 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LayersReady(self, request, context):
+        """Layer-wise streaming: for offers made with OfferRequest.layers, the engine says how many
+        of their layers (in order) are now written; each transfer sends what is written as soon as
+        it is (coalesced to the daemon's layerwise_batch_bytes) and commits only when every layer
+        has landed. Idempotent and monotone: a lower count than already said changes nothing.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -242,6 +257,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.Receive,
                     request_deserializer=kvxfer_dot_v1_dot_engine__pb2.ReceiveRequest.FromString,
                     response_serializer=kvxfer_dot_v1_dot_engine__pb2.PullResponse.SerializeToString,
+            ),
+            'LayersReady': grpc.unary_unary_rpc_method_handler(
+                    servicer.LayersReady,
+                    request_deserializer=kvxfer_dot_v1_dot_engine__pb2.LayersReadyRequest.FromString,
+                    response_serializer=kvxfer_dot_v1_dot_engine__pb2.LayersReadyResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -541,6 +561,33 @@ class EngineService:
             '/kvxfer.v1.EngineService/Receive',
             kvxfer_dot_v1_dot_engine__pb2.ReceiveRequest.SerializeToString,
             kvxfer_dot_v1_dot_engine__pb2.PullResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LayersReady(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvxfer.v1.EngineService/LayersReady',
+            kvxfer_dot_v1_dot_engine__pb2.LayersReadyRequest.SerializeToString,
+            kvxfer_dot_v1_dot_engine__pb2.LayersReadyResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -72,6 +72,12 @@ class EngineServiceStub:
     landed, with what Pull answers and the same errors.
     """
     Receive: _grpc.UnaryUnaryMultiCallable[_engine_pb2.ReceiveRequest, _engine_pb2.PullResponse]
+    LayersReady: _grpc.UnaryUnaryMultiCallable[_engine_pb2.LayersReadyRequest, _engine_pb2.LayersReadyResponse]
+    """Layer-wise streaming: for offers made with OfferRequest.layers, the engine says how many
+    of their layers (in order) are now written; each transfer sends what is written as soon as
+    it is (coalesced to the daemon's layerwise_batch_bytes) and commits only when every layer
+    has landed. Idempotent and monotone: a lower count than already said changes nothing.
+    """
 
 @_typing.type_check_only
 class EngineServiceAsyncStub(EngineServiceStub):
@@ -116,6 +122,12 @@ class EngineServiceAsyncStub(EngineServiceStub):
     landed, with what Pull answers and the same errors.
     """
     Receive: _aio.UnaryUnaryMultiCallable[_engine_pb2.ReceiveRequest, _engine_pb2.PullResponse]  # type: ignore[assignment]
+    LayersReady: _aio.UnaryUnaryMultiCallable[_engine_pb2.LayersReadyRequest, _engine_pb2.LayersReadyResponse]  # type: ignore[assignment]
+    """Layer-wise streaming: for offers made with OfferRequest.layers, the engine says how many
+    of their layers (in order) are now written; each transfer sends what is written as soon as
+    it is (coalesced to the daemon's layerwise_batch_bytes) and commits only when every layer
+    has landed. Idempotent and monotone: a lower count than already said changes nothing.
+    """
 
 class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -223,5 +235,17 @@ class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _engine_pb2.ReceiveRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_engine_pb2.PullResponse, _abc.Awaitable[_engine_pb2.PullResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def LayersReady(
+        self,
+        request: _engine_pb2.LayersReadyRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_engine_pb2.LayersReadyResponse, _abc.Awaitable[_engine_pb2.LayersReadyResponse]]:
+        """Layer-wise streaming: for offers made with OfferRequest.layers, the engine says how many
+        of their layers (in order) are now written; each transfer sends what is written as soon as
+        it is (coalesced to the daemon's layerwise_batch_bytes) and commits only when every layer
+        has landed. Idempotent and monotone: a lower count than already said changes nothing.
+        """
 
 def add_EngineServiceServicer_to_server(servicer: EngineServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -419,10 +419,16 @@ class TransferAccepted(_message.Message):
     CHUNK_BYTES_FIELD_NUMBER: _builtins.int
     SENDER_SIGNATURE_FIELD_NUMBER: _builtins.int
     DIRECT_FIELD_NUMBER: _builtins.int
+    LAYERS_FIELD_NUMBER: _builtins.int
     total_bytes: _builtins.int
     num_chunks: _builtins.int
     chunk_bytes: _builtins.int
     """The chunk size the sender uses (at most TransferStart.chunk_bytes; 0 = as asked)."""
+    layers: _builtins.int
+    """L > 1: the offer is written layer by layer (OfferRequest.layers) and the stream is cut
+    per layer: each of the L equal groups of regions is planned on its own (no chunk spans
+    two) and its chunks follow the previous group's. 0: one plan for the whole stream.
+    """
     @_builtins.property
     def sender_signature(self) -> _common_pb2.LayoutSignature:
         """The offered pool's signature: with geometries on both sides, the receiver plans its side
@@ -432,7 +438,7 @@ class TransferAccepted(_message.Message):
     @_builtins.property
     def direct(self) -> Global___DirectReadSource:
         """Set when the receiver reads the blocks itself (TransferStart.direct_read): then no chunk
-        comes over UCX, and sent follows at once.
+        comes over UCX, and sent follows once every layer is written (ready says how far).
         """
 
     def __init__(
@@ -443,14 +449,38 @@ class TransferAccepted(_message.Message):
         chunk_bytes: _builtins.int = ...,
         sender_signature: _common_pb2.LayoutSignature | None = ...,
         direct: Global___DirectReadSource | None = ...,
+        layers: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["direct", b"direct", "sender_signature", b"sender_signature"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_bytes", b"chunk_bytes", "direct", b"direct", "num_chunks", b"num_chunks", "sender_signature", b"sender_signature", "total_bytes", b"total_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_bytes", b"chunk_bytes", "direct", b"direct", "layers", b"layers", "num_chunks", b"num_chunks", "sender_signature", b"sender_signature", "total_bytes", b"total_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TransferAccepted: _TypeAlias = TransferAccepted  # noqa: Y015
+
+@_typing.final
+class TransferReady(_message.Message):
+    """Layer-wise direct reads: the first ``layers`` groups of the stream are written and may be
+    read; more follow, then sent.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LAYERS_FIELD_NUMBER: _builtins.int
+    layers: _builtins.int
+    def __init__(
+        self,
+        *,
+        layers: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["layers", b"layers"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TransferReady: _TypeAlias = TransferReady  # noqa: Y015
 
 @_typing.final
 class DirectReadSource(_message.Message):
@@ -584,6 +614,7 @@ class TransferServerMessage(_message.Message):
     SENT_FIELD_NUMBER: _builtins.int
     CLOSED_FIELD_NUMBER: _builtins.int
     FAILED_FIELD_NUMBER: _builtins.int
+    READY_FIELD_NUMBER: _builtins.int
     transfer_id: _builtins.str
     """The transfer this message belongs to."""
     @_builtins.property
@@ -594,6 +625,8 @@ class TransferServerMessage(_message.Message):
     def closed(self) -> Global___TransferClosed: ...
     @_builtins.property
     def failed(self) -> Global___TransferError: ...
+    @_builtins.property
+    def ready(self) -> Global___TransferReady: ...
     def __init__(
         self,
         *,
@@ -602,12 +635,13 @@ class TransferServerMessage(_message.Message):
         sent: Global___TransferSent | None = ...,
         closed: Global___TransferClosed | None = ...,
         failed: Global___TransferError | None = ...,
+        ready: Global___TransferReady | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "closed", b"closed", "failed", b"failed", "msg", b"msg", "sent", b"sent"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "closed", b"closed", "failed", b"failed", "msg", b"msg", "ready", b"ready", "sent", b"sent"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "closed", b"closed", "failed", b"failed", "msg", b"msg", "sent", b"sent", "transfer_id", b"transfer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "closed", b"closed", "failed", b"failed", "msg", b"msg", "ready", b"ready", "sent", b"sent", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_msg: _TypeAlias = _typing.Literal["accepted", "sent", "closed", "failed"]  # noqa: Y015
+    _WhichOneofReturnType_msg: _TypeAlias = _typing.Literal["accepted", "sent", "closed", "failed", "ready"]  # noqa: Y015
     _WhichOneofArgType_msg: _TypeAlias = _typing.Literal["msg", b"msg"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_msg) -> _WhichOneofReturnType_msg | None: ...
 

@@ -1,0 +1,64 @@
+"""Layer-wise streaming: which layers of an offer move when (engine.proto, LayersReady).
+
+An offer made with ``layers = L`` is written by its engine one layer after the other while a
+pull may already run. Its stream is then planned per layer (``plan.build_layered_plan``: no
+chunk spans two layers), and :func:`layer_batches` says which layers to move next: those
+written and not moved yet, once they add up to ``batch_bytes`` or include the last layer, so
+that short requests do not pay a message per layer. The transfer commits only after the last
+batch has landed, as any other.
+
+>>> async def demo() -> list[tuple[int, int]]:
+...     offer = _OneByOne(layers=4)   # each layer written just as it is waited for
+...     return [b async for b in layer_batches(offer, [10, 10, 10, 10], batch_bytes=20)]
+>>> asyncio.run(demo())
+[(0, 2), (2, 4)]
+>>> layer_sizes([4, 4, 8, 8], num_blocks=3, layers=2)   # K, V of layer 0, then of layer 1
+[24, 48]
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from typing import Protocol
+
+__all__ = ["LayeredOffer", "layer_batches", "layer_sizes"]
+
+
+class LayeredOffer(Protocol):
+    """What :func:`layer_batches` needs of an offer (``kvxferd._offers.Offer``)."""
+
+    layers: int
+
+    async def wait_ready(self, layers: int) -> int: ...
+
+
+def layer_sizes(region_bytes: Sequence[int], num_blocks: int, layers: int) -> list[int]:
+    """Bytes of each layer of a transfer of ``num_blocks`` blocks: the regions' bytes per block
+    fall into ``layers`` equal groups in order."""
+    per = len(region_bytes) // layers
+    return [num_blocks * sum(region_bytes[g * per : (g + 1) * per]) for g in range(layers)]
+
+
+async def layer_batches(
+    offer: LayeredOffer, sizes: Sequence[int], batch_bytes: float
+) -> AsyncIterator[tuple[int, int]]:
+    """``(first layer, end layer)`` ranges to move, in order, each once it is written and at
+    least ``batch_bytes`` long (or ends with the last layer); ``sizes``: each layer's bytes."""
+    total_layers = len(sizes)
+    moved = 0
+    while moved < total_layers:
+        ready = await offer.wait_ready(moved + 1)
+        while ready < total_layers and sum(sizes[moved:ready]) < batch_bytes:
+            ready = await offer.wait_ready(ready + 1)
+        yield moved, ready
+        moved = ready
+
+
+class _OneByOne:
+    """An offer whose engine writes each layer just when it is waited for (the doctest's)."""
+
+    def __init__(self, layers: int) -> None:
+        self.layers = layers
+
+    async def wait_ready(self, layers: int) -> int:
+        return min(layers, self.layers)
