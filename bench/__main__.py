@@ -1,6 +1,8 @@
 """kvxfer host-memory benchmark: local and remote paths next to a plain UCXX baseline.
 
-Run: ``python -m bench [--iters 8] [--workloads b16,b128,contig,small,sliced,lean] [--out results.json]``.
+Run: ``python -m bench [--iters 8] [--workloads b16,b128,contig,small,sliced,lean] [--out results.json]``
+(``ttft``, not in the default set, adds ``bench/ttft.py``: prefill start to decode ready for
+pull, push and layer-wise push, on two 2 GiB Llama-8B-shaped pools at its largest size).
 Prints one JSON line per (workload, path) and a summary line with the remote/baseline ratio;
 ``sliced`` (``bench/sliced.py``) adds remapped handoffs (other TP, head order, block size)
 with their ratio to plain ones of the same bytes; ``lean`` (``bench/lean.py``) the fixed cost
@@ -10,12 +12,13 @@ of a handoff against same-run gRPC echoes, offers under load, CPU per GB, and co
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
 
 import numpy as np
 
-from . import lean, sliced, ucx_baseline
+from . import lean, sliced, ttft, ucx_baseline
 from .cluster import Cluster
 from .workloads import WORKLOADS, both_paths, run_concurrent, run_sequential
 
@@ -53,6 +56,10 @@ def main() -> None:
             continue
         if name == "lean":
             lean.run(max(args.iters, 20), 1, lambda row: emit({"workload": "lean", **row}))
+            continue
+        if name == "ttft":
+            tokens = [256, 1024, 4096, 16384]
+            asyncio.run(ttft.run_async(tokens, 5, 20_000.0, False, lambda row: emit({"workload": "ttft", **row})))
             continue
         w = WORKLOADS[name]
         with Cluster() as c:

@@ -218,8 +218,19 @@ class RecordingStream:
     async def send_headers(self) -> None:
         self.written.append("headers")
 
-    async def accepted(self, total_bytes: int, num_chunks: int, chunk_bytes: int, signature: Any = None) -> None:
+    async def accepted(
+        self,
+        total_bytes: int,
+        num_chunks: int,
+        chunk_bytes: int,
+        signature: Any = None,
+        direct: Any = None,
+        layers: int = 0,
+    ) -> None:
         self.written.append("accepted")
+
+    async def ready(self, layers: int) -> None:
+        self.written.append(f"ready {layers}")
 
     async def sent(self, nbytes: int, transport: str) -> None:
         self.written.append("sent")
