@@ -117,11 +117,16 @@ async def one_round(e: Engines, blocks: int, per_layer_s: float) -> dict[str, fl
     assert pushed.mode == "push", pushed
     ticket = pushed.ticket
 
+    saying: list[asyncio.Task[None]] = []
+
     async def written(layers: int) -> None:
-        await e.p.layers_ready(ticket, layers)
+        # Said without waiting for the answer, as an engine's forward pass would: the next
+        # layer's compute does not wait on the daemon (calls on the stream keep their order).
+        saying.append(asyncio.create_task(e.p.layers_ready(ticket, layers)))
 
     await _compute(t0, per_layer_s, written)
     await receiving
+    await asyncio.gather(*saying)
     out["layerwise"] = time.perf_counter() - t0
 
     # The fixed cost: a one-block handoff between the same engines.

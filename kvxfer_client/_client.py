@@ -14,7 +14,7 @@ engine's session with the daemon (pools die with it).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -35,6 +35,7 @@ from ._events import OfferReleased, TransferFailed, event_from_proto
 from ._fds import attach_process, pass_fds
 from ._host_tensor import allow_daemon
 from ._layout import MAX_BLOCKS, Layout
+from ._marks import LayerMarks
 from ._memory import HostBuffer
 from ._proto import common_pb2, engine_pb2, engine_pb2_grpc
 from ._ticket import Ticket
@@ -184,6 +185,7 @@ class AsyncKvxferClient:
         self.daemon_id = ""
         #: Where peers reach the daemon (tickets name it); from the session's first event.
         self.peer_address = ""
+        self._marks = LayerMarks(self._send_layers_ready)
         self._channel: grpc.aio.Channel | None = None
         self._stub: engine_pb2_grpc.EngineServiceStub | None = None
         self._calls: CallStream | None = None
@@ -545,7 +547,14 @@ class AsyncKvxferClient:
         ids) are written, e.g. after each layer (group) of a prefill step, for all its requests
         at once. Saying less than before changes nothing."""
         many = offers if isinstance(offers, Sequence) and not isinstance(offers, str) else [offers]
-        ids = [o.offer_id if isinstance(o, Ticket) else o for o in many]
+        ids = tuple(o.offer_id if isinstance(o, Ticket) else o for o in many)
+        # Marks of the same offers coalesce while one is on its way (see ``_marks``).
+        await self._marks.mark((offer_key, ids), layers)
+
+    async def _send_layers_ready(self, key: Hashable, layers: int) -> None:
+        assert isinstance(key, tuple)
+        offer_key: bytes = key[0]
+        ids: tuple[str, ...] = key[1]
         req = engine_pb2.LayersReadyRequest(
             session_id=self.session_id, offer_ids=ids, layers=layers, offer_key=offer_key
         )
