@@ -15,7 +15,8 @@ tokens: 128 KiB of KV per token). Per request size, in rounds interleaved in one
 
 Also measured, same run: ``compute`` (the emulated prefill), ``transfer`` (the whole pull's
 daemon time), ``fixed`` (a one-block handoff) and ``group`` (one batch's share of the
-transfer). The bound for layer-wise is ``max(compute, transfer) + group + fixed``;
+transfer). The bound for layer-wise is ``max(compute, transfer) + group + fixed`` where it
+streams, ``compute + transfer + fixed`` where it goes whole (under ``layerwise_min_bytes``);
 ``overlap`` is the part of the transfer that layer-wise hid behind compute
 (``(pull - layerwise) / transfer``).
 
@@ -143,7 +144,8 @@ async def run_async(
     env = {"KVXFERD_SAME_HOST_DIRECT_READ": "true" if direct else "false"}
     with Cluster() as cluster:
         a, b = cluster.daemon("ttft-a", env=env), cluster.daemon("ttft-b", env=env)
-        batch = Settings().layerwise_batch_bytes  # the daemons run on the defaults
+        defaults = Settings()  # the daemons run on them
+        batch, streamed_from = defaults.layerwise_batch_bytes, defaults.layerwise_min_bytes
         for n in tokens:
             blocks = -(-n // BLOCK_TOKENS)
             async with (
@@ -158,14 +160,18 @@ async def run_async(
             med = {k: statistics.median(r[k] for r in runs) * 1e3 for k in runs[0]}
             nbytes = blocks * LAYERS * 2 * REGION_BYTES
             layer_bytes = nbytes / LAYERS
-            per_batch = max(1, int(-(-batch // layer_bytes)))  # layers in one batch
+            streamed = nbytes >= streamed_from
+            per_batch = max(1, int(-(-batch // layer_bytes))) if streamed else LAYERS  # layers a batch
             group = med["transfer"] * min(1.0, per_batch / LAYERS)
             bound = max(med["compute"], med["transfer"]) + group + med["fixed"]
+            if not streamed:  # it goes whole, once the last layer is written
+                bound = med["compute"] + med["transfer"] + med["fixed"]
             emit(
                 {
                     "tokens": n,
                     "mib": nbytes / (1 << 20),
                     "transport": "direct" if direct else "ucx",
+                    "streamed": streamed,
                     **{f"{k}_ms": round(v, 2) for k, v in med.items()},
                     "group_ms": round(group, 2),
                     "layerwise_bound_ms": round(bound, 2),
