@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import secrets
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -31,11 +32,11 @@ class Engines:
 
 
 @contextmanager
-def engines() -> Iterator[Engines]:
-    """Two daemons; a prefill engine on the first, a decode engine on each."""
+def engines(*daemon_args: str) -> Iterator[Engines]:
+    """Two daemons (given ``daemon_args``); a prefill engine on the first, a decode engine on each."""
     module = "examples.disagg_llm.engine"
     with Cluster() as cluster:
-        a, b = cluster.daemon("a"), cluster.daemon("b")
+        a, b = cluster.daemon("a", *daemon_args), cluster.daemon("b", *daemon_args)
         yield Engines(
             cluster.engine(a, "prefill", module, ["--role", "prefill", "--seed", "1"]),
             cluster.engine(a, "decode-local", module, ["--role", "decode", "--seed", "2"]),
@@ -68,6 +69,33 @@ def handoff(
     released = prefill("finished")
     reply["release_reason"] = released["released"].get(request_id)
     reply["prefill_block_ids"] = done["block_ids"]
+    return reply
+
+
+def streamed_handoff(
+    prefill: EngineProcess,
+    decode: EngineProcess,
+    request_id: str,
+    prompt: list[int],
+    max_tokens: int,
+    said_early: bool = False,
+) -> dict[str, Any]:
+    """Push mode, layer-wise: the decode engine expects the transfer first (as a router would
+    dispatch both at once), the prefill engine pushes its blocks before computing them and
+    says each layer written as it finishes (``said_early``: all at once, before the model
+    runs: the negative control); returns the decode engine's reply."""
+    transfer_id = f"{request_id}-" + secrets.token_hex(16)
+    expecting = decode("receive", request_id=request_id, transfer_id=transfer_id, num_tokens=len(prompt))
+    done = prefill(
+        "prefill_streamed",
+        request_id=request_id,
+        prompt=prompt,
+        transfer_id=transfer_id,
+        to=expecting["peer_address"],
+        said_early=said_early,
+    )
+    reply = decode("decode_received", request_id=request_id, first_token=done["first_token"], max_tokens=max_tokens)
+    reply.update(mode=done["mode"], release_reason=done["release_reason"])
     return reply
 
 

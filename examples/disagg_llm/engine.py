@@ -64,6 +64,8 @@ class Engine:
         )
         self.blocks = BlockAllocator(num_blocks, seed)
         self.held: dict[str, list[int]] = {}  # request -> blocks kept until released
+        #: Push mode, decode side: request -> (blocks, tokens, the receive under way).
+        self.receiving: dict[str, tuple[list[int], int, Any]] = {}
 
     # -- prefill ------------------------------------------------------------------------
     def op_prefill(self, request_id: str, prompt: list[int], readers: int = 1) -> dict[str, Any]:
@@ -75,6 +77,46 @@ class Engine:
             self.held[request_id] = ids
         self.worker.start_load_kv(self.scheduler.build_connector_meta())  # watches the offer
         return {"kv_transfer_params": params, "first_token": first, "block_ids": ids}
+
+    def op_prefill_streamed(
+        self, request_id: str, prompt: list[int], transfer_id: str, to: str, said_early: bool = False
+    ) -> dict[str, Any]:
+        """Push mode, layer by layer: the blocks are pushed under ``transfer_id`` to the decode
+        daemon at ``to`` before the model runs; each layer's KV is stored as the layer finishes
+        and said written, so the decode side receives it while the next layers compute.
+        Returns once the offer is released (pulled, or why not). ``said_early``: every layer
+        said written before the model runs (a bug this shows the tokens catch)."""
+        ids = self.blocks.take(m.blocks_for(len(prompt)))
+        layers = self.model.config.num_hidden_layers
+        pushed = self.client.push(self.pool, ids, transfer_id, to, lease_s=60.0, layers=layers)
+        if said_early:  # the negative control: "written" before the model has run
+            self.client.layers_ready(pushed.ticket, layers)
+
+        def after_layer(cache: Any, index: int) -> None:
+            self.kv.write_layer(cache, index, ids)
+            self.client.layers_ready(pushed.ticket, index + 1)
+
+        try:
+            first = m.prefill_by_layer(self.model, prompt, after_layer)
+            released = self.client.wait_released(pushed.ticket.offer_id, 30.0)
+        finally:
+            self.blocks.give_back(ids)
+        return {"first_token": first, "mode": pushed.mode, "release_reason": released.reason.value, "block_ids": ids}
+
+    def op_receive(self, request_id: str, transfer_id: str, num_tokens: int) -> dict[str, Any]:
+        """Expect a push of ``num_tokens`` tokens under ``transfer_id`` (answers at once)."""
+        ids = self.blocks.take(m.blocks_for(num_tokens))
+        self.receiving[request_id] = (ids, num_tokens, self.client.start_receive(transfer_id, self.pool, ids))
+        return {"block_ids": ids, "peer_address": self.client.peer_address}
+
+    def op_decode_received(self, request_id: str, first_token: int, max_tokens: int) -> dict[str, Any]:
+        ids, num_tokens, receiving = self.receiving.pop(request_id)
+        try:
+            result = receiving.result(timeout=30)
+            tokens = m.decode(self.model, self.kv.read(ids, num_tokens), first_token, max_tokens)
+        finally:
+            self.blocks.give_back(ids)
+        return {"tokens": tokens, "transport": result.transport, "bytes": result.bytes}
 
     def op_flip(self, request_id: str, block: int) -> dict[str, Any]:
         """Negative control: corrupt one offered block's layer-0 K bytes before it is pulled."""

@@ -103,14 +103,18 @@ class KvPool:
 
     def write(self, cache: Any, block_ids: list[int]) -> None:
         """Store a one-sequence cache's K and V into ``block_ids`` (token t in block t // 16)."""
+        for index in range(len(cache.layers)):
+            self.write_layer(cache, index, block_ids)
+
+    def write_layer(self, cache: Any, index: int, block_ids: list[int]) -> None:
+        """Store layer ``index`` of a one-sequence cache (the rest may not exist yet)."""
         ids = torch.tensor(block_ids)
-        for index, layer in enumerate(cache.layers):
-            dst = self.layer(index)
-            for kv, src in enumerate((layer.keys, layer.values)):
-                tokens = src[0].transpose(0, 1)  # [T, heads, dim]
-                padded = torch.zeros(len(block_ids) * BLOCK_TOKENS, *tokens.shape[1:], dtype=tokens.dtype)
-                padded[: tokens.shape[0]] = tokens
-                dst[kv, ids] = padded.view(len(block_ids), BLOCK_TOKENS, *tokens.shape[1:])
+        layer, dst = cache.layers[index], self.layer(index)
+        for kv, src in enumerate((layer.keys, layer.values)):
+            tokens = src[0].transpose(0, 1)  # [T, heads, dim]
+            padded = torch.zeros(len(block_ids) * BLOCK_TOKENS, *tokens.shape[1:], dtype=tokens.dtype)
+            padded[: tokens.shape[0]] = tokens
+            dst[kv, ids] = padded.view(len(block_ids), BLOCK_TOKENS, *tokens.shape[1:])
 
     def read(self, block_ids: list[int], num_tokens: int) -> Any:
         """A model cache holding the first ``num_tokens`` tokens stored in ``block_ids``."""
@@ -144,6 +148,23 @@ def prefill(model: Any, prompt: list[int]) -> tuple[Any, int]:
     """Run the prompt; returns its cache and the first generated token (greedy)."""
     out = model(torch.tensor([prompt]), use_cache=True)
     return out.past_key_values, int(out.logits[0, -1].argmax())
+
+
+@torch.no_grad()
+def prefill_by_layer(model: Any, prompt: list[int], after_layer: Any) -> int:
+    """Run the prompt, calling ``after_layer(cache, index)`` as each decoder layer finishes
+    (its K and V are in the cache then; later layers' are not yet); returns the first token."""
+    cache = DynamicCache(config=model.config)
+    hooks = [
+        layer.register_forward_hook(lambda _m, _a, _o, index=index: after_layer(cache, index))
+        for index, layer in enumerate(model.model.layers)
+    ]
+    try:
+        out = model(torch.tensor([prompt]), past_key_values=cache, use_cache=True)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return int(out.logits[0, -1].argmax())
 
 
 @torch.no_grad()

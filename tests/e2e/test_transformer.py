@@ -35,7 +35,8 @@ MAX_TOKENS = 8
 
 @pytest.fixture(scope="module")
 def engines() -> Iterator[example.Engines]:
-    with _example().engines() as e:
+    # Layer-wise offers stream layer by layer however small (only test_layer_wise_* make them).
+    with _example().engines("--layerwise-min-bytes", "1", "--layerwise-batch-bytes", "1") as e:
         yield e
 
 
@@ -62,6 +63,36 @@ def test_decode_from_pulled_kv_generates_the_single_process_tokens(
     assert got["release_reason"] == "pulled"
     # The decode engine used its own block ids, not the prefill engine's.
     assert got["block_ids"] != got["prefill_block_ids"]
+
+
+@pytest.mark.parametrize("path", ["local", "remote"])
+@pytest.mark.parametrize("length", [5, 37, 100])
+def test_layer_wise_pushed_kv_decodes_to_the_single_process_tokens(
+    engines: example.Engines, reference_model: Any, path: str, length: int
+) -> None:
+    """The decode engine expects the transfer; the prefill engine pushes its blocks before the
+    model runs, stores each layer's KV as the layer finishes and says so: the layers move while
+    the next ones compute, and decoding from them gives the single process's tokens."""
+    prompt = _model().prompt_tokens(500 + length, length)
+    expected = _model().generate(reference_model, prompt, MAX_TOKENS)
+    got = _example().streamed_handoff(
+        engines.prefill, decoder(engines, path), f"stream-{path}-{length}", prompt, MAX_TOKENS
+    )
+    assert got["ok"], got
+    assert (got["mode"], got["release_reason"]) == ("push", "pulled"), got
+    assert got["tokens"] == expected
+
+
+def test_layers_said_written_before_they_are_change_the_generated_tokens(
+    engines: example.Engines, reference_model: Any
+) -> None:
+    """Negative control: a prefill engine that says every layer written before running the
+    model lets the transfer move stale blocks, and the tokens differ."""
+    prompt = _model().prompt_tokens(9, 37)
+    expected = _model().generate(reference_model, prompt, MAX_TOKENS)
+    got = _example().streamed_handoff(engines.prefill, engines.decode_remote, "stream-early", prompt, MAX_TOKENS, True)
+    assert got["ok"], got
+    assert got["tokens"] != expected
 
 
 @pytest.mark.parametrize("path", ["local", "remote"])
