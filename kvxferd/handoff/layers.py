@@ -18,10 +18,11 @@ batch has landed, as any other.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Protocol
 
-__all__ = ["LayeredOffer", "layer_batches", "layer_sizes"]
+__all__ = ["LayeredOffer", "layer_batches", "layer_sizes", "send_by_layer"]
 
 
 class LayeredOffer(Protocol):
@@ -52,6 +53,35 @@ async def layer_batches(
             ready = await offer.wait_ready(ready + 1)
         yield moved, ready
         moved = ready
+
+
+async def send_by_layer(
+    offer: LayeredOffer,
+    sizes: Sequence[int],
+    batch_bytes: float,
+    send: Callable[[int, int], Awaitable[None]],
+    overlap: bool,
+) -> None:
+    """Send each batch of written layers with ``send(first, end)``. With ``overlap`` (sends
+    that share no staging), a batch goes out while the ones before it are still in flight:
+    awaiting each in turn drained the pipeline between batches, which a request whose transfer
+    outlasts its compute paid once per batch (``bench.ttft --prefill-tokens-per-s 100000``)."""
+    flying: set[asyncio.Task[None]] = set()
+    try:
+        async for first, end in layer_batches(offer, sizes, batch_bytes):
+            if not overlap:
+                await send(first, end)
+                continue
+            for task in [t for t in flying if t.done()]:
+                flying.discard(task)
+                task.result()  # a failed batch fails the transfer now
+            flying.add(asyncio.ensure_future(send(first, end)))
+        await asyncio.gather(*flying)
+    finally:
+        for task in flying:
+            task.cancel()
+        if flying:
+            await asyncio.wait(flying)
 
 
 class _OneByOne:

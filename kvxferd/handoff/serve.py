@@ -38,7 +38,7 @@ from ..dataplane.plan import SidePlan, build_layered_plan, build_plan, num_chunk
 from ..dataplane.remap import peer_side, plan_remap, side_of
 from ..memory.pools import Pool
 from .direct import DIRECT_READ, source_of
-from .layers import layer_batches, layer_sizes
+from .layers import layer_batches, layer_sizes, send_by_layer
 from .peers import Peer
 from .remote import RemotePlane
 from .steps import COMMIT_MARGIN_S
@@ -321,17 +321,17 @@ class TransferServer:
             record.mark("planned")
             if layer_starts is not None:
                 sizes = layer_sizes([r.block_bytes for r in pool.layout.regions], len(src_ids), layers)
-                async for first, end in layer_batches(offer, sizes, self.settings.layerwise_batch_bytes):
-                    part = sub_plan(plan, layer_starts[first], layer_starts[end])
-                    await self.ucx.send(
-                        ep,
-                        part,
-                        pool.host_memory(),
-                        start.tag_base,
-                        lease,
-                        self.settings.window,
-                        after_chunk=self.plane.chunk_fault(record.transfer_id),
-                    )
+                full_plan, starts = plan, layer_starts
+
+                async def send(first: int, end: int) -> None:
+                    part = sub_plan(full_plan, starts[first], starts[end])
+                    memory, window = pool.host_memory(), self.settings.window
+                    fault = self.plane.chunk_fault(record.transfer_id)
+                    await self.ucx.send(ep, part, memory, start.tag_base, lease, window, after_chunk=fault)
+
+                # Batches in flight together where none packs into the one staging lease.
+                overlap = self.ucx.gather_send and pool.process is None
+                await send_by_layer(offer, sizes, self.settings.layerwise_batch_bytes, send, overlap)
                 return
             await offer.wait_ready(offer.layers)  # a layer-wise offer moving whole: once written
             if side is not None:
