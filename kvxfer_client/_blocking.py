@@ -185,6 +185,10 @@ class KvxferClient:
         """See :meth:`AsyncKvxferClient.layers_ready`."""
         self._run(self._async.layers_ready(offers, layers, offer_key=offer_key))
 
+    def wait_layers(self, transfer_id: str, layers: int, timeout_s: float | None = None) -> int:
+        """See :meth:`AsyncKvxferClient.wait_layers`."""
+        return self._run(self._async.wait_layers(transfer_id, layers, timeout_s))
+
     def start_receive(
         self,
         transfer_id: str,

@@ -31,7 +31,7 @@ from ._errors import (
     UnavailableError,
     error_from_rpc,
 )
-from ._events import OfferReleased, TransferFailed, event_from_proto
+from ._events import LayersLanded, OfferReleased, TransferFailed, event_from_proto
 from ._fds import attach_process, pass_fds
 from ._host_tensor import allow_daemon
 from ._layout import MAX_BLOCKS, Layout
@@ -45,6 +45,7 @@ __all__ = ["AsyncKvxferClient", "CancelResult", "Pool", "PullResult"]
 T = TypeVar("T")
 Event = OfferReleased | TransferFailed
 _RELEASED_MEMORY = 100_000  # released events kept for late wait_released() calls
+_LANDED_MEMORY = 10_000  # layer-wise transfers whose landed layers are remembered
 #: Events kept for events()/next_event(); past it the oldest go (counted in events_dropped),
 #: so an engine that only calls wait_released() holds a bounded amount.
 MAX_QUEUED_EVENTS = 10_000
@@ -193,6 +194,9 @@ class AsyncKvxferClient:
         #: Events dropped, oldest first, because nobody read them (see MAX_QUEUED_EVENTS).
         self.events_dropped = 0
         self._released: dict[str, OfferReleased] = {}
+        #: Layers landed per layer-wise transfer into this session's pools (LayersLanded).
+        self._landed: dict[str, int] = {}
+        self._landed_changed = asyncio.Event()
         self._waiters: dict[str, asyncio.Future[OfferReleased]] = {}
         self._reader: asyncio.Task[None] | None = None
         self._session_lost: KvxferError | None = None
@@ -268,6 +272,9 @@ class AsyncKvxferClient:
                 event = event_from_proto(msg)
                 if event is None:
                     continue
+                if isinstance(event, LayersLanded):
+                    self._layers_landed(event)  # many per transfer: kept out of events()
+                    continue
                 if isinstance(event, OfferReleased):
                     # Kept even when someone waits: a waiter that gave up (its timeout) and
                     # asks again must still hear of it.
@@ -292,6 +299,7 @@ class AsyncKvxferClient:
                 if not waiter.done():
                     waiter.set_exception(self._session_lost or UnavailableError("session lost"))
             self._waiters.clear()
+            self._landed_changed.set()  # wait_layers() then sees the session lost
 
     async def close(self) -> None:
         """End the session: the daemon deregisters this client's pools."""
@@ -621,6 +629,28 @@ class AsyncKvxferClient:
         """Iterate over this session's events until it ends."""
         while (self._reader is not None and not self._reader.done()) or not self._events.empty():
             yield await self._events.get()
+
+    def _layers_landed(self, event: LayersLanded) -> None:
+        if len(self._landed) >= _LANDED_MEMORY and event.transfer_id not in self._landed:
+            self._landed.pop(next(iter(self._landed)))
+        self._landed[event.transfer_id] = max(self._landed.get(event.transfer_id, 0), event.layers)
+        changed, self._landed_changed = self._landed_changed, asyncio.Event()
+        changed.set()
+
+    async def wait_layers(self, transfer_id: str, layers: int, timeout_s: float | None = None) -> int:
+        """Wait until the first ``layers`` layers of a layer-wise transfer into this engine's
+        pool (its pull or receive, under ``transfer_id``) have landed; returns how many have.
+        The pull's own answer still says when the whole transfer has (and whether it failed):
+        a layer that landed belongs to a transfer that may yet fail."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                while self._landed.get(transfer_id, 0) < layers:
+                    if self._session_lost is not None:
+                        raise self._session_lost
+                    await self._landed_changed.wait()
+        except TimeoutError:
+            raise DeadlineExceededError(f"{layers} layers of transfer {transfer_id} did not land in time") from None
+        return self._landed[transfer_id]
 
     async def wait_released(self, offer_id: str, timeout_s: float | None = None) -> OfferReleased:
         """Wait until the daemon releases ``offer_id`` and return why."""

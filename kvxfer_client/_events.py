@@ -7,7 +7,7 @@ from enum import StrEnum
 
 from ._proto import common_pb2, engine_pb2
 
-__all__ = ["OfferReleased", "ReleaseReason", "TransferFailed", "event_from_proto"]
+__all__ = ["LayersLanded", "OfferReleased", "ReleaseReason", "TransferFailed", "event_from_proto"]
 
 
 class ReleaseReason(StrEnum):
@@ -55,11 +55,22 @@ class TransferFailed:
     detail: str
 
 
-def event_from_proto(msg: engine_pb2.EngineEvent) -> OfferReleased | TransferFailed | None:
+@dataclass(frozen=True)
+class LayersLanded:
+    """The first ``layers`` layers of a layer-wise transfer into this session's pool landed
+    (see :meth:`AsyncKvxferClient.wait_layers`)."""
+
+    transfer_id: str
+    layers: int
+
+
+def event_from_proto(msg: engine_pb2.EngineEvent) -> OfferReleased | TransferFailed | LayersLanded | None:
     kind = msg.WhichOneof("event")
     if kind == "offer_released":
         r = msg.offer_released
         return OfferReleased(r.offer_id, r.pool_id, ReleaseReason.from_proto(r.reason), r.detail, r.transfer_id)
     if kind == "transfer_failed":
         return TransferFailed(msg.transfer_failed.transfer_id, msg.transfer_failed.detail)
+    if kind == "layers_landed":
+        return LayersLanded(msg.layers_landed.transfer_id, int(msg.layers_landed.layers))
     return None

@@ -35,7 +35,7 @@ from ._faults import Faults
 from ._log import log_event
 from ._metrics import Metrics
 from ._offers import Offer, OfferTable
-from ._sessions import Session, SessionTable, check_owner
+from ._sessions import Session, SessionTable, check_owner, tell_landed
 from ._snapshot import NodeSnapshot, OfferView, PeerView, PoolView, SnapshotHandover, StagingView
 from ._transfers import TransferRecord, TransferTable
 from .dataplane.cma import self_copy_works
@@ -113,7 +113,9 @@ class Node:
             self.gpu,
             self.faults,
         )
-        self.pulls = Pulls(self.daemon_id, self.transfers, local, None)
+        self.pulls = Pulls(
+            self.daemon_id, self.transfers, local, None, lambda pool, tid, n: tell_landed(self.sessions, pool, tid, n)
+        )
         #: Push mode: Push and Receive matched on transfer ids (see :mod:`.handoff.push`).
         self.pushes = PushHandoff(self)
         #: Where same-host peers' direct-read probes are answered (see :mod:`.handoff.direct`).

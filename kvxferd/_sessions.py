@@ -126,6 +126,14 @@ class SessionTable:
             session.emit(engine_pb2.EngineEvent(offer_released=released))
 
 
+def tell_landed(sessions: SessionTable, pool: Any, transfer_id: str, layers: int) -> None:
+    """Layers of a layer-wise transfer landed in ``pool``: tell the engine whose pool it is."""
+    session = sessions.sessions.get(pool.session_id)
+    if session is not None:
+        landed = engine_pb2.LayersLanded(transfer_id=transfer_id, layers=layers)
+        session.emit(engine_pb2.EngineEvent(layers_landed=landed))
+
+
 def check_owner(owner_session_id: str, caller_session_id: str, what: str) -> None:
     """PERMISSION_DENIED unless the caller is the session that owns ``what``."""
     if not caller_session_id:

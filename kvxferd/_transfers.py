@@ -85,6 +85,9 @@ class TransferRecord:
     device_s: float = 0.0
     #: How blocks were remapped between geometries (see PullResponse.mapping); "" if not.
     mapping: str = ""
+    #: Decode side of a layer-wise transfer: told each time more layers have landed (the
+    #: engine's LayersLanded event).
+    on_layers: Callable[[int], None] | None = field(default=None, repr=False)
     #: "pull" or "push" (engine.proto, Push), and why (admin.proto, TransferInfo.mode_reason).
     mode: str = "pull"
     mode_reason: str = ""

@@ -224,8 +224,10 @@ class UcxTransport:
         executor: Executor,
         window: int,
         on_unconfirmed: Callable[[], None] | None = None,
+        on_chunk: Callable[[int], None] | None = None,
     ) -> None:
-        """Receive every chunk of ``plan`` into host memory, ``window`` receives posted ahead.
+        """Receive every chunk of ``plan`` into host memory, ``window`` receives posted ahead;
+        ``on_chunk(index)`` hears of each chunk once it is in place.
 
         Into memory mapped here, a contiguous chunk lands in place and, with scatter receives,
         a fragmented one directly in its segments; otherwise (and always for an engine's
@@ -258,6 +260,8 @@ class UcxTransport:
                 landed.add(chunk.index)
                 await loop.run_in_executor(executor, memory.scatter, chunk, view)
             landed.add(chunk.index)
+            if on_chunk is not None:
+                on_chunk(chunk.index)
 
         with self._busy():
             try:

@@ -19,10 +19,11 @@ batch has landed, as any other.
 from __future__ import annotations
 
 import asyncio
+import bisect
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Protocol
 
-__all__ = ["LayeredOffer", "layer_batches", "layer_sizes", "send_by_layer"]
+__all__ = ["LayerProgress", "LayeredOffer", "layer_batches", "layer_sizes", "send_by_layer"]
 
 
 class LayeredOffer(Protocol):
@@ -82,6 +83,35 @@ async def send_by_layer(
             task.cancel()
         if flying:
             await asyncio.wait(flying)
+
+
+class LayerProgress:
+    """Which layers of a layer-wise stream have landed, from its chunks, which land in any
+    order: ``emit(n)`` each time the first ``n`` layers are complete (``starts``: where each
+    layer's chunks start, then the end).
+
+    >>> seen: list[int] = []
+    >>> progress = LayerProgress([0, 2, 3, 5], seen.append)
+    >>> for chunk in (1, 2, 0, 4, 3):
+    ...     progress.chunk_landed(chunk)
+    >>> seen
+    [2, 3]
+    """
+
+    def __init__(self, starts: Sequence[int], emit: Callable[[int], None]) -> None:
+        self._starts = list(starts)
+        self._left = [starts[g + 1] - starts[g] for g in range(len(starts) - 1)]
+        self._emit = emit
+        self.landed = 0
+
+    def chunk_landed(self, index: int) -> None:
+        self._left[bisect.bisect_right(self._starts, index) - 1] -= 1
+        complete = self.landed
+        while complete < len(self._left) and self._left[complete] == 0:
+            complete += 1
+        if complete > self.landed:
+            self.landed = complete
+            self._emit(complete)
 
 
 class _OneByOne:

@@ -132,6 +132,8 @@ class LocalHandoff:
             async for first, end in layer_batches(offer, sizes, 0):
                 a, b = starts[first], starts[end]
                 await self._copy_host(src, sub_plan(src_plan, a, b), dst, sub_plan(dst_plan, a, b))
+                if record.on_layers is not None:
+                    record.on_layers(end)
         record.data_plane_s = time.perf_counter() - started
 
     async def copy_blocks(

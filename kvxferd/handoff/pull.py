@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import secrets
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -38,8 +39,15 @@ __all__ = ["Pulls"]
 
 class Pulls:
     def __init__(
-        self, daemon_id: str, transfers: TransferTable, local: LocalHandoff, remote: RemotePull | None
+        self,
+        daemon_id: str,
+        transfers: TransferTable,
+        local: LocalHandoff,
+        remote: RemotePull | None,
+        tell_landed: Callable[[Pool, str, int], None] | None = None,
     ) -> None:
+        #: Tells a destination's engine that layers of a layer-wise transfer landed.
+        self.tell_landed = tell_landed
         self.daemon_id = daemon_id
         self.transfers = transfers
         self.local = local
@@ -86,6 +94,9 @@ class Pulls:
             mode="push" if pushed_by else "pull",
             mode_reason=f"pushed by {pushed_by}" if pushed_by else "the engine pulled a ticket",
         )
+        if self.tell_landed is not None:
+            tell = self.tell_landed
+            record.on_layers = lambda layers: tell(dst, record.transfer_id, layers)
         self.transfers.begin(record)
         try:
             with dst.in_use():

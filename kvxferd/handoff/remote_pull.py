@@ -36,6 +36,7 @@ from ..dataplane.staging import StagingLease
 from ..dataplane.ucp_iov import CANCEL_CONFIRM_S
 from ..memory.pools import Pool
 from .direct import DIRECT_READ, new_nonce, nonce_missing, source_plan
+from .layers import LayerProgress
 from .local import copy_in_threads
 from .peers import Peer
 from .remote import RemotePlane
@@ -164,7 +165,10 @@ class RemotePull:
                     lease = await stack.enter_async_context(staging.lease(need))
                     record.mark("staging")
                     started = time.perf_counter()
-                    receiving = asyncio.create_task(self._receive(record, ep, dst, side, plan, tag_base, lease))
+                    progress = LayerProgress(starts, record.on_layers) if starts and record.on_layers else None
+                    receiving = asyncio.create_task(
+                        self._receive(record, ep, dst, side, plan, tag_base, lease, progress)
+                    )
                 # The offerer's sent (or failure) comes while bytes land; a layer-wise direct read
                 # reads it itself, after the offerer's last ready.
                 if source is None or starts is None:
@@ -251,6 +255,8 @@ class RemotePull:
             parts = (src, sub_plan(src_plan, first, end)), (dst.host_memory(), sub_plan(plan, first, end))
             await copy_in_threads(self.executor, threads, *parts, single_pass=False)
             copied = written
+            if record.on_layers is not None:
+                record.on_layers(written)
         await call.sent()
 
     def _receive(
@@ -262,8 +268,10 @@ class RemotePull:
         plan: SidePlan,
         tag_base: int,
         lease: StagingLease,
+        progress: LayerProgress | None = None,
     ) -> Any:
-        """The coroutine that receives every chunk of ``plan`` into ``dst``."""
+        """The coroutine that receives every chunk of ``plan`` into ``dst`` (telling
+        ``progress`` of each, for a layer-wise stream)."""
         if side is not None:
             copier = self._gpu().copier(side.device)
             uploaded = copier.upload_side(side)
@@ -279,6 +287,7 @@ class RemotePull:
             self.executor,
             self.settings.window,
             on_unconfirmed=lambda: setattr(record, "may_still_write", True),
+            on_chunk=progress.chunk_landed if progress is not None else None,
         )
 
     async def _unwind(self, record: TransferRecord, receiving: asyncio.Task[None], peer: Peer) -> None:

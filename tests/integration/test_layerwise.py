@@ -91,11 +91,11 @@ async def test_each_layer_moves_once_written_and_the_pull_ends_only_after_the_la
     p, d, src, dst = await _engines(a, b if path == "remote" else a)
     try:
         # Offered before a single layer is written (the pool holds zeros).
+        tid = f"{mode}-" + secrets.token_hex(16)
         if mode == "pull":
             ticket = await p.offer(src, SRC_IDS, layers=LAYERS)
-            moving = asyncio.create_task(d.pull(ticket, dst, DST_IDS, timeout_s=60))
+            moving = asyncio.create_task(d.pull(ticket, dst, DST_IDS, timeout_s=60, transfer_id=tid))
         else:
-            tid = "push-" + secrets.token_hex(16)
             moving = asyncio.create_task(d.receive(tid, dst, DST_IDS, timeout_s=60))
             pushed = await p.push(src, SRC_IDS, tid, d.peer_address, layers=LAYERS)
             assert pushed.mode == "push", pushed
@@ -103,10 +103,11 @@ async def test_each_layer_moves_once_written_and_the_pull_ends_only_after_the_la
         for layer in range(LAYERS - 1):
             _write_layer(src, layer)
             await p.layers_ready(ticket, layer + 1)
-            want = _segments(src, layer, SRC_IDS)
-            # The layer lands while later ones are still unwritten: the move is under way, and
-            # not over (its last layer does not exist yet).
-            await _until(lambda: _segments(dst, layer, DST_IDS) == want, f"layer {layer} never landed")  # noqa: B023
+            # The decode engine hears the layer landed while later ones are still unwritten, and
+            # its bytes are there: the move is under way, and not over (its last layer does not
+            # exist yet).
+            assert await d.wait_layers(tid, layer + 1, timeout_s=10) == layer + 1
+            assert _segments(dst, layer, DST_IDS) == _segments(src, layer, SRC_IDS), f"layer {layer}"
             assert not moving.done(), await moving
         _write_layer(src, LAYERS - 1)
         await p.layers_ready([ticket], LAYERS)

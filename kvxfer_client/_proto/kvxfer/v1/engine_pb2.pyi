@@ -178,28 +178,59 @@ class EngineEvent(_message.Message):
     SESSION_STARTED_FIELD_NUMBER: _builtins.int
     OFFER_RELEASED_FIELD_NUMBER: _builtins.int
     TRANSFER_FAILED_FIELD_NUMBER: _builtins.int
+    LAYERS_LANDED_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def session_started(self) -> Global___SessionStarted: ...
     @_builtins.property
     def offer_released(self) -> Global___OfferReleased: ...
     @_builtins.property
     def transfer_failed(self) -> Global___TransferFailed: ...
+    @_builtins.property
+    def layers_landed(self) -> Global___LayersLanded: ...
     def __init__(
         self,
         *,
         session_started: Global___SessionStarted | None = ...,
         offer_released: Global___OfferReleased | None = ...,
         transfer_failed: Global___TransferFailed | None = ...,
+        layers_landed: Global___LayersLanded | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "offer_released", b"offer_released", "session_started", b"session_started", "transfer_failed", b"transfer_failed"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "layers_landed", b"layers_landed", "offer_released", b"offer_released", "session_started", b"session_started", "transfer_failed", b"transfer_failed"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "offer_released", b"offer_released", "session_started", b"session_started", "transfer_failed", b"transfer_failed"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "layers_landed", b"layers_landed", "offer_released", b"offer_released", "session_started", b"session_started", "transfer_failed", b"transfer_failed"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["session_started", "offer_released", "transfer_failed"]  # noqa: Y015
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["session_started", "offer_released", "transfer_failed", "layers_landed"]  # noqa: Y015
     _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
 
 Global___EngineEvent: _TypeAlias = EngineEvent  # noqa: Y015
+
+@_typing.final
+class LayersLanded(_message.Message):
+    """A layer-wise transfer into a pool of this session (a pull or Receive of an offer made with
+    layers): its first ``layers`` layers have landed, so a decode engine may start on them. Sent
+    as they land; the call's own answer still says when the whole transfer has.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TRANSFER_ID_FIELD_NUMBER: _builtins.int
+    LAYERS_FIELD_NUMBER: _builtins.int
+    transfer_id: _builtins.str
+    layers: _builtins.int
+    def __init__(
+        self,
+        *,
+        transfer_id: _builtins.str = ...,
+        layers: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["layers", b"layers", "transfer_id", b"transfer_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LayersLanded: _TypeAlias = LayersLanded  # noqa: Y015
 
 @_typing.final
 class SessionStarted(_message.Message):
