@@ -6,7 +6,7 @@ prefill side receives an :class:`OfferReleased` event once it may free them.
 """
 
 from ._blocking import KvxferClient
-from ._client import AsyncKvxferClient, CancelResult, Pool, PullResult, PushResult
+from ._client import AsyncKvxferClient
 from ._config import default_socket_path
 from ._connector import ConnectorMetadata, ConnectorScheduler, ConnectorWorker, LoadSpec, SendSpec
 from ._errors import (
@@ -26,6 +26,7 @@ from ._events import OfferReleased, ReleaseReason, TransferFailed
 from ._geometry import KvGeometry
 from ._layout import Layout, ModelInfo, Region
 from ._memory import HostBuffer
+from ._results import CancelResult, Pool, PullResult, PushResult
 from ._tensor_layout import layout_from_tensors
 from ._ticket import Ticket
 from ._version import __version__

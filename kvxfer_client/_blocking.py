@@ -15,9 +15,10 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from ._client import AsyncKvxferClient, CancelResult, Event, Pool, PullResult, PushResult
+from ._client import AsyncKvxferClient, Event
 from ._events import OfferReleased
 from ._layout import Layout
+from ._results import CancelResult, Pool, PullResult, PushResult
 from ._ticket import Ticket
 
 __all__ = ["KvxferClient"]

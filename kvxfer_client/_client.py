@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Hashable, Sequence
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import grpc
@@ -38,9 +37,10 @@ from ._layout import MAX_BLOCKS, Layout
 from ._marks import LayerMarks
 from ._memory import HostBuffer
 from ._proto import common_pb2, engine_pb2, engine_pb2_grpc
+from ._results import CancelResult, Pool, PullResult, PushResult, pull_result
 from ._ticket import Ticket
 
-__all__ = ["AsyncKvxferClient", "CancelResult", "Pool", "PullResult"]
+__all__ = ["AsyncKvxferClient"]
 
 T = TypeVar("T")
 Event = OfferReleased | TransferFailed
@@ -57,70 +57,6 @@ MAX_QUEUED_EVENTS = 10_000
 PULL_ANSWER_MARGIN_S = 10.0
 
 
-@dataclass
-class Pool:
-    """A registered pool: its id, layout and the buffers the engine keeps alive.
-
-    :meth:`AsyncKvxferClient.reconnect` registers the pool again with a restarted daemon and
-    updates ``pool_id`` in place, so the engine keeps using the same object.
-    """
-
-    pool_id: str
-    layout: Layout
-    #: The :class:`HostBuffer` objects or GPU tensors, kept alive with the pool.
-    buffers: tuple[Any, ...]
-    fingerprint: str
-    name: str = ""
-    #: Lets another session of this engine offer the pool's blocks (``offer(..., offer_key=)``).
-    offer_key: bytes = field(default=b"", repr=False)
-
-
-@dataclass(frozen=True)
-class PullResult:
-    """What a completed pull moved, and how."""
-
-    transfer_id: str
-    bytes: int
-    path: str
-    transport: str
-    #: The whole pull in the decode daemon (checks, control plane, data).
-    duration_s: float
-    #: Only the data movement (first byte moved to last byte landed).
-    data_plane_s: float = 0.0
-    #: GPU local path: the copy's GPU time (CUDA events); 0.0 where not measured.
-    device_s: float = 0.0
-    #: How the blocks were remapped between geometries (other TP, head order, block size);
-    #: "" when they moved as they are.
-    mapping: str = ""
-
-    @property
-    def gbps(self) -> float:
-        return self.bytes / self.duration_s / 1e9 if self.duration_s > 0 else 0.0
-
-
-@dataclass(frozen=True)
-class PushResult:
-    """How a push went: its offer's ticket, and the mode the pair ended up in."""
-
-    ticket: Ticket
-    #: "push" (the decode daemon took it) or "pull" (hand ``ticket`` over to be pulled).
-    mode: str
-    mode_reason: str
-
-
-def _pull_result(resp: engine_pb2.PullResponse) -> PullResult:
-    return PullResult(
-        resp.transfer_id,
-        resp.bytes,
-        _PATHS.get(resp.path, "?"),
-        resp.transport,
-        resp.duration_s,
-        resp.data_plane_s,
-        resp.device_s,
-        resp.mapping,
-    )
-
-
 def _block_ids(block_ids: Sequence[int] | np.ndarray[Any, Any], what: str) -> list[int]:
     arr = np.asarray(block_ids)
     if arr.ndim != 1 or arr.size == 0:
@@ -131,17 +67,6 @@ def _block_ids(block_ids: Sequence[int] | np.ndarray[Any, Any], what: str) -> li
         raise InvalidRequestError(f"{what}: block ids must be in 0..{MAX_BLOCKS - 1}")
     ids: list[int] = arr.astype(np.int64).tolist()
     return ids
-
-
-_PATHS = {common_pb2.TRANSFER_PATH_LOCAL: "local", common_pb2.TRANSFER_PATH_REMOTE: "remote"}
-
-
-@dataclass(frozen=True)
-class CancelResult:
-    """What :meth:`AsyncKvxferClient.cancel` found and did."""
-
-    cancelled: bool  # a transfer with that id was running and is stopped
-    may_still_write: bool  # UCX did not confirm the stop: quarantine the destination blocks
 
 
 def _as_ticket(ticket: Ticket | str | dict[str, Any]) -> Ticket:
@@ -512,7 +437,7 @@ class AsyncKvxferClient:
         # The daemon enforces timeout_s; the RPC deadline leaves it room to say why it failed
         # and whether the destination may still be written (see PULL_ANSWER_MARGIN_S).
         resp = await self._hot_call("pull", self._engine.Pull, req, timeout_s=timeout_s + PULL_ANSWER_MARGIN_S)
-        return _pull_result(resp)
+        return pull_result(resp)
 
     async def push(
         self,
@@ -594,7 +519,7 @@ class AsyncKvxferClient:
             from_daemon_id=from_daemon_id,
         )
         resp = await self._hot_call("receive", self._engine.Receive, req, timeout_s=timeout_s + PULL_ANSWER_MARGIN_S)
-        return _pull_result(resp)
+        return pull_result(resp)
 
     async def release(self, offer_id: str) -> None:
         """Withdraw an offer nobody pulled yet (the engine gets a ``cancelled`` release)."""

@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._blocking import KvxferClient
-from ._client import Pool, PullResult
 from ._errors import CancelledError, InternalError, InvalidRequestError, KvxferError
 from ._events import OfferReleased, ReleaseReason
+from ._results import Pool, PullResult
 from ._ticket import Ticket
 
 __all__ = ["ConnectorMetadata", "ConnectorScheduler", "ConnectorWorker", "LoadSpec", "SendSpec"]

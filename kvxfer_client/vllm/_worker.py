@@ -23,11 +23,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._blocking import KvxferClient
-from .._client import Pool, PullResult
 from .._errors import IncompatibleError, InvalidRequestError, KvxferError
 from .._events import OfferReleased
 from .._geometry import KvGeometry, head_sources, rank_heads
 from .._layout import ModelInfo
+from .._results import Pool, PullResult
 from .._tensor_layout import layout_from_tensors, tensor_geometry
 from .._ticket import Ticket
 from ._plan import Load, RankPool, Send
