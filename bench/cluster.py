@@ -19,6 +19,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DAEMON_PYTHON = os.environ.get("KVXFER_DAEMON_PYTHON") or sys.executable
 
 
+#: How long a SIGKILLed process may take to be reaped: the kernel first tears its memory down,
+#: which took over 10 s once on a VM whose disk was busy (make test builds the vLLM venv beside
+#: the suite).
+KILL_REAP_S = 60.0
+
+
 def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
@@ -101,7 +107,7 @@ class Daemon:
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
-            self.proc.wait(10)
+            self.proc.wait(KILL_REAP_S)
 
 
 class EngineProcess:
@@ -173,7 +179,7 @@ class EngineProcess:
 
     def kill(self) -> None:
         self.proc.kill()
-        self.proc.wait(10)
+        self.proc.wait(KILL_REAP_S)
 
 
 class Cluster:
