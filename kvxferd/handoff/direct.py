@@ -40,7 +40,7 @@ import secrets
 import numpy as np
 import numpy.typing as npt
 
-from kvxfer_client._errors import IncompatibleError, InvalidRequestError
+from kvxfer_client._errors import IncompatibleError, InvalidRequestError, UnavailableError
 from kvxfer_client._proto import common_pb2, peer_pb2
 
 from .._log import log_event
@@ -93,7 +93,10 @@ class ProofSlots:
 
 def probe_peer(proof: peer_pb2.DirectReadProof, nonce: bytes, peer_id: str) -> bool:
     """Whether the nonce lies at the proof's pid and address (read with process_vm_readv)."""
-    why = nonce_missing(int(proof.pid), int(proof.address), nonce)
+    try:
+        why = nonce_missing(int(proof.pid), int(proof.address), nonce)
+    except UnavailableError as exc:
+        why = str(exc)
     if why:
         log_event("direct_read.off", logging.INFO, peer=peer_id, reason=why)
         return False
@@ -102,13 +105,16 @@ def probe_peer(proof: peer_pb2.DirectReadProof, nonce: bytes, peer_id: str) -> b
 
 
 def nonce_missing(pid: int, address: int, nonce: bytes) -> str:
-    """Why ``nonce`` cannot be read at ``address`` in process ``pid`` ("" when it can)."""
+    """Why ``nonce`` cannot be read at ``address`` in process ``pid`` ("" when it can);
+    raises UnavailableError when that process has exited (a dead peer, not an incompatible one)."""
     found = np.zeros(NONCE_BYTES, dtype=np.uint8)
     local = np.array([[found.ctypes.data, NONCE_BYTES]], dtype=np.uint64)
     if not 0 < address < _MAX_ADDRESS:
         return f"nonce address {address:#x} out of range"
     try:
         read_iov(pid, local, np.array([[address, NONCE_BYTES]], dtype=np.uint64))
+    except ProcessLookupError:
+        raise UnavailableError(f"the peer daemon's process {pid} exited") from None
     except OSError as exc:
         return f"cannot read the peer's memory: {exc}"
     if not hmac.compare_digest(found.tobytes(), nonce):

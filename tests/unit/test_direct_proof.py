@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
-from kvxfer_client._errors import IncompatibleError, InvalidRequestError
+from kvxfer_client._errors import IncompatibleError, InvalidRequestError, UnavailableError
 from kvxfer_client._proto import common_pb2, peer_pb2
 from kvxferd.dataplane.cma import self_copy_works
 from kvxferd.dataplane.plan import RegionTable, build_plan
-from kvxferd.handoff.direct import NONCE_BYTES, SLOTS, ProofSlots, new_nonce, probe_peer, source_plan
+from kvxferd.handoff.direct import NONCE_BYTES, SLOTS, ProofSlots, new_nonce, nonce_missing, probe_peer, source_plan
 
 REGIONS = [(0, 0, 4096, 1024), (1, 512, 4096, 2048)]  # (buffer, offset, stride, bytes per block)
 
@@ -74,6 +76,15 @@ def test_a_probe_holds_only_where_the_nonce_lies() -> None:
     assert not probe_peer(peer_pb2.DirectReadProof(pid=pid, address=address), new_nonce(), "peer")
     assert not probe_peer(peer_pb2.DirectReadProof(pid=pid, address=8), nonce, "peer")  # unmapped: EFAULT
     assert not probe_peer(peer_pb2.DirectReadProof(pid=2**22 + 1, address=address), nonce, "peer")  # no such pid
+
+
+def test_a_peer_whose_process_exited_is_unavailable_not_incompatible() -> None:
+    """A handoff whose offering daemon died between its answer and the read fails as the dead
+    peer it is (UnavailableError: retry elsewhere), not as an incompatible one."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # exited and reaped: its pid names no process now
+    with pytest.raises(UnavailableError, match=f"process {gone.pid} exited"):
+        nonce_missing(gone.pid, 1 << 20, new_nonce())
 
 
 @pytest.mark.parametrize("nonce", [b"x", b"y" * 17])
