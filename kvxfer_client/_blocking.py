@@ -180,11 +180,37 @@ class KvxferClient:
         )
         return self._run(coro)
 
+    def start_push(
+        self,
+        pool: Pool | str,
+        block_ids: Sequence[int] | np.ndarray[Any, Any],
+        transfer_id: str,
+        to_peer_address: str,
+        *,
+        lease_s: float = 0.0,
+        offer_key: bytes = b"",
+        layers: int = 0,
+    ) -> concurrent.futures.Future[PushResult]:
+        """:meth:`push`, returning at once with a future of its answer (an engine step must
+        not wait on the daemon)."""
+        coro = self._async.push(
+            pool, block_ids, transfer_id, to_peer_address, lease_s=lease_s, offer_key=offer_key, layers=layers
+        )
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
     def layers_ready(
         self, offers: Sequence[Ticket | str] | Ticket | str, layers: int, *, offer_key: bytes = b""
     ) -> None:
         """See :meth:`AsyncKvxferClient.layers_ready`."""
         self._run(self._async.layers_ready(offers, layers, offer_key=offer_key))
+
+    def start_layers_ready(
+        self, offers: Sequence[Ticket | str] | Ticket | str, layers: int, *, offer_key: bytes = b""
+    ) -> concurrent.futures.Future[None]:
+        """:meth:`layers_ready`, returning at once (from inside a forward pass, layer by
+        layer); the future holds the daemon's refusal, if any."""
+        coro = self._async.layers_ready(offers, layers, offer_key=offer_key)
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     def wait_layers(self, transfer_id: str, layers: int, timeout_s: float | None = None) -> int:
         """See :meth:`AsyncKvxferClient.wait_layers`."""
@@ -198,10 +224,18 @@ class KvxferClient:
         *,
         timeout_s: float = 60.0,
         from_daemon_id: str = "",
+        offer_block_indices: Sequence[int] | np.ndarray[Any, Any] | None = None,
     ) -> concurrent.futures.Future[PullResult]:
         """:meth:`AsyncKvxferClient.receive`, returning at once; the future completes when the
         pushed bytes landed (or holds the error that ended the wait or the move)."""
-        coro = self._async.receive(transfer_id, pool, block_ids, timeout_s=timeout_s, from_daemon_id=from_daemon_id)
+        coro = self._async.receive(
+            transfer_id,
+            pool,
+            block_ids,
+            timeout_s=timeout_s,
+            from_daemon_id=from_daemon_id,
+            offer_block_indices=offer_block_indices,
+        )
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     def watch_release(self, offer_id: str, timeout_s: float | None = None) -> concurrent.futures.Future[OfferReleased]:

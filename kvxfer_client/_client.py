@@ -501,22 +501,30 @@ class AsyncKvxferClient:
         *,
         timeout_s: float = 60.0,
         from_daemon_id: str = "",
+        offer_block_indices: Sequence[int] | np.ndarray[Any, Any] | None = None,
     ) -> PullResult:
         """Expect the push of ``transfer_id`` into ``block_ids`` of ``pool``; returns once the
         bytes landed, as :meth:`pull` does (same result, same errors).
 
         The wait for the push and the move share ``timeout_s``; a push that never comes fails
         with :class:`DeadlineExceededError` naming it. ``from_daemon_id``: accept the push only
-        from that daemon. :meth:`cancel` with the transfer id stops the wait.
+        from that daemon. ``offer_block_indices``: as for :meth:`pull`, positions in the
+        pushed block list (one destination id each). :meth:`cancel` with the transfer id stops
+        the wait.
         """
+        ids = _block_ids(block_ids, "dst block_ids")
+        indices = [] if offer_block_indices is None else _block_ids(offer_block_indices, "offer_block_indices")
+        if offer_block_indices is not None and len(indices) != len(ids):
+            raise InvalidRequestError(f"{len(indices)} offer_block_indices, {len(ids)} destination ids given")
         await self._ready()
         req = engine_pb2.ReceiveRequest(
             transfer_id=transfer_id,
             pool_id=pool.pool_id if isinstance(pool, Pool) else pool,
-            block_ids=_block_ids(block_ids, "dst block_ids"),
+            block_ids=ids,
             timeout_s=timeout_s,
             session_id=self.session_id,
             from_daemon_id=from_daemon_id,
+            offer_block_indices=indices,
         )
         resp = await self._hot_call("receive", self._engine.Receive, req, timeout_s=timeout_s + PULL_ANSWER_MARGIN_S)
         return pull_result(resp)

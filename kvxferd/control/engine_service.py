@@ -147,6 +147,7 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
             wire.transfer_id(request.transfer_id, required=True),
             wire.pull_timeout_s(request.timeout_s, self.node.settings.pull_timeout_s),
             request.from_daemon_id,
+            wire.offer_block_indices(request.offer_block_indices),
         )
         return _pull_response(record)
 

@@ -259,9 +259,11 @@ class PushHandoff:
         transfer_id: str,
         timeout_s: float,
         from_daemon_id: str = "",
+        offer_block_indices: npt.NDArray[np.int64] | None = None,
     ) -> TransferRecord:
-        """Wait for the push of ``transfer_id`` and pull it into the blocks: one deadline for
-        both. The destination is checked before the wait, so a wrong one fails at once."""
+        """Wait for the push of ``transfer_id`` and pull it (or the pushed blocks at
+        ``offer_block_indices``) into the blocks: one deadline for both. The destination is
+        checked before the wait, so a wrong one fails at once."""
         pool = self.node.owned_pool(pool_id, session_id)
         check_block_ids(block_ids, pool.layout.num_blocks, "receive destination")
         loop = asyncio.get_running_loop()
@@ -269,7 +271,14 @@ class PushHandoff:
         announced = await self.table.wait(transfer_id, session_id, from_daemon_id, timeout_s)
         left = max(ends_at - loop.time(), 1e-3)
         return await self.node.pull(
-            session_id, pool_id, announced.ticket, block_ids, left, transfer_id, None, announced.from_daemon_id
+            session_id,
+            pool_id,
+            announced.ticket,
+            block_ids,
+            left,
+            transfer_id,
+            offer_block_indices,
+            announced.from_daemon_id,
         )
 
     def announced(self, transfer_id: str, ticket: Ticket, lease_s: float, daemon_id: str) -> bool:

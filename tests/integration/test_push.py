@@ -100,6 +100,26 @@ async def test_a_push_lands_whichever_side_comes_first(pair: tuple[Daemon, Daemo
             assert f"push.announced transfer_id={tid} peer_daemon_id=a {matched}" in b.log()
 
 
+async def test_a_receive_can_take_only_the_pushed_blocks_it_lacks(pair: tuple[Daemon, Daemon]) -> None:
+    """A decode engine holding a prefix in its cache receives the rest: positions in the
+    pushed list, one destination block each, as a pull's offer_block_indices."""
+    a, b = pair
+    async with (
+        AsyncKvxferClient(a.socket, engine_name="prefill") as p,
+        AsyncKvxferClient(b.socket, engine_name="decode") as d,
+    ):
+        src, dst = await _pools(p, d)
+        tid = _tid()
+        receiving = asyncio.create_task(d.receive(tid, dst, [20, 21], timeout_s=30, offer_block_indices=[2, 3]))
+        pushed = await p.push(src, [4, 5, 6, 7], tid, d.peer_address)
+        assert pushed.mode == "push", pushed
+        result = await receiving
+        assert result.bytes == 2 * LAYOUT.bytes_per_block
+        assert _blocks(dst, [20, 21]) == _blocks(src, [6, 7])
+        with pytest.raises(Exception, match="2 offer_block_indices, 1 destination ids"):
+            await d.receive(_tid(), dst, [9], offer_block_indices=[0, 1])
+
+
 async def test_a_receive_whose_push_never_comes_fails_at_its_deadline_naming_it(
     pair: tuple[Daemon, Daemon],
 ) -> None:

@@ -680,6 +680,7 @@ class ReceiveRequest(_message.Message):
     TIMEOUT_S_FIELD_NUMBER: _builtins.int
     SESSION_ID_FIELD_NUMBER: _builtins.int
     FROM_DAEMON_ID_FIELD_NUMBER: _builtins.int
+    OFFER_BLOCK_INDICES_FIELD_NUMBER: _builtins.int
     transfer_id: _builtins.str
     """The id the prefill engine pushes under (PushRequest.transfer_id)."""
     pool_id: _builtins.str
@@ -691,6 +692,12 @@ class ReceiveRequest(_message.Message):
     """Accept the push only from this daemon (empty: any daemon that said Hello)."""
     @_builtins.property
     def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def offer_block_indices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """As for Pull: receive only the pushed blocks at these positions of the push's block list
+        (the decode engine already holds the others, e.g. a prefix in its cache).
+        """
+
     def __init__(
         self,
         *,
@@ -700,10 +707,11 @@ class ReceiveRequest(_message.Message):
         timeout_s: _builtins.float = ...,
         session_id: _builtins.str = ...,
         from_daemon_id: _builtins.str = ...,
+        offer_block_indices: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "from_daemon_id", b"from_daemon_id", "pool_id", b"pool_id", "session_id", b"session_id", "timeout_s", b"timeout_s", "transfer_id", b"transfer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "from_daemon_id", b"from_daemon_id", "offer_block_indices", b"offer_block_indices", "pool_id", b"pool_id", "session_id", b"session_id", "timeout_s", b"timeout_s", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
