@@ -7,8 +7,21 @@ WORKER); the scheduler's hooks go to :class:`~._plan.SchedulerPlan`, the workers
 :class:`~kvxfer_client.KvxferClient`), ``lease_s`` (how long a prefill's blocks wait for their
 pull, 60), ``pull_timeout_s`` (60).
 
-Pull mode: ``save_kv_layer``, ``wait_for_layer_load`` and ``wait_for_save`` have nothing to do
-(the whole request moves after its prefill; layer-wise streaming is a later mode).
+Two modes, chosen per request by the router (see :mod:`._plan`): *pull* (the prefill answers
+with tickets, the decode engine pulls the whole request after the prefill) and *streaming*
+(both engines get the request at once; the prefill pushes each layer as the forward pass
+writes it). The layer hooks, for streaming:
+
+* ``save_kv_layer``: the layer is written (on a GPU: once the work queued so far on the
+  current stream is done, which a CUDA event tells a helper thread); the daemon may send it.
+  Never waits on the daemon.
+* ``wait_for_save``: the step's pushes have all their layers written; returns without
+  waiting for the transfer (the blocks stay with vLLM until the push ends: finished sending).
+* ``wait_for_layer_load``: nothing to do. The decode side loads asynchronously (a request
+  is scheduled once all of its KV has landed), so no forward pass waits on a layer.
+
+Under full CUDA graphs vLLM skips the layer hooks: a push then goes at ``wait_for_save``,
+whole, which is correct but does not overlap the prefill.
 """
 
 from __future__ import annotations
@@ -29,7 +42,7 @@ from .._blocking import KvxferClient
 from .._config import default_socket_path
 from .._layout import ModelInfo
 from .._ticket import Ticket
-from ._plan import Load, RankPool, SchedulerPlan, Send
+from ._plan import Load, RankPool, SchedulerPlan, Send, Stream
 from ._stats import KvxferStats
 from ._worker import SENTINEL_BLOCKS, HeadFacts, WorkerTransfers
 
@@ -77,9 +90,10 @@ def _settings(given: dict[str, Any], role: KVConnectorRole) -> dict[str, Any]:
 class KvxferMetadata(KVConnectorMetadata):
     """Scheduler → workers, once per step: the loads and sends to start."""
 
-    def __init__(self, loads: list[Load], sends: list[Send]) -> None:
+    def __init__(self, loads: list[Load], sends: list[Send], streams: list[Stream] | None = None) -> None:
         self.loads = loads
         self.sends = sends
+        self.streams = streams or []
 
 
 class KvxferHandshake(KVConnectorHandshakeMetadata):
@@ -146,17 +160,19 @@ class KvxferConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         assert self._worker is not None
         meta = self._get_connector_metadata()
-        if isinstance(meta, KvxferMetadata) and (meta.loads or meta.sends):
-            self._worker.start(meta.loads, meta.sends)
+        if isinstance(meta, KvxferMetadata) and (meta.loads or meta.sends or meta.streams):
+            self._worker.start(meta.loads, meta.sends, meta.streams)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None
+        return None  # loads are asynchronous: a request runs once all its KV landed
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        return None
+        assert self._worker is not None
+        self._worker.layer_saved(layer_name)
 
     def wait_for_save(self) -> None:
-        return None
+        assert self._worker is not None
+        self._worker.step_saved()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)
@@ -197,20 +213,37 @@ class KvxferConnector(KVConnectorBase_V1):
             # offer keys) the moment a request finishes, without waiting for the reply.
             self._offerer = KvxferClient(self._socket, engine_name="vllm-scheduler")
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        assert self._plan is not None
+        if connector_output.finished_sending:
+            connector_output.finished_sending = self._plan.sent(set(connector_output.finished_sending))
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._plan is not None
         return self._plan.matched_tokens(request.kv_transfer_params, request.num_prompt_tokens, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self._plan is not None
+        self._plan.expect_stream(request.request_id, request.kv_transfer_params, request.num_prompt_tokens)
         block_ids = list(blocks.get_block_ids()[0]) if num_external_tokens else []
         new = len(blocks.get_unhashed_block_ids()) if num_external_tokens else 0
         self._plan.after_alloc(request.request_id, request.kv_transfer_params, block_ids, num_external_tokens, new)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvxferMetadata:
         assert self._plan is not None
+        cached = scheduler_output.scheduled_cached_reqs
+        self._plan.schedule_streams(
+            [(r.req_id, list(r.block_ids[0]), r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs],
+            [
+                (rid, list(ids[0]) if ids else None, computed, rid in cached.resumed_req_ids)
+                for rid, ids, computed in zip(
+                    cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
+                )
+            ],
+            dict(scheduler_output.num_scheduled_tokens),
+        )
         loads, sends = self._plan.take()
-        return KvxferMetadata(loads, sends)
+        return KvxferMetadata(loads, sends, self._plan.take_streams())
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._plan is not None

@@ -11,6 +11,23 @@ tickets it receives into pulls.
 ``{"do_remote_decode": true}``; the prefill answers ``{"do_remote_prefill": true,
 "kvxfer_tickets": [...]}``, which the proxy hands to the decode engine unchanged.
 
+Streaming (push, layer by layer): the router sends the request to both engines at once, with a
+transfer id it chose (unguessable: 128 random bits) under ``kvxfer_stream``: to the prefill
+engine ``{"do_remote_decode": true, "kvxfer_stream": {"transfer_id": T, "to_peer_address":
+<the decode node's kvxferd peer address>}}``, to the decode engine ``{"do_remote_prefill": true,
+"kvxfer_stream": {"transfer_id": T}}``. The step that computes a request's last prompt tokens
+pushes its blocks (a :class:`Stream`), each layer leaving as the forward pass writes it; the
+decode engine receives them. Both sides need the same tensor-parallel size (rank r pushes to
+rank r).
+
+>>> prefill = SchedulerPlan(block_size=16)
+>>> prefill.set_pools({0: RankPool(0, "d1", "10.0.0.1:7461", "pool-1", "f" * 32, 4096, "00" * 16)})
+>>> stream = {"transfer_id": "t" * 32, "to_peer_address": "10.0.0.2:7461"}
+>>> prefill.expect_stream("r2", {"do_remote_decode": True, "kvxfer_stream": stream}, num_prompt_tokens=40)
+>>> prefill.schedule_streams([("r2", [4, 5, 6], 0)], [], {"r2": 40})
+>>> [(s.block_ids, s.to_peer_address) for s in prefill.take_streams()]
+[((4, 5, 6), '10.0.0.2:7461')]
+
 >>> plan = SchedulerPlan(block_size=16)
 >>> plan.set_pools({0: RankPool(0, "d1", "10.0.0.1:7461", "pool-1", "f" * 32, 4096, "00" * 16)})
 >>> delay, params, send = plan.finished("r1", {"do_remote_decode": True}, [4, 5, 6])
@@ -27,19 +44,57 @@ tickets it receives into pulls.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 from .._errors import IncompatibleError
 from .._geometry import readers
 from .._ticket import Ticket
 
-__all__ = ["TICKETS_KEY", "Load", "RankPool", "SchedulerPlan", "Send"]
+__all__ = ["STREAM_KEY", "TICKETS_KEY", "Load", "RankPool", "SchedulerPlan", "Send", "Stream", "stream_id"]
 
 #: Key of the per-rank tickets inside ``kv_transfer_params``.
 TICKETS_KEY = "kvxfer_tickets"
 #: Key of the prefill engine's block size (tokens) inside ``kv_transfer_params``.
 BLOCK_TOKENS_KEY = "kvxfer_block_tokens"
+#: Key of the router's streaming request inside ``kv_transfer_params`` (both engines).
+STREAM_KEY = "kvxfer_stream"
+#: The longest transfer id a router may choose (each rank's push adds a suffix, see stream_id).
+MAX_STREAM_ID = 100
+
+log = logging.getLogger("vllm.kvxfer")
+
+
+def stream_id(transfer_id: str, tp_rank: int) -> str:
+    """The transfer id of one tensor-parallel rank's push (each rank has its own pool).
+
+    >>> stream_id("abc", 1)
+    'abc-r1'
+    """
+    return f"{transfer_id}-r{tp_rank}"
+
+
+def stream_of(params: dict[str, Any] | None, prefill: bool) -> tuple[str, str] | str | None:
+    """``(transfer_id, to_peer_address)`` of a streaming request, None when it does not
+    stream, or why its ``kvxfer_stream`` is malformed (the router's, so checked).
+
+    >>> stream_of({"kvxfer_stream": {"transfer_id": "x" * 200}}, prefill=False)
+    'kvxfer_stream.transfer_id must be 1 to 100 characters'
+    """
+    stream = (params or {}).get(STREAM_KEY)
+    if stream is None:
+        return None
+    if not isinstance(stream, dict):
+        return f"{STREAM_KEY} must be an object"
+    transfer_id, peer = stream.get("transfer_id"), stream.get("to_peer_address", "")
+    if not isinstance(transfer_id, str) or not 0 < len(transfer_id) <= MAX_STREAM_ID:
+        return f"{STREAM_KEY}.transfer_id must be 1 to {MAX_STREAM_ID} characters"
+    if prefill and (not isinstance(peer, str) or not 0 < len(peer) <= 256):
+        return f"{STREAM_KEY}.to_peer_address must name the decode node's kvxferd (host:port)"
+    return transfer_id, str(peer)
 
 
 @dataclass(frozen=True)
@@ -67,6 +122,8 @@ class Load:
     offer_block_indices: tuple[int, ...] | None
     #: Why this load cannot run (the worker reports it failed; vLLM's policy applies).
     refused: str = ""
+    #: Receive the push of this transfer id (streaming) rather than pull the tickets.
+    transfer_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -80,6 +137,27 @@ class Send:
     readers: tuple[int, ...] = ()
 
 
+@dataclass(frozen=True)
+class Stream:
+    """Push a prefill's ``block_ids`` (its prompt's) under ``transfer_id``, layer by layer,
+    in the step that computes its last prompt tokens."""
+
+    request_id: str
+    block_ids: tuple[int, ...]
+    transfer_id: str
+    to_peer_address: str
+
+
+@dataclass
+class _Expected:
+    """A streaming prefill until the step that completes its prompt."""
+
+    transfer_id: str
+    to_peer_address: str
+    num_prompt_tokens: int
+    block_ids: list[int] = field(default_factory=list)
+
+
 class SchedulerPlan:
     def __init__(self, block_size: int, total_kv_heads: int = 0, decode_tp_size: int = 0) -> None:
         self.block_size = block_size
@@ -90,6 +168,11 @@ class SchedulerPlan:
         self.pools: dict[int, RankPool] = {}
         self._loads: list[Load] = []
         self._sends: list[Send] = []
+        self._streams: list[Stream] = []
+        self._expected: dict[str, _Expected] = {}
+        #: Streamed requests not finished yet, and those whose push ended before they finished.
+        self._streamed: set[str] = set()
+        self._sent_early: set[str] = set()
 
     def set_pools(self, pools: dict[int, RankPool]) -> None:
         """Every rank's pool (called once the workers registered their KV caches)."""
@@ -103,6 +186,15 @@ class SchedulerPlan:
         """A request finished: when a decode engine is to continue it, keep its blocks (True),
         answer with one ticket per rank, made here without a round trip, and return the
         :class:`Send` to offer under them."""
+        if request_id in self._streamed or request_id in self._expected:
+            # Streamed: its blocks stay until the push ends (unless it already has). Never
+            # streamed (aborted before its last prompt step): nothing holds them; the decode
+            # side's receive ends at its deadline.
+            self._expected.pop(request_id, None)
+            streamed = request_id in self._streamed and request_id not in self._sent_early
+            self._streamed.discard(request_id)
+            self._sent_early.discard(request_id)
+            return streamed, None, None
         if not params or not params.get("do_remote_decode") or not block_ids:
             return False, None, None
         if not self.pools:
@@ -130,6 +222,74 @@ class SchedulerPlan:
             return 1
         return readers(self.total_kv_heads, len(self.pools), self.decode_tp_size, rank)
 
+    def expect_stream(self, request_id: str, params: dict[str, Any] | None, num_prompt_tokens: int) -> None:
+        """A new request: when the router asked for streaming, push its blocks in the step that
+        completes its prompt (see :meth:`schedule_streams`). Nothing here raises: a request
+        that cannot stream is logged and goes on as a pull."""
+        if not params or not params.get("do_remote_decode"):
+            return
+        stream = stream_of(params, prefill=True)
+        if stream is None:
+            return
+        if isinstance(stream, str):
+            log.warning("kvxfer: request %s does not stream: %s", request_id, stream)
+            return
+        if self.decode_tp_size and self.decode_tp_size != len(self.pools):
+            log.warning(
+                "kvxfer: request %s does not stream: this engine has %d tensor-parallel ranks, the decode side %d "
+                "(streaming pushes rank to rank; the router should not ask for it)",
+                request_id,
+                len(self.pools),
+                self.decode_tp_size,
+            )
+            return
+        self._expected[request_id] = _Expected(stream[0], stream[1], num_prompt_tokens)
+
+    def schedule_streams(
+        self,
+        new: Iterable[tuple[str, list[int], int]],
+        cached: Iterable[tuple[str, list[int] | None, int, bool]],
+        num_scheduled_tokens: dict[str, int],
+    ) -> None:
+        """This step's scheduled requests (from vLLM's scheduler output): ``new`` as
+        ``(request id, block ids, computed tokens)``, ``cached`` as ``(request id, new block
+        ids, computed tokens, resumed)``. Streaming requests whose prompt this step completes
+        become this step's :class:`Stream`."""
+        if not self._expected:
+            return
+        steps: list[tuple[str, int]] = []
+        for request_id, block_ids, computed in new:
+            if request_id in self._expected:
+                self._expected[request_id].block_ids = list(block_ids)
+                steps.append((request_id, computed))
+        for request_id, new_ids, computed, resumed in cached:
+            if request_id in self._expected:
+                expected = self._expected[request_id]
+                expected.block_ids = list(new_ids or []) if resumed else expected.block_ids + list(new_ids or [])
+                steps.append((request_id, computed))
+        for request_id, computed in steps:
+            expected = self._expected[request_id]
+            if computed + num_scheduled_tokens.get(request_id, 0) < expected.num_prompt_tokens:
+                continue  # an earlier chunk of a chunked prefill
+            del self._expected[request_id]
+            count = math.ceil(expected.num_prompt_tokens / self.block_size)
+            blocks = tuple(expected.block_ids[:count])
+            self._streams.append(Stream(request_id, blocks, expected.transfer_id, expected.to_peer_address))
+            self._streamed.add(request_id)
+
+    def take_streams(self) -> list[Stream]:
+        """This step's streams (taken with the loads and sends by :meth:`take`)."""
+        streams, self._streams = self._streams, []
+        return streams
+
+    def sent(self, finished_sending: set[str]) -> set[str]:
+        """The workers' finished sends, less streamed requests vLLM has not finished yet (a
+        push can end within the step that started it, before ``request_finished``): those
+        are remembered, and that request finishes with its blocks free at once."""
+        early = finished_sending & self._streamed
+        self._sent_early |= early
+        return finished_sending - early
+
     # -- decode ---------------------------------------------------------------------------
 
     def matched_tokens(
@@ -137,7 +297,7 @@ class SchedulerPlan:
     ) -> tuple[int, bool]:
         """Tokens the tickets bring beyond what this engine has computed (loaded between
         steps, so True when there are any)."""
-        if not params or not params.get("do_remote_prefill") or TICKETS_KEY not in params:
+        if not params or not params.get("do_remote_prefill") or not (TICKETS_KEY in params or STREAM_KEY in params):
             return 0, False
         count = num_prompt_tokens - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
@@ -161,22 +321,32 @@ class SchedulerPlan:
         params["do_remote_prefill"] = False  # vLLM may call this twice: load once
         tickets = params.get(TICKETS_KEY)
         new_ids = tuple(block_ids[-num_new_blocks:]) if num_new_blocks > 0 else ()
-        if not isinstance(tickets, list) or not tickets or not all(isinstance(t, dict) for t in tickets):
+        cached = (len(block_ids) - len(new_ids)) * self.block_size  # tokens this engine holds
+        src_tokens = params.get(BLOCK_TOKENS_KEY, self.block_size)
+        stream = stream_of(params, prefill=False) if tickets is None else None
+        transfer_id = ""
+        if isinstance(stream, str):
+            self._loads.append(Load(request_id, (), new_ids, None, stream))
+            return
+        if stream is not None:
+            # The prefill pushes its prompt's blocks: as many as these tokens fill.
+            transfer_id, tickets = stream[0], []
+            offered = math.ceil((cached + num_external_tokens) / src_tokens) if isinstance(src_tokens, int) else 0
+        elif not isinstance(tickets, list) or not tickets or not all(isinstance(t, dict) for t in tickets):
             self._loads.append(Load(request_id, (), new_ids, None, f"kv_transfer_params carry no {TICKETS_KEY}"))
             return
-        offered = int(tickets[0].get("num_blocks", 0) or 0)
-        src_tokens = params.get(BLOCK_TOKENS_KEY, self.block_size)
+        else:
+            offered = int(tickets[0].get("num_blocks", 0) or 0)
         if not isinstance(src_tokens, int) or src_tokens <= 0 or not new_ids or offered <= 0:
             if new_ids:
                 self._loads.append(Load(request_id, tuple(tickets), new_ids, None, "malformed kv_transfer_params"))
             return
-        cached = (len(block_ids) - len(new_ids)) * self.block_size  # tokens this engine holds
         if cached % src_tokens:
             reason = (
                 f"this engine's prefix cache holds {cached} tokens, not a whole number of the prefill's "
                 f"{src_tokens}-token blocks: the pull cannot start mid-block"
             )
-            self._loads.append(Load(request_id, tuple(tickets), new_ids, None, reason))
+            self._loads.append(Load(request_id, tuple(tickets), new_ids, None, reason, transfer_id))
             return
         first = cached // src_tokens
         if first >= offered:
@@ -184,7 +354,7 @@ class SchedulerPlan:
         indices = tuple(range(first, offered)) if first else None
         if src_tokens == self.block_size:
             new_ids = new_ids[: offered - first]
-        self._loads.append(Load(request_id, tuple(tickets), new_ids, indices))
+        self._loads.append(Load(request_id, tuple(tickets), new_ids, indices, transfer_id=transfer_id))
 
     def take(self) -> tuple[list[Load], list[Send]]:
         """This step's loads and sends (the metadata for the workers); starts a new step."""

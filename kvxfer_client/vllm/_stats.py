@@ -20,8 +20,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 __all__ = ["COUNTERS", "KvxferStats"]
 
-#: What a worker counts (``WorkerTransfers.stats``): integers, and seconds as a float.
-COUNTERS = ("pulls", "pull_failures", "pulled_bytes", "pull_seconds", "offers")
+#: What a worker counts (``WorkerTransfers.stats``): integers, and seconds as a float. Pulls
+#: count receives too (a streamed request's decode side); pushes count streamed prefills.
+COUNTERS = ("pulls", "pull_failures", "pulled_bytes", "pull_seconds", "offers", "pushes")
 
 
 class KvxferStats(KVConnectorStats):
@@ -45,6 +46,7 @@ class KvxferStats(KVConnectorStats):
             "pulls": int(d["pulls"]),
             "pull_failures": int(d["pull_failures"]),
             "offers": int(d["offers"]),
+            "pushes": int(d["pushes"]),
             "pulled_MiB": round(d["pulled_bytes"] / (1 << 20), 3),
             "avg_pull_ms": round(1e3 * seconds / done, 3) if done else 0.0,
             "pull_GBps": round(d["pulled_bytes"] / seconds / 1e9, 3) if seconds else 0.0,

@@ -1,10 +1,12 @@
 """The worker side of the vLLM connector: one per tensor-parallel rank, in the worker process.
 
 It registers the rank's KV tensors with kvxferd as they are (CUDA tensors through IPC, CPU
-tensors as the process's own memory; the layout read off the tensors), starts the pulls the
-scheduler planned, and reports what finished: pulls, and the offers the scheduler made of its
-blocks once they are released. It never waits on the
-daemon inside a step: offers and pulls run on the client's thread and are polled.
+tensors as the process's own memory; the layout read off the tensors), starts the pulls and
+receives the scheduler planned, pushes the streams it planned (one layer of the pool per KV
+tensor, said written as the forward pass leaves each attention layer), and reports what
+finished: pulls and receives, and offers and pushes once they are released. It never waits
+on the daemon inside a step (but for a push's answer at the step's end, one round trip
+started at its beginning): calls run on the client's thread and are polled.
 
 Failures: a pull that failed is reported as finished (vLLM then frees or recomputes) with its
 blocks in the load errors; one that may still be written by the data plane
@@ -18,7 +20,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,10 +29,10 @@ from .._errors import IncompatibleError, InvalidRequestError, KvxferError
 from .._events import OfferReleased
 from .._geometry import KvGeometry, head_sources, rank_heads
 from .._layout import ModelInfo
-from .._results import Pool, PullResult
+from .._results import Pool, PullResult, PushResult
 from .._tensor_layout import layout_from_tensors, tensor_geometry
 from .._ticket import Ticket
-from ._plan import Load, RankPool, Send
+from ._plan import Load, RankPool, Send, Stream, stream_id
 
 __all__ = ["QUARANTINE_S", "SENTINEL_BLOCKS", "HeadFacts", "WorkerTransfers", "block_dim_of", "kv_geometry"]
 
@@ -38,6 +40,8 @@ log = logging.getLogger("vllm.kvxfer")
 
 #: How long blocks a failed pull may still be written into are kept from vLLM.
 QUARANTINE_S = 30.0
+#: How long the end of a step waits for a push's answer (one round trip, started with the step).
+PUSH_ANSWER_S = 30.0
 
 
 @dataclass
@@ -47,6 +51,22 @@ class _Loading:
     #: One pull per prefill rank this rank takes heads from (one when the TP sizes match).
     futures: list[concurrent.futures.Future[PullResult]]
     held_until: float = 0.0  # may_still_write: not handed back before this time
+
+
+@dataclass
+class _Pushing:
+    """A push this step makes, and how many of its layers were said written."""
+
+    request_id: str
+    push: concurrent.futures.Future[PushResult]
+    marked: int = 0
+
+    def ready(self) -> PushResult | None:
+        """Its answer once it came and was a push (layers may be marked), else None."""
+        if not self.push.done() or self.push.exception() is not None:
+            return None
+        result = self.push.result()
+        return result if result.mode == "push" else None
 
 
 class WorkerTransfers:
@@ -70,6 +90,13 @@ class WorkerTransfers:
         self._loading: dict[str, _Loading] = {}
         self._released: dict[str, concurrent.futures.Future[OfferReleased]] = {}
         self.load_errors: set[int] = set()
+        #: Pool layers (one per KV tensor), by vLLM's layer name.
+        self.layers = 0
+        self._layer_of: dict[str, int] = {}
+        self._pushing: list[_Pushing] = []
+        #: On a GPU, marks wait for the layer's kernels on this thread (None: CPU tensors,
+        #: written when the layer returns).
+        self._marker: concurrent.futures.ThreadPoolExecutor | None = None
         #: Counters since the last :meth:`take_stats` (vLLM's connector stats, per step).
         self.stats = _zero_stats()
         #: The same counters since the start (never reset; what the tests and logs read).
@@ -87,6 +114,10 @@ class WorkerTransfers:
         ``backend_shape`` as :func:`block_dim_of` takes it; ``heads``: what vLLM says of the
         heads, to declare the pool's geometry (then other TP sizes can pull from it)."""
         tensors = list(kv_caches.values())
+        self._layer_of = {name: index for index, name in enumerate(kv_caches)}
+        self.layers = len(tensors)
+        if getattr(tensors[0], "is_cuda", False):
+            self._marker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvxfer-layer-marks")
         block_dim = block_dim_of(tensors[0], num_blocks, backend_shape)
         layout = layout_from_tensors(tensors, block_dim=block_dim, model=model)
         geometry = kv_geometry(tensors[0], block_dim, layout, heads, model) if heads is not None else None
@@ -113,9 +144,21 @@ class WorkerTransfers:
             self.pool.offer_key.hex(),
         )
 
-    def start(self, loads: list[Load], sends: list[Send]) -> None:
-        """Watch this step's offers (the scheduler made them) and start its pulls; returns at once."""
+    def start(self, loads: list[Load], sends: list[Send], streams: list[Stream] | tuple[Stream, ...] = ()) -> None:
+        """Watch this step's offers (the scheduler made them), start its pulls and receives,
+        and its pushes (their layers marked by :meth:`layer_saved`); returns at once."""
         assert self.pool is not None, "register_kv_caches first"
+        for stream in streams:
+            push = self.client.start_push(
+                self.pool,
+                stream.block_ids,
+                stream_id(stream.transfer_id, self.tp_rank),
+                stream.to_peer_address,
+                lease_s=self.lease_s,
+                layers=self.layers,
+            )
+            self._pushing.append(_Pushing(stream.request_id, push))
+            self._count("pushes")
         for send in sends:
             if send.readers and not send.readers[self.tp_rank]:
                 self._released[send.request_id] = _done()  # nobody reads this rank's heads: no offer
@@ -127,12 +170,23 @@ class WorkerTransfers:
             try:
                 if load.refused:
                     raise InvalidRequestError(load.refused)
-                sources = self.sources(len(load.tickets))
+                # Streamed: rank to rank, this rank's push (see ``stream_id``).
+                sources = self.sources(len(load.tickets)) if not load.transfer_id else [self.tp_rank]
             except KvxferError as error:
                 # Refused here, reported as a failed load (vLLM's policy then applies): an
                 # exception out of a step would stop the engine.
                 error.args = (f"request {load.request_id}: {error}",)
                 self._loading[load.request_id] = _Loading(load.request_id, load.block_ids, [_failed(error)])
+                continue
+            if load.transfer_id:  # streamed: this rank's push, whichever comes first
+                receive = self.client.start_receive(
+                    stream_id(load.transfer_id, self.tp_rank),
+                    self.pool,
+                    load.block_ids,
+                    timeout_s=self.pull_timeout_s,
+                    offer_block_indices=load.offer_block_indices,
+                )
+                self._loading[load.request_id] = _Loading(load.request_id, load.block_ids, [receive])
                 continue
             futures = [
                 self.client.start_pull(
@@ -145,6 +199,57 @@ class WorkerTransfers:
                 for rank in sources
             ]
             self._loading[load.request_id] = _Loading(load.request_id, load.block_ids, futures)
+
+    def layer_saved(self, layer_name: str) -> None:
+        """vLLM left an attention layer (``save_kv_layer``): this step's pushes may send it
+        and every layer before it. Returns at once."""
+        index = self._layer_of.get(layer_name)
+        if self._pushing and index is not None:
+            self._mark(list(self._pushing), index + 1)
+
+    def step_saved(self) -> None:
+        """The forward pass is over (``wait_for_save``): every layer of this step's pushes is
+        written. Waits only for the pushes' answers (started with the step); the blocks stay
+        with vLLM until each push is released (finished sending)."""
+        pushing, self._pushing = self._pushing, []
+        for p in pushing:
+            try:
+                result = p.push.result(PUSH_ANSWER_S)
+            except (KvxferError, concurrent.futures.TimeoutError) as exc:
+                log.error("kvxfer: request %s was not pushed: %s (its decode side gets nothing)", p.request_id, exc)
+                self._released[p.request_id] = _done()
+                continue
+            self._released[p.request_id] = self.client.watch_release(result.ticket.offer_id)
+            if result.mode != "push":
+                # The decode daemon could not take it: nobody will pull this ticket here.
+                log.error("kvxfer: request %s was not pushed (%s); withdrawing it", p.request_id, result.mode_reason)
+                try:
+                    self.client.release(result.ticket.offer_id)
+                except KvxferError as exc:  # e.g. already expired: its release event follows
+                    log.warning("kvxfer: could not withdraw request %s's offer: %s", p.request_id, exc)
+        self._mark(pushing, self.layers)
+
+    def _mark(self, pushing: list[_Pushing], layers: int) -> None:
+        """Say ``layers`` layers of these pushes written: at once on CPU tensors (written when
+        the layer returned), after the GPU work queued so far on a GPU (a CUDA event)."""
+        if self._marker is None:
+            self._send_marks(pushing, layers)
+            return
+        import torch  # only reached with CUDA tensors registered
+
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record()
+        self._marker.submit(_after(event.synchronize, self._send_marks, pushing, layers))
+
+    def _send_marks(self, pushing: list[_Pushing], layers: int) -> None:
+        offers = []
+        for p in pushing:
+            result = p.ready()
+            if result is not None and layers > p.marked:
+                p.marked = layers
+                offers.append(result.ticket.offer_id)
+        if offers:
+            self.client.start_layers_ready(offers, layers).add_done_callback(_log_refusal)
 
     def sources(self, prefill_tp: int) -> list[int]:
         """The prefill ranks whose tickets this rank pulls (each its share of this rank's heads):
@@ -206,6 +311,8 @@ class WorkerTransfers:
         return errors
 
     def close(self) -> None:
+        if self._marker is not None:
+            self._marker.shutdown(wait=True)
         self.client.close()
 
 
@@ -268,7 +375,22 @@ def _failed(error: BaseException) -> concurrent.futures.Future[PullResult]:
 
 
 def _zero_stats() -> dict[str, Any]:
-    return {"pulls": 0, "pull_failures": 0, "pulled_bytes": 0, "pull_seconds": 0.0, "offers": 0}
+    return {"pulls": 0, "pull_failures": 0, "pulled_bytes": 0, "pull_seconds": 0.0, "offers": 0, "pushes": 0}
+
+
+def _after(wait: Callable[[], Any], then: Callable[..., None], *args: Any) -> Callable[[], None]:
+    def run() -> None:
+        wait()
+        then(*args)
+
+    return run
+
+
+def _log_refusal(future: concurrent.futures.Future[None]) -> None:
+    """A layer mark the daemon refused: the push then ends by its lease or its receiver's
+    deadline (logged here so the reason is not lost)."""
+    if not future.cancelled() and future.exception() is not None:
+        log.warning("kvxfer: the daemon refused a layer mark: %s", future.exception())
 
 
 def block_dim_of(tensor: Any, num_blocks: int, backend_shape: tuple[int, ...] | None = None) -> int:

@@ -10,6 +10,7 @@ Run inside the vLLM venv (``make vllm-test`` does): it imports vLLM.
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -89,12 +90,14 @@ class Engine:
         lease_s: float = 30,
         extra: dict[str, Any] | None = None,
         block: int = BLOCK,
+        layers: int = 1,
     ) -> None:
         self.block = block
+        self.layer_names = [f"layer{i}" for i in range(layers)]
         config = _config(model, role, socket_path, tp, lease_s=lease_s, extra=extra, block=block)
         spec = FullAttentionSpec(block_size=block, num_kv_heads=HEADS // tp, head_size=HEAD, dtype=torch.bfloat16)
         kv_cache_config = KVCacheConfig(
-            num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer0"], spec)]
+            num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(self.layer_names, spec)]
         )
         config.cache_config.num_gpu_blocks = num_blocks
         self.scheduler = Scheduler(
@@ -104,8 +107,10 @@ class Engine:
             structured_output_manager=StructuredOutputManager(config),
             block_size=block,
         )
-        # Each rank's KV: its share of the heads (bf16 bits as uint16).
-        self.kvs = [np.zeros((num_blocks, HEADS // tp, block, 2 * HEAD), dtype=np.uint16) for _ in range(tp)]
+        # Each rank's KV: its share of the heads (bf16 bits as uint16), one array per layer.
+        shape = (num_blocks, HEADS // tp, block, 2 * HEAD)
+        self.layer_kvs = [[np.zeros(shape, dtype=np.uint16) for _ in range(layers)] for _ in range(tp)]
+        self.kvs = [kvs[0] for kvs in self.layer_kvs]
         self.kv = self.kvs[0]
         self.workers = [
             KvxferConnector(
@@ -115,8 +120,8 @@ class Engine:
             )
             for rank in range(tp)
         ]
-        for worker, kv in zip(self.workers, self.kvs, strict=True):
-            worker.register_kv_caches({"layer0": kv})
+        for worker, kvs in zip(self.workers, self.layer_kvs, strict=True):
+            worker.register_kv_caches(dict(zip(self.layer_names, kvs, strict=True)))
         handshakes = {rank: w.get_handshake_metadata() for rank, w in enumerate(self.workers)}
         self.scheduler.connector.set_xfer_handshake_metadata(handshakes)
         self.aggregator = KVOutputAggregator(expected_finished_count=tp)
@@ -127,22 +132,29 @@ class Engine:
         """Rank 0's transfers (what the tests inspect)."""
         return self.workers[0]._worker
 
-    def step(self, token: int = 7) -> Any:
+    def step(self, token: int = 7, forward: Any = None) -> Any:
         """One engine step: schedule; each rank's worker acts on the metadata as vLLM's model
-        runner does; vLLM aggregates the ranks' outputs; the scheduler takes them."""
+        runner does (``forward(rank, layer)``, when given, writes a layer's KV before the
+        worker hears the layer is done); vLLM aggregates the ranks' outputs; the scheduler
+        takes them."""
         out = self.scheduler.schedule()
         req_ids = [r.req_id for r in out.scheduled_new_reqs] + list(out.scheduled_cached_reqs.req_ids)
         outputs = []
-        for worker in self.workers:
+        for rank, worker in enumerate(self.workers):
             worker.bind_connector_metadata(out.kv_connector_metadata)
             worker.start_load_kv(None)
+            for layer, name in enumerate(self.layer_names):
+                if forward is not None:
+                    forward(rank, layer)
+                worker.save_kv_layer(name, self.layer_kvs[rank][layer], None)
             worker.wait_for_save()
             results = worker.get_transfer_results(out.finished_req_ids)
             outputs.append(
                 ModelRunnerOutput(
                     req_ids=req_ids,
                     req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                    sampled_token_ids=[[token] for _ in req_ids],
+                    # A chunk that does not finish its prompt samples nothing (as vLLM's runner).
+                    sampled_token_ids=[[token] if self._completes(out, r) else [] for r in req_ids],
                     kv_connector_output=KVConnectorOutput(
                         finished_sending=results.finished_sending or None,
                         finished_recving=results.finished_recving or None,
@@ -159,6 +171,10 @@ class Engine:
             if eo.scheduler_stats is not None and eo.scheduler_stats.kv_connector_stats:
                 self.stats.append(eo.scheduler_stats.kv_connector_stats)
         return engine_outputs
+
+    def _completes(self, out: Any, request_id: str) -> bool:
+        request = self.scheduler.requests[request_id]  # its computed tokens count this step's already
+        return bool(request.num_computed_tokens >= request.num_prompt_tokens)
 
     def close(self) -> None:
         self.scheduler.connector.shutdown()
@@ -568,3 +584,124 @@ def test_other_block_sizes_map_tokens_to_the_decode_engines_blocks(
         finally:
             prefill.close()
             decode.close()
+
+
+# -- streaming: the router sends the request to both engines; the prefill pushes layer by layer
+
+
+@pytest.fixture(scope="module")
+def streaming(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engine, Engine, str]]:
+    """Two layers per engine, on two daemons that stream any layer-wise transfer layer by
+    layer (their threshold at one byte), and the decode daemon's peer address."""
+    model = write_model(str(tmp_path_factory.mktemp("model-stream")), num_key_value_heads=HEADS)
+    streamed = ("--layerwise-min-bytes", "1", "--layerwise-batch-bytes", "1")
+    with Cluster() as cluster:
+        a, b = cluster.daemon("a", *streamed, "--log-level", "debug"), cluster.daemon("b", *streamed)
+        prefill = Engine(model, "kv_producer", a.socket, layers=2)
+        decode = Engine(model, "kv_consumer", b.socket, layers=2)
+        try:
+            yield prefill, decode, decode.worker.client.peer_address
+        finally:
+            prefill.close()
+            decode.close()
+
+
+def _stream_params(transfer_id: str, to_peer: str | None) -> dict[str, Any]:
+    if to_peer is None:
+        return {"do_remote_prefill": True, "kvxfer_stream": {"transfer_id": transfer_id}}
+    return {"do_remote_decode": True, "kvxfer_stream": {"transfer_id": transfer_id, "to_peer_address": to_peer}}
+
+
+def _wait_for(condition: Any, what: str, limit_s: float = 20.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_a_streamed_prefill_sends_each_layer_while_the_next_is_computed(
+    streaming: tuple[Engine, Engine, str],
+) -> None:
+    """The decode engine waits for the push; the prefill's forward pass writes layer 0, says so
+    (save_kv_layer), and layer 0 reaches the decode engine's blocks *before* layer 1 is even
+    written; the decode request runs once both landed; the prefill's blocks stay held until
+    the push ends."""
+    prefill, decode, peer = streaming
+    prompt = list(range(11000, 11000 + 3 * BLOCK + 5))  # 4 blocks
+    tid = secrets.token_hex(16)
+    decode.scheduler.add_request(_request("sd1", prompt, 4, _stream_params(tid, None)))
+    decode.step()
+    assert decode.scheduler.requests["sd1"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    dst = list(decode.scheduler.kv_cache_manager.get_block_ids("sd1")[0])[:4]
+
+    prefill.scheduler.add_request(_request("sp1", prompt, 1, _stream_params(tid, peer)))
+    rng = np.random.default_rng(21)
+    src: list[int] = []
+
+    def forward(rank: int, layer: int) -> None:
+        if layer == 0:  # the push went out with the step (start_load_kv): let it be answered
+            _wait_for(lambda: prefill.worker._pushing[0].push.done(), "the push was never answered")
+            src[:] = list(prefill.scheduler.kv_cache_manager.get_block_ids("sp1")[0])[:4]
+        else:  # layer 0 streams while this layer is "computed"
+            _wait_for(
+                lambda: (decode.layer_kvs[0][0][dst] == prefill.layer_kvs[0][0][src]).all(),
+                "layer 0 did not reach the decode engine before layer 1 was written",
+            )
+        kv = prefill.layer_kvs[rank][layer]
+        kv[src] = rng.integers(1, 1 << 16, kv[src].shape, dtype=np.uint16)
+
+    prefill.step(forward=forward)
+    assert "sp1" in prefill.scheduler.requests, "the blocks must stay held until the push ends"
+    _run_until(decode, lambda: decode.scheduler.requests["sd1"].status == RequestStatus.RUNNING, "never received")
+    for layer in range(2):
+        assert (decode.layer_kvs[0][layer][dst] == prefill.layer_kvs[0][layer][src]).all(), f"layer {layer}"
+    _run_until(prefill, lambda: "sp1" not in prefill.scheduler.requests, "finished_sending never came")
+    assert prefill.worker.totals["pushes"] == 1 and decode.worker.totals["pulls"] == 1
+    assert decode.worker.totals["pull_failures"] == 0
+
+
+def test_a_chunked_streamed_prefill_pushes_once_with_every_block_of_its_prompt(
+    streaming: tuple[Engine, Engine, str],
+) -> None:
+    """A prompt longer than a step's token budget (512) is prefilled in two steps: the push
+    starts only in the step that completes it, and carries the blocks of both chunks."""
+    prefill, decode, peer = streaming
+    prompt = list(range(20000, 20000 + 700))  # 22 blocks of 32 tokens
+    tid = secrets.token_hex(16)
+    decode.scheduler.add_request(_request("sd2", prompt, 4, _stream_params(tid, None)))
+    decode.step()
+    prefill.scheduler.add_request(_request("sp2", prompt, 1, _stream_params(tid, peer)))
+    rng = np.random.default_rng(22)
+    pushes = prefill.worker.totals["pushes"]
+
+    def forward(rank: int, layer: int) -> None:
+        kv = prefill.layer_kvs[rank][layer]
+        ids = list(prefill.scheduler.kv_cache_manager.get_block_ids("sp2")[0])
+        kv[ids] = rng.integers(1, 1 << 16, kv[ids].shape, dtype=np.uint16)
+
+    prefill.step(forward=forward)
+    assert prefill.worker.totals["pushes"] == pushes, "pushed before its prompt was complete"
+    assert prefill.scheduler.requests["sp2"].num_computed_tokens == 512  # the step's token budget
+    prefill.step(forward=forward)
+    assert prefill.worker.totals["pushes"] == pushes + 1
+    src = list(prefill.scheduler.kv_cache_manager.get_block_ids("sp2")[0])[:22]
+    _run_until(decode, lambda: decode.scheduler.requests["sd2"].status == RequestStatus.RUNNING, "never received")
+    dst = list(decode.scheduler.kv_cache_manager.get_block_ids("sd2")[0])[:22]
+    for layer in range(2):
+        assert (decode.layer_kvs[0][layer][dst] == prefill.layer_kvs[0][layer][src]).all(), f"layer {layer}"
+    _run_until(prefill, lambda: "sp2" not in prefill.scheduler.requests, "finished_sending never came")
+
+
+def test_a_malformed_stream_request_fails_the_decode_load_and_the_prefill_goes_on_as_a_pull(
+    streaming: tuple[Engine, Engine, str],
+) -> None:
+    """The router's kvxfer_stream is checked: on the decode side a bad one fails the load with
+    the reason (never a crash of the step); on the prefill side the request answers tickets."""
+    prefill, decode, _ = streaming
+    prompt = list(range(30000, 30000 + BLOCK + 1))
+    decode.scheduler.add_request(_request("sd3", prompt, 4, _stream_params("x" * 101, None)))
+    outputs = _run_until(decode, lambda: "sd3" not in decode.scheduler.requests, "a bad stream hung", after=2)
+    assert any(o.request_id == "sd3" and o.finish_reason is not None for o in outputs)
+    prefill.scheduler.add_request(_request("sp3", prompt, 1, {"do_remote_decode": True, "kvxfer_stream": "x"}))
+    params = _params_of(prefill.step(), "sp3")
+    assert params and len(params["kvxfer_tickets"]) == 1, params
