@@ -245,6 +245,10 @@ class KvxferClient:
     def release(self, offer_id: str) -> None:
         self._run(self._async.release(offer_id))
 
+    def start_cancel(self, transfer_id: str) -> concurrent.futures.Future[CancelResult]:
+        """:meth:`cancel`, returning at once with a future of its answer."""
+        return asyncio.run_coroutine_threadsafe(self._async.cancel(transfer_id), self._loop)
+
     def cancel(self, transfer_id: str) -> CancelResult:
         return self._run(self._async.cancel(transfer_id))
 

@@ -90,10 +90,18 @@ def _settings(given: dict[str, Any], role: KVConnectorRole) -> dict[str, Any]:
 class KvxferMetadata(KVConnectorMetadata):
     """Scheduler → workers, once per step: the loads and sends to start."""
 
-    def __init__(self, loads: list[Load], sends: list[Send], streams: list[Stream] | None = None) -> None:
+    def __init__(
+        self,
+        loads: list[Load],
+        sends: list[Send],
+        streams: list[Stream] | None = None,
+        cancels: list[str] | None = None,
+    ) -> None:
         self.loads = loads
         self.sends = sends
         self.streams = streams or []
+        #: Transfer ids of streamed receives whose requests ended: stop waiting for them.
+        self.cancels = cancels or []
 
 
 class KvxferHandshake(KVConnectorHandshakeMetadata):
@@ -160,8 +168,8 @@ class KvxferConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         assert self._worker is not None
         meta = self._get_connector_metadata()
-        if isinstance(meta, KvxferMetadata) and (meta.loads or meta.sends or meta.streams):
-            self._worker.start(meta.loads, meta.sends, meta.streams)
+        if isinstance(meta, KvxferMetadata) and (meta.loads or meta.sends or meta.streams or meta.cancels):
+            self._worker.start(meta.loads, meta.sends, meta.streams, meta.cancels)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads are asynchronous: a request runs once all its KV landed
@@ -215,6 +223,7 @@ class KvxferConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output: Any) -> None:
         assert self._plan is not None
+        self._plan.received(connector_output.finished_recving or ())
         if connector_output.finished_sending:
             connector_output.finished_sending = self._plan.sent(set(connector_output.finished_sending))
 
@@ -243,7 +252,7 @@ class KvxferConnector(KVConnectorBase_V1):
             dict(scheduler_output.num_scheduled_tokens),
         )
         loads, sends = self._plan.take()
-        return KvxferMetadata(loads, sends, self._plan.take_streams())
+        return KvxferMetadata(loads, sends, *self._plan.take_streams())
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._plan is not None

@@ -25,7 +25,7 @@ rank r).
 >>> stream = {"transfer_id": "t" * 32, "to_peer_address": "10.0.0.2:7461"}
 >>> prefill.expect_stream("r2", {"do_remote_decode": True, "kvxfer_stream": stream}, num_prompt_tokens=40)
 >>> prefill.schedule_streams([("r2", [4, 5, 6], 0)], [], {"r2": 40})
->>> [(s.block_ids, s.to_peer_address) for s in prefill.take_streams()]
+>>> [(s.block_ids, s.to_peer_address) for s in prefill.take_streams()[0]]
 [((4, 5, 6), '10.0.0.2:7461')]
 
 >>> plan = SchedulerPlan(block_size=16)
@@ -173,6 +173,10 @@ class SchedulerPlan:
         #: Streamed requests not finished yet, and those whose push ended before they finished.
         self._streamed: set[str] = set()
         self._sent_early: set[str] = set()
+        #: Decode side: streamed loads not landed yet (request id → transfer id), and the
+        #: transfer ids of those whose request ended meanwhile (their receives to cancel).
+        self._receiving: dict[str, str] = {}
+        self._cancels: list[str] = []
 
     def set_pools(self, pools: dict[int, RankPool]) -> None:
         """Every rank's pool (called once the workers registered their KV caches)."""
@@ -186,6 +190,8 @@ class SchedulerPlan:
         """A request finished: when a decode engine is to continue it, keep its blocks (True),
         answer with one ticket per rank, made here without a round trip, and return the
         :class:`Send` to offer under them."""
+        if request_id in self._receiving:  # aborted while its push is awaited: stop waiting
+            self._cancels.append(self._receiving.pop(request_id))
         if request_id in self._streamed or request_id in self._expected:
             # Streamed: its blocks stay until the push ends (unless it already has). Never
             # streamed (aborted before its last prompt step): nothing holds them; the decode
@@ -277,10 +283,15 @@ class SchedulerPlan:
             self._streams.append(Stream(request_id, blocks, expected.transfer_id, expected.to_peer_address))
             self._streamed.add(request_id)
 
-    def take_streams(self) -> list[Stream]:
-        """This step's streams (taken with the loads and sends by :meth:`take`)."""
-        streams, self._streams = self._streams, []
-        return streams
+    def take_streams(self) -> tuple[list[Stream], list[str]]:
+        """This step's streams, and the streamed receives to cancel (their requests ended)."""
+        streams, cancels, self._streams, self._cancels = self._streams, self._cancels, [], []
+        return streams, cancels
+
+    def received(self, finished_recving: Iterable[str]) -> None:
+        """Loads that ended (landed or failed): nothing of theirs is left to cancel."""
+        for request_id in finished_recving:
+            self._receiving.pop(request_id, None)
 
     def sent(self, finished_sending: set[str]) -> set[str]:
         """The workers' finished sends, less streamed requests vLLM has not finished yet (a
@@ -355,6 +366,8 @@ class SchedulerPlan:
         if src_tokens == self.block_size:
             new_ids = new_ids[: offered - first]
         self._loads.append(Load(request_id, tuple(tickets), new_ids, indices, transfer_id=transfer_id))
+        if transfer_id:
+            self._receiving[request_id] = transfer_id
 
     def take(self) -> tuple[list[Load], list[Send]]:
         """This step's loads and sends (the metadata for the workers); starts a new step."""

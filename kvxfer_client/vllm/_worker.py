@@ -144,10 +144,19 @@ class WorkerTransfers:
             self.pool.offer_key.hex(),
         )
 
-    def start(self, loads: list[Load], sends: list[Send], streams: list[Stream] | tuple[Stream, ...] = ()) -> None:
+    def start(
+        self,
+        loads: list[Load],
+        sends: list[Send],
+        streams: list[Stream] | tuple[Stream, ...] = (),
+        cancels: list[str] | tuple[str, ...] = (),
+    ) -> None:
         """Watch this step's offers (the scheduler made them), start its pulls and receives,
-        and its pushes (their layers marked by :meth:`layer_saved`); returns at once."""
+        and its pushes (their layers marked by :meth:`layer_saved`), and cancel the receives
+        of requests that ended; returns at once."""
         assert self.pool is not None, "register_kv_caches first"
+        for transfer_id in cancels:
+            self.client.start_cancel(stream_id(transfer_id, self.tp_rank)).add_done_callback(_log_refusal)
         for stream in streams:
             push = self.client.start_push(
                 self.pool,
@@ -386,11 +395,11 @@ def _after(wait: Callable[[], Any], then: Callable[..., None], *args: Any) -> Ca
     return run
 
 
-def _log_refusal(future: concurrent.futures.Future[None]) -> None:
-    """A layer mark the daemon refused: the push then ends by its lease or its receiver's
-    deadline (logged here so the reason is not lost)."""
+def _log_refusal(future: concurrent.futures.Future[Any]) -> None:
+    """A layer mark or cancel the daemon refused: the push then ends by its lease or its
+    receiver's deadline (logged here so the reason is not lost)."""
     if not future.cancelled() and future.exception() is not None:
-        log.warning("kvxfer: the daemon refused a layer mark: %s", future.exception())
+        log.warning("kvxfer: the daemon refused a layer mark or cancel: %s", future.exception())
 
 
 def block_dim_of(tensor: Any, num_blocks: int, backend_shape: tuple[int, ...] | None = None) -> int:

@@ -705,3 +705,22 @@ def test_a_malformed_stream_request_fails_the_decode_load_and_the_prefill_goes_o
     prefill.scheduler.add_request(_request("sp3", prompt, 1, {"do_remote_decode": True, "kvxfer_stream": "x"}))
     params = _params_of(prefill.step(), "sp3")
     assert params and len(params["kvxfer_tickets"]) == 1, params
+
+
+def test_a_streamed_request_aborted_while_it_waits_for_the_push_frees_its_blocks_promptly(
+    streaming: tuple[Engine, Engine, str],
+) -> None:
+    """The prefill never comes (the router gave up): aborting the decode request cancels its
+    receive, so vLLM frees its blocks now rather than at the receive's deadline (60 s)."""
+    _, decode, _ = streaming
+    free = decode.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+    decode.scheduler.add_request(_request("sd4", list(range(40000, 40000 + 2 * BLOCK)), 4, _stream_params("t4", None)))
+    decode.step()
+    assert decode.scheduler.requests["sd4"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    failures = decode.worker.totals["pull_failures"]
+    decode.scheduler.finish_requests("sd4", RequestStatus.FINISHED_ABORTED)
+    started = time.monotonic()
+    _run_until(decode, lambda: "sd4" not in decode.scheduler.requests, "the aborted receive held its blocks")
+    assert time.monotonic() - started < 10
+    assert decode.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() >= free
+    assert decode.worker.totals["pull_failures"] == failures + 1  # the cancelled receive
