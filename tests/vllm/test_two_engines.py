@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import subprocess
 import sys
 import time
@@ -30,6 +31,7 @@ pytestmark = pytest.mark.vllm
 
 PROMPTS = [list(range(3, 3 + n)) for n in (20, 32, 70, 129)]
 MAX_TOKENS = 8
+STREAM_ALL = ("--layerwise-min-bytes", "1", "--layerwise-batch-bytes", "1")
 
 
 def _vllm_python() -> str:
@@ -66,9 +68,16 @@ class VllmEngine:
         raise RuntimeError(f"vLLM engine exited ({self.proc.wait()}); see {self.log.name}")
 
     def __call__(self, **request: Any) -> dict[str, Any]:
+        self.send(**request)
+        return self._read()
+
+    def send(self, **request: Any) -> None:
+        """Start a request without waiting for its answer (``read()`` it)."""
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
+
+    def read(self) -> dict[str, Any]:
         return self._read()
 
     def close(self) -> None:
@@ -128,9 +137,10 @@ class ServedEngine:
 class Proxy:
     """``examples/vllm_proxy.py`` in its own process (this venv: it needs only the standard library)."""
 
-    def __init__(self, prefill: str, decode: str, log_path: str) -> None:
+    def __init__(self, prefill: str, decode: str, log_path: str, *args: str) -> None:
         self.log = open(log_path, "w")  # noqa: SIM115 - closed in close()
         cmd = [sys.executable, "-m", "examples.vllm_proxy", "--port", "0", "--prefill", prefill, "--decode", decode]
+        cmd += args
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.log, text=True, cwd=ROOT)
         assert self.proc.stdout is not None
         self.url = f"http://127.0.0.1:{json.loads(self.proc.stdout.readline())['port']}"
@@ -164,7 +174,8 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     work = tmp_path_factory.mktemp("vllm")
     model = write_model(str(work / "model"))
     with Cluster() as cluster:
-        a, b = cluster.daemon("a"), cluster.daemon("b")
+        # Layer-wise offers (streamed requests') go layer by layer whatever their size.
+        a, b = cluster.daemon("a", *STREAM_ALL), cluster.daemon("b", *STREAM_ALL)
         engines: dict[str, Any] = {
             "single": VllmEngine("single", a.socket, model, str(work / "single.log")),
             "prefill": VllmEngine("prefill", a.socket, model, str(work / "prefill.log")),
@@ -178,8 +189,10 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             single = engines.pop("single")
             reference = {tuple(p): single(prompt=p, max_tokens=MAX_TOKENS)["tokens"] for p in PROMPTS}
             single.close()
-            proxy = Proxy(engines["served_prefill"].url, engines["served_decode"].url, str(work / "proxy.log"))
-            engines["proxy"] = proxy
+            served = engines["served_prefill"].url, engines["served_decode"].url
+            engines["proxy"] = Proxy(*served, str(work / "proxy.log"))
+            streaming = ("--stream", "--decode-kvxfer", b.info["peer_address"])
+            engines["stream_proxy"] = Proxy(*served, str(work / "stream-proxy.log"), *streaming)
             yield {"reference": reference, "daemons": (a, b), "model": model, **engines}
         finally:
             for e in engines.values():
@@ -198,6 +211,26 @@ def test_the_decode_engine_generates_what_one_engine_does(setup: dict[str, Any])
     log = setup["daemons"][0].log()
     pulled = [line for line in log.splitlines() if "transfer.done" in line and "role=decode" in line]
     assert len(pulled) >= len(PROMPTS), log[-3000:]
+
+
+def test_a_streamed_handoff_generates_what_one_engine_does(setup: dict[str, Any]) -> None:
+    """Streaming (the router sends to both engines at once): the decode engine waits for the
+    push; the prefill engine pushes each layer as its forward pass leaves it (save_kv_layer),
+    and the decode engine generates a single engine's tokens from what it received."""
+    prefill, decode = setup["prefill"], setup["local"]
+    daemon = setup["daemons"][0]
+    for prompt in PROMPTS:
+        tid = secrets.token_hex(16)
+        decode.send(
+            prompt=prompt, max_tokens=MAX_TOKENS, kv={"do_remote_prefill": True, "kvxfer_stream": {"transfer_id": tid}}
+        )
+        stream = {"transfer_id": tid, "to_peer_address": daemon.info["peer_address"]}
+        first = prefill(prompt=prompt, max_tokens=1, kv={"do_remote_decode": True, "kvxfer_stream": stream})
+        out = decode.read()
+        assert out["tokens"] == setup["reference"][tuple(prompt)], (len(prompt), out["tokens"])
+        assert out["tokens"][0] == first["tokens"][0]
+        received = [line for line in daemon.log().splitlines() if f"transfer_id={tid}-r0 role=decode" in line]
+        assert received and "transfer.done" in received[0], daemon.log()[-3000:]
 
 
 def test_scrambled_prefill_kv_changes_the_decode_tokens(setup: dict[str, Any]) -> None:
@@ -238,3 +271,18 @@ def test_the_proxy_disaggregates_between_two_vllm_servers(setup: dict[str, Any])
 
     status, headers, data = proxy.post("/v1/completions", {**body, "model": "no-such-model", "stream": False})
     assert status == 404 and headers.get("x-kvxfer-stage") == "prefill", data[:300]
+
+
+def test_the_streaming_proxy_sends_to_both_servers_at_once_and_the_tokens_match(setup: dict[str, Any]) -> None:
+    """``vllm_proxy --stream``: the decode server (another daemon: UCX) receives the KV the
+    prefill server pushes, layer by layer, and answers with a single engine's tokens."""
+    proxy, model, daemon_b = setup["stream_proxy"], setup["model"], setup["daemons"][1]
+    for prompt in PROMPTS:
+        body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True}
+        status, headers, data = proxy.post("/v1/completions", body)
+        assert status == 200 and headers.get("x-kvxfer-stage") == "decode", data[:500]
+        assert json.loads(data)["choices"][0]["token_ids"] == setup["reference"][tuple(prompt)], len(prompt)
+    lines = daemon_b.log().splitlines()
+    received = [line for line in lines if "transfer.done" in line and "role=decode" in line and "-r0 " in line]
+    assert len(received) >= len(PROMPTS), lines[-20:]
+    assert all("transport=local" not in line for line in received), received  # across daemons
