@@ -10,6 +10,7 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 
+import grpc
 import numpy as np
 import pytest
 
@@ -27,6 +28,7 @@ from kvxfer_client import (
     Pool,
     ReleaseReason,
 )
+from kvxfer_client._proto import admin_pb2, admin_pb2_grpc
 
 LAYERS = 4
 BLOCKS = 16
@@ -121,16 +123,26 @@ async def test_each_layer_moves_once_written_and_the_pull_ends_only_after_the_la
         await d.close()
 
 
+@pytest.mark.parametrize("mode", ["pull", "push"])
 @pytest.mark.parametrize("lost", ["engine", "daemon"])
 @pytest.mark.parametrize("daemons", ["ucx", "direct"], indirect=True)
-async def test_a_layer_wise_pull_that_loses_its_prefill_engine_or_daemon_mid_stream_fails_typed_and_promptly(
-    daemons: tuple[Daemon, Daemon], lost: str
+async def test_a_layer_wise_transfer_that_loses_its_prefill_engine_or_daemon_mid_stream_fails_typed_and_promptly(
+    daemons: tuple[Daemon, Daemon], lost: str, mode: str
 ) -> None:
+    """Layer 0 landed, layer 1 not written (the window held by the engine, not by a sleep):
+    the prefill engine exits or its daemon is killed. The decode side's pull (or receive)
+    fails typed well within its deadline, its blocks are never reported complete, and the
+    surviving daemons are left with no offer, transfer or staging buffer of it."""
     a, b = daemons
     p, d, src, dst = await _engines(a, b)
     try:
-        ticket = await p.offer(src, SRC_IDS, layers=LAYERS)
-        moving = asyncio.create_task(d.pull(ticket, dst, DST_IDS, timeout_s=60))
+        if mode == "pull":
+            ticket = await p.offer(src, SRC_IDS, layers=LAYERS)
+            moving = asyncio.create_task(d.pull(ticket, dst, DST_IDS, timeout_s=60))
+        else:
+            tid = secrets.token_hex(16)
+            moving = asyncio.create_task(d.receive(tid, dst, DST_IDS, timeout_s=60))
+            ticket = (await p.push(src, SRC_IDS, tid, d.peer_address, layers=LAYERS)).ticket
         _write_layer(src, 0)
         await p.layers_ready(ticket, 1)
         await _until(lambda: _segments(dst, 0, DST_IDS) == _segments(src, 0, SRC_IDS), "layer 0 never landed")
@@ -144,9 +156,25 @@ async def test_a_layer_wise_pull_that_loses_its_prefill_engine_or_daemon_mid_str
         assert not isinstance(failed.value, DeadlineExceededError), failed.value
         assert time.monotonic() - started < 15
         assert b.proc is not None and b.proc.poll() is None
+        for survivor in [b] if lost == "daemon" else [a, b]:
+            left = await _settled(survivor)
+            assert (left.active_offers, left.active_transfers) == (0, 0), (survivor.name, left)
+            assert (left.staging_send_in_use, left.staging_receive_in_use) == (0, 0), (survivor.name, left)
     finally:
         await d.close()
         await p.close()
+
+
+async def _settled(daemon: Daemon, timeout_s: float = 10.0) -> admin_pb2.StatusResponse:
+    """The daemon's status once it holds no offer or transfer (or the last one seen)."""
+    deadline = time.monotonic() + timeout_s
+    async with grpc.aio.insecure_channel("unix:" + daemon.socket) as channel:
+        stub = admin_pb2_grpc.AdminServiceStub(channel)
+        while True:
+            s = await stub.Status(admin_pb2.StatusRequest(), timeout=5)
+            if (s.active_offers, s.active_transfers) == (0, 0) or time.monotonic() > deadline:
+                return s
+            await asyncio.sleep(0.05)
 
 
 @pytest.mark.parametrize("daemons", ["ucx"], indirect=True)
