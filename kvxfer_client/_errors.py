@@ -12,6 +12,7 @@
     ├── DeadlineExceededError        DEADLINE_EXCEEDED (also a TimeoutError)
     ├── UnavailableError             UNAVAILABLE (also a ConnectionError)
     ├── CancelledError               CANCELLED
+    ├── DataLossError                DATA_LOSS
     └── InternalError                INTERNAL
 
 Every error a daemon reports reaches the SDK as the same class it was raised as: the daemon
@@ -34,6 +35,7 @@ import grpc
 __all__ = [
     "AlreadyExistsError",
     "CancelledError",
+    "DataLossError",
     "DeadlineExceededError",
     "IncompatibleError",
     "InternalError",
@@ -132,6 +134,13 @@ class CancelledError(KvxferError):
     grpc_code = grpc.StatusCode.CANCELLED
 
 
+class DataLossError(KvxferError):
+    """Blocks arrived with other bytes than were offered: changed at the source after the
+    offer (a block reused too early) or corrupted on the way. The destination is not filled."""
+
+    grpc_code = grpc.StatusCode.DATA_LOSS
+
+
 class InternalError(KvxferError):
     """A bug or an unexpected failure inside kvxfer."""
 
@@ -150,6 +159,7 @@ _BY_CODE: dict[grpc.StatusCode, type[KvxferError]] = {
         DeadlineExceededError,
         UnavailableError,
         CancelledError,
+        DataLossError,
         InternalError,
     )
 }

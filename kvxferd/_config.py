@@ -113,6 +113,16 @@ class Settings:
     ucx_enabled: bool = _setting(
         True, "The UCX data plane; off, the daemon serves the local path only (its peer port reports NOT_SERVING)."
     )
+    # Checksums cost a pass over what they cover on each side: a few blocks per transfer catch
+    # a systematic fault (a block reused too early, a broken path) within a few transfers.
+    integrity: str = _setting(
+        "sampled",
+        "Block checksums, taken when an offer is written and checked at the source once sent and where the "
+        "blocks land: off, sampled (integrity_samples random segments per offer) or full (every byte).",
+    )
+    integrity_samples: int = _setting(
+        8, "Segments (one block's K or V of one layer) per offer the sampled integrity mode checks."
+    )
     drain_grace_s: float = _setting(10.0, "Seconds SIGTERM waits for running transfers before cancelling them.")
     history: int = _setting(1000, "Finished transfers kept for kvxferctl.")
     log_level: str = _setting("info", "Least severe log level written: debug, info, warning or error.")
@@ -152,6 +162,10 @@ class Settings:
                 raise ValueError(f"{name} must be positive")
         if self.offer_wait_s < 0:
             raise ValueError("offer_wait_s must not be negative")
+        if self.integrity not in ("off", "sampled", "full"):
+            raise ValueError("integrity must be off, sampled or full")
+        if self.integrity_samples < 1:
+            raise ValueError("integrity_samples must be >= 1")
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

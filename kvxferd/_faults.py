@@ -16,11 +16,15 @@ Points (where the daemon calls :meth:`Faults.hit`):
 * ``peer_endpoint`` — both sides, before an endpoint to a peer is made from its worker address;
 * ``endpoint_broken`` — offering side, before it sends: a failing hit breaks the endpoint for
   good (every later send over it fails, as over the endpoint a frozen peer once left behind),
-  so a test sees whether the daemon makes a new one.
+  so a test sees whether the daemon makes a new one;
+* ``before_check`` — pulling side (remote or local), every byte landed, before the block
+  checksums are checked: with ``corrupt``, one bit of the first landed block is flipped, as a
+  fault on the way would.
 
 Actions: ``pause:S`` (sleep S seconds, the event loop keeps running), ``fail`` (raise
-:class:`~kvxfer_client.UnavailableError`, as a broken data plane would), and ``fail:K`` (fail
-the next K hits, then pass). Each point logs ``fault.hit`` when it fires.
+:class:`~kvxfer_client.UnavailableError`, as a broken data plane would), ``fail:K`` (fail
+the next K hits, then pass), and ``corrupt`` / ``corrupt:K`` (at ``before_check`` only: corrupt
+every hit, or the next K). Each point logs ``fault.hit`` when it fires.
 
 >>> f = Faults.parse("before_done=pause:0.01;peer_endpoint=fail:2")
 >>> sorted(f.points)
@@ -47,6 +51,7 @@ __all__ = ["Faults"]
 POINTS = (
     "after_accepted",
     "after_done_read",
+    "before_check",
     "before_closed_read",
     "before_done",
     "before_local_copy",
@@ -54,14 +59,15 @@ POINTS = (
     "peer_endpoint",
 )
 _CHUNK_POINT = re.compile(r"^after_chunk_sent:(\d{1,9})$")
-_ACTION = re.compile(r"^(pause:(\d+(\.\d+)?)|fail(:(\d{1,9}))?)$")
+_ACTION = re.compile(r"^(pause:(\d+(\.\d+)?)|(fail|corrupt)(:(\d{1,9}))?)$")
 
 
 @dataclass
 class _Action:
     pause_s: float = 0.0
-    #: Hits left that fail; -1 fails every hit.
+    #: Hits left that fail (or corrupt); -1 every hit.
     failures: int = 0
+    corrupt: bool = False
 
 
 class Faults:
@@ -81,15 +87,30 @@ class Faults:
                 raise ValueError(f"faults: unknown point {point!r} (known: {known})")
             m = _ACTION.match(action)
             if m is None:
-                raise ValueError(f"faults: {point}: action must be pause:SECONDS, fail or fail:COUNT, got {action!r}")
+                raise ValueError(
+                    f"faults: {point}: action must be pause:SECONDS, fail[:COUNT] or corrupt[:COUNT], got {action!r}"
+                )
+            if (m.group(4) == "corrupt") != (point == "before_check"):
+                raise ValueError(f"faults: {point}: corrupt goes with before_check, and before_check only with it")
             if m.group(2) is not None:
                 points[point] = _Action(pause_s=float(m.group(2)))
             else:
-                points[point] = _Action(failures=int(m.group(5)) if m.group(5) else -1)
+                count = int(m.group(6)) if m.group(6) else -1
+                points[point] = _Action(failures=count, corrupt=m.group(4) == "corrupt")
         return cls(points)
 
     def armed(self, point: str) -> bool:
         return point in self.points
+
+    def corrupts(self, point: str, transfer_id: str = "-") -> bool:
+        """Whether this hit of ``point`` is to corrupt (a ``corrupt`` action with hits left)."""
+        action = self.points.get(point)
+        if action is None or not action.corrupt or action.failures == 0:
+            return False
+        if action.failures > 0:
+            action.failures -= 1
+        log_event("fault.hit", logging.WARNING, point=point, action="corrupt", transfer_id=transfer_id)
+        return True
 
     async def hit(self, point: str, transfer_id: str = "-", peer: str = "-") -> None:
         """Run the action armed at ``point`` (nothing when none is)."""

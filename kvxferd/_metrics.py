@@ -98,7 +98,9 @@ class _StateCollector(Collector):
 #: Engine calls answer in microseconds (offer) to a minute (a long pull).
 RPC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5, 30, 60)
 #: Why a transfer failed: a bounded set (see ``failure_reason``).
-REASONS = ("none", "refused", "deadline", "unavailable", "cancelled", "resources", "internal")
+REASONS = ("none", "refused", "deadline", "unavailable", "cancelled", "resources", "integrity", "internal")
+#: Outcomes of a transfer's block checksums, as ``integrity_checks`` counts them.
+INTEGRITY_RESULTS = ("ok", "mismatch", "not_checked")
 
 
 class Metrics:
@@ -138,6 +140,16 @@ class Metrics:
         self.offers_released = Counter(
             "kvxfer_offers_released", "Offers released, by reason", ["reason"], registry=self.registry
         )
+        self.integrity_checks = Counter(
+            "kvxfer_integrity_checks",
+            "Block-checksum checks of transfers on this daemon (at the source before sending, where the "
+            "blocks land), by mode and result (mismatch: the transfer failed with DATA_LOSS)",
+            ["mode", "result"],
+            registry=self.registry,
+        )
+        self.integrity_blocks = Counter(
+            "kvxfer_integrity_blocks_checked", "Blocks whose checksums were compared", ["mode"], registry=self.registry
+        )
         ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, resident memory, fds
         self.registry.register(_StateCollector(snapshot))
 
@@ -151,6 +163,12 @@ class Metrics:
         self.transfers.labels(*labels, reason).inc()
         if result == "succeeded":
             self.transfer_bytes.labels(*labels).inc(nbytes)
+
+    def integrity_checked(self, mode: str, result: str, blocks: int) -> None:
+        """One checksum check (``result``: one of :data:`INTEGRITY_RESULTS`)."""
+        self.integrity_checks.labels(mode, result).inc()
+        if blocks:
+            self.integrity_blocks.labels(mode).inc(blocks)
 
     def rpc_finished(self, method: str, code: str, seconds: float) -> None:
         self.rpc_seconds.labels(method, code).observe(seconds)

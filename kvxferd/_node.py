@@ -43,6 +43,7 @@ from .dataplane.gpucopy import GpuDevices
 from .dataplane.staging import StagingPool
 from .dataplane.ucx import UcxTransport
 from .handoff.direct import ProofSlots
+from .handoff.integrity import Integrity
 from .handoff.local import LocalHandoff
 from .handoff.peers import PeerDirectory
 from .handoff.pull import Pulls
@@ -104,6 +105,8 @@ class Node:
         self.send_staging = StagingPool(settings.staging_bytes, settings.chunk_bytes)
         self.recv_staging = StagingPool(settings.staging_bytes, settings.chunk_bytes)
         self._gpu: GpuDevices | None = None  # made on first GPU use (see ``gpu``)
+        #: Block checksums: digests of offers, checks at the source and where blocks land.
+        self.integrity = Integrity(settings, self.executor, self.faults, self.metrics.integrity_checked)
         local = LocalHandoff(
             self.offers,
             settings.local_chunk_bytes,
@@ -112,6 +115,7 @@ class Node:
             single_pass,
             self.gpu,
             self.faults,
+            self.integrity,
         )
         self.pulls = Pulls(
             self.daemon_id, self.transfers, local, None, lambda pool, tid, n: tell_landed(self.sessions, pool, tid, n)
@@ -168,8 +172,10 @@ class Node:
             return
         s = self.settings
         self.remote = RemotePlane(s, self.ucx, self.peers, self.faults, self.send_staging, self.recv_staging, self.gpu)
-        self.pulls.remote = RemotePull(self.daemon_id, s, self.remote, self.executor, self.gpu, self.faults)
-        self.server = TransferServer(s, self.remote, self.offers, self.transfers, self.gpu, self.faults)
+        self.pulls.remote = RemotePull(
+            self.daemon_id, s, self.remote, self.executor, self.gpu, self.faults, self.integrity
+        )
+        self.server = TransferServer(s, self.remote, self.offers, self.transfers, self.gpu, self.faults, self.integrity)
 
     def accept_hello(self, identity: peer_pb2.PeerIdentity) -> None:
         if self.remote is not None:
@@ -258,6 +264,7 @@ class Node:
             pool = self.owned_pool(pool_id, session_id)
         ids = check_block_ids(block_ids, pool.layout.num_blocks, "offer")
         offer = self.offers.create(pool, ids, lease_s, chosen, readers, layers)
+        self.integrity.take_digest(offer)
         ticket = Ticket(
             daemon_id=self.daemon_id,
             peer_address=self.peer_address,
@@ -292,6 +299,7 @@ class Node:
             if pool.session_id != session_id and not (offer_key and hmac.compare_digest(pool.offer_key, offer_key)):
                 raise PermissionDeniedError(f"offer {offer_id!r} is another engine session's")
             offer.mark_ready(layers)
+            self.integrity.take_digest(offer)  # once the last layer is written: what was offered
 
     def release(self, offer_id: str, session_id: str) -> None:
         """The engine releases its own offer before anyone pulled it."""

@@ -15,6 +15,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -77,6 +78,10 @@ class Offer:
     #: it has said are written. 0 layers: written before the offer.
     layers: int = 0
     ready_layers: int = 0
+    #: Its blocks' checksums once written (:mod:`.handoff.integrity`, a ``Digest``), or why
+    #: none are taken.
+    digest: asyncio.Future[Any] | None = field(default=None, repr=False)
+    integrity_off: str = ""
     _advanced: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
 
     @property

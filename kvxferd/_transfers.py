@@ -18,6 +18,7 @@ from typing import Any
 from kvxfer_client._errors import (
     AlreadyExistsError,
     CancelledError,
+    DataLossError,
     DeadlineExceededError,
     IncompatibleError,
     InvalidRequestError,
@@ -56,6 +57,8 @@ def failure_reason(error: BaseException | None) -> str:
         return "cancelled"
     if isinstance(error, ResourceExhaustedError):
         return "resources"
+    if isinstance(error, DataLossError):
+        return "integrity"
     return "internal"
 
 
@@ -91,6 +94,11 @@ class TransferRecord:
     #: "pull" or "push" (engine.proto, Push), and why (admin.proto, TransferInfo.mode_reason).
     mode: str = "pull"
     mode_reason: str = ""
+    #: Block checksums (admin.proto, TransferInfo.integrity_*): the mode, blocks checked here,
+    #: and the result ("ok", "mismatch", or why nothing was checked).
+    integrity_mode: str = "off"
+    integrity_blocks: int = 0
+    integrity_result: str = ""
     detail: str = ""
     #: Pools whose memory this transfer touches (cancelled if one is deregistered).
     pools: tuple[str, ...] = ()
@@ -127,6 +135,9 @@ class TransferRecord:
             mapping=self.mapping,
             mode=self.mode,
             mode_reason=self.mode_reason,
+            integrity_mode=self.integrity_mode,
+            integrity_blocks=self.integrity_blocks,
+            integrity_result=self.integrity_result,
         )
 
 
@@ -185,6 +196,9 @@ class TransferTable:
             "bytes": record.nbytes,
             "duration_s": round(record.duration_s, 6),
         }
+        if record.integrity_result:
+            result = record.integrity_result.split(":")[0].replace(" ", "-")  # "not checked: why" → not-checked
+            fields["integrity"] = f"{record.integrity_mode}:{record.integrity_blocks}:{result}"
         if record.phases:
             fields["phases_ms"] = ",".join(f"{name}={t * 1e3:.2f}" for name, t in record.phases)
         if state == common_pb2.TRANSFER_STATE_SUCCEEDED:

@@ -186,8 +186,8 @@ class _OffererStream:
     async def ready(self, layers: int) -> None:
         self._send(ready=peer_pb2.TransferReady(layers=layers))
 
-    async def sent(self, nbytes: int, transport: str) -> None:
-        self._send(sent=peer_pb2.TransferSent(bytes=nbytes, transport=transport))
+    async def sent(self, nbytes: int, transport: str, sums: peer_pb2.BlockSums | None = None) -> None:
+        self._send(sent=peer_pb2.TransferSent(bytes=nbytes, transport=transport, sums=sums))
 
     async def read_done(self) -> tuple[bool, str, int] | None:
         done = await self.inbox.get()

@@ -30,6 +30,7 @@ from ..dataplane.hostmem import HostMemory, copy_between
 from ..dataplane.plan import SidePlan, build_layered_plan, build_plan, sub_plan
 from ..dataplane.remap import remap_plans
 from ..memory.pools import PROCESS_MEMORY_OFF_GPU, Pool
+from .integrity import Integrity
 from .layers import layer_batches, layer_sizes
 
 __all__ = ["INLINE_COPY_BYTES", "LocalHandoff"]
@@ -49,6 +50,7 @@ class LocalHandoff:
         single_pass: bool,
         gpu: Callable[[], GpuDevices],
         faults: Faults,
+        integrity: Integrity,
     ) -> None:
         self.offers = offers
         self.chunk_bytes = chunk_bytes
@@ -57,6 +59,7 @@ class LocalHandoff:
         self.single_pass = single_pass
         self._gpu = gpu
         self.faults = faults
+        self.integrity = integrity
 
     async def pull(
         self,
@@ -98,15 +101,19 @@ class LocalHandoff:
             if offer.layers and on_host and plans is None:
                 # Written layer by layer: copy each layer once the engine says it is written.
                 await self._copy_layers(offer, src, src_ids, dst, dst_ids, record)
-                self.offers.pulled(offer, record.transfer_id)
-                return
-            await offer.wait_ready(offer.layers)  # a layer-wise offer moving whole: once written
-            started = time.perf_counter()
-            plans = plans or (self._plans(src, src_ids, dst, dst_ids) if on_host else None)
-            record.nbytes = plans[0].total_bytes if plans else len(src_ids) * src.layout.bytes_per_block
-            transport, record.device_s = await self.copy_blocks(src, src_ids, dst, dst_ids, plans)
-            record.transport = transport or record.transport
-            record.data_plane_s = time.perf_counter() - started
+            else:
+                await offer.wait_ready(offer.layers)  # a layer-wise offer moving whole: once written
+                started = time.perf_counter()
+                plans = plans or (self._plans(src, src_ids, dst, dst_ids) if on_host else None)
+                record.nbytes = plans[0].total_bytes if plans else len(src_ids) * src.layout.bytes_per_block
+                transport, record.device_s = await self.copy_blocks(src, src_ids, dst, dst_ids, plans)
+                record.transport = transport or record.transport
+                record.data_plane_s = time.perf_counter() - started
+            # As offered (unchanged at the source), and as landed.
+            sums = await self.integrity.to_send(record, offer, indices, bool(record.mapping))
+            if sums is not None:
+                await self.integrity.check_landed(record, sums, dst, dst_ids)
+            record.mark("checked")
         except BaseException as exc:
             detail = f"local pull failed: {exc!r}"
             self.offers.release(offer, common_pb2.RELEASE_REASON_FAILED, detail, record.transfer_id)

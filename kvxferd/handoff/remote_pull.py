@@ -36,6 +36,7 @@ from ..dataplane.staging import StagingLease
 from ..dataplane.ucp_iov import CANCEL_CONFIRM_S
 from ..memory.pools import Pool
 from .direct import DIRECT_READ, new_nonce, nonce_missing, source_plan
+from .integrity import Integrity
 from .layers import LayerProgress
 from .local import copy_in_threads
 from .peers import Peer
@@ -55,6 +56,7 @@ class RemotePull:
         executor: Executor,
         gpu: Callable[[], GpuDevices],
         faults: Faults,
+        integrity: Integrity,
     ) -> None:
         self.daemon_id = daemon_id
         self.settings = settings
@@ -63,6 +65,7 @@ class RemotePull:
         self.executor = executor
         self._gpu = gpu
         self.faults = faults
+        self.integrity = integrity
 
     async def pull(
         self,
@@ -99,7 +102,7 @@ class RemotePull:
             ends_at = asyncio.get_running_loop().time() + transfer_deadline_s
             call = peer.open_transfer(record.transfer_id)
             record.mark("opened")
-            receiving: asyncio.Task[None] | None = None
+            receiving: asyncio.Task[Any] | None = None
             sent: asyncio.Task[Any] | None = None
             lease: StagingLease | None = None
             nonce = new_nonce() if side is None and await self.plane.direct_read_ok(peer) else b""
@@ -176,12 +179,17 @@ class RemotePull:
                     first, _ = await asyncio.wait({receiving, sent}, return_when=asyncio.FIRST_COMPLETED)
                     if sent in first:
                         sent.result()  # the offerer failed (or aborted) while bytes were due: end now
-                await receiving
+                landed = await receiving
                 record.data_plane_s = time.perf_counter() - started
                 record.mark("received")
-                readers = 1 + (await hand_on() if hand_on is not None else 0)
                 # Every receive has completed, so every byte has landed (the tags are this
-                # transfer's own): say done now, while the offerer's "sent" is on its way.
+                # transfer's own). The offerer's "sent" carries the sums they are checked
+                # against, before any reader hears of them.
+                said = landed if sent is None else await within(sent, _left(ends_at), "the peer's 'sent'")
+                sums = said.sums if isinstance(said, peer_pb2.TransferSent) and said.HasField("sums") else None
+                await self.integrity.check_landed(record, None if record.mapping else sums, dst, dst_ids)
+                record.mark("checked")
+                readers = 1 + (await hand_on() if hand_on is not None else 0)
                 await self.faults.hit("before_done", transfer_id=record.transfer_id)
                 record.committed = True  # the sender releases the offer as pulled on this message
                 call.done(readers)
@@ -191,8 +199,6 @@ class RemotePull:
                 # deadline, which the offerer also keeps, bounds the wait.
                 deadline.reschedule(None)
                 await self.faults.hit("before_closed_read", transfer_id=record.transfer_id)
-                if sent is not None:
-                    await within(sent, _left(ends_at), "the peer's 'sent'")
                 await call.closed(_left(ends_at))
                 record.mark("closed")
             except BaseException as exc:
@@ -226,10 +232,11 @@ class RemotePull:
         plan: SidePlan,
         nonce: bytes,
         layered: tuple[TransferCall, list[int]] | None = None,
-    ) -> None:
+    ) -> peer_pb2.TransferSent | None:
         """Read the offered blocks out of the offering daemon's memory (:mod:`.direct`), once
         this transfer's nonce is found there; ``layered``: the transfer and where each layer's
-        chunks start, when the offer is written layer by layer (each read once said written)."""
+        chunks start, when the offer is written layer by layer (each read once said written;
+        the offerer's ``sent``, read here after its last ``ready``, is returned)."""
         why = nonce_missing(int(source.pid), int(source.nonce_address), nonce) if nonce else "it was not asked for"
         if why:
             raise IncompatibleError(f"peer {peer.daemon_id} answered with a direct read, but {why}")
@@ -244,7 +251,7 @@ class RemotePull:
         threads = self.settings.copy_threads
         if layered is None:
             await copy_in_threads(self.executor, threads, (src, src_plan), (dst.host_memory(), plan), single_pass=False)
-            return
+            return None
         call, starts = layered
         copied = 0
         while copied < layers:
@@ -257,7 +264,7 @@ class RemotePull:
             copied = written
             if record.on_layers is not None:
                 record.on_layers(written)
-        await call.sent()
+        return await call.sent()
 
     def _receive(
         self,
@@ -290,7 +297,7 @@ class RemotePull:
             on_chunk=progress.chunk_landed if progress is not None else None,
         )
 
-    async def _unwind(self, record: TransferRecord, receiving: asyncio.Task[None], peer: Peer) -> None:
+    async def _unwind(self, record: TransferRecord, receiving: asyncio.Task[Any], peer: Peer) -> None:
         """Receives may still be posted into the destination: cancel them (and abort the
         endpoint) and wait for UCX to confirm before the engine hears of the failure and
         reuses those blocks."""

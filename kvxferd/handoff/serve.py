@@ -38,6 +38,7 @@ from ..dataplane.plan import SidePlan, build_layered_plan, build_plan, num_chunk
 from ..dataplane.remap import peer_side, plan_remap, side_of
 from ..memory.pools import Pool
 from .direct import DIRECT_READ, source_of
+from .integrity import Integrity
 from .layers import layer_batches, layer_sizes, send_by_layer
 from .peers import Peer
 from .remote import RemotePlane
@@ -96,7 +97,7 @@ class OffererStream(Protocol):
     async def ready(self, layers: int) -> None:
         """Layer-wise direct reads: the first ``layers`` layers are written."""
 
-    async def sent(self, nbytes: int, transport: str) -> None: ...
+    async def sent(self, nbytes: int, transport: str, sums: peer_pb2.BlockSums | None = None) -> None: ...
 
     async def read_done(self) -> tuple[bool, str, int] | None:
         """The puller's ``done`` as ``(ok, detail, readers served)``; None for the end of the
@@ -114,6 +115,7 @@ class TransferServer:
         transfers: TransferTable,
         gpu: Callable[[], GpuDevices],
         faults: Faults,
+        integrity: Integrity,
     ) -> None:
         self.settings = settings
         self.plane = plane
@@ -122,6 +124,7 @@ class TransferServer:
         self.transfers = transfers
         self._gpu = gpu
         self.faults = faults
+        self.integrity = integrity
 
     async def serve(self, start: ServeRequest, stream: OffererStream) -> None:
         """Serve one pull of one of our offers, from claim to ``closed`` (or a failure)."""
@@ -264,8 +267,10 @@ class TransferServer:
             await self._send(start, peer, pool, src_ids, record, stream, chunk, plan, side, offer, starts)
         else:
             await self._send(start, peer, pool, src_ids, record, stream, chunk, plan, side, offer)
+        # The blocks as offered, checked unchanged at the source now that they left.
+        sums = await self.integrity.to_send(record, offer, start.offer_block_indices, remapped is not None)
         record.mark("sent")
-        await stream.sent(record.nbytes, record.transport)
+        await stream.sent(record.nbytes, record.transport, sums)
         done = await stream.read_done()
         record.mark("confirmed")
         await self.faults.hit("after_done_read", transfer_id=record.transfer_id)

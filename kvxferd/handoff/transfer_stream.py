@@ -147,9 +147,11 @@ class TransferCall:
         msg: peer_pb2.TransferReady = await self._read("ready", None)
         return int(msg.layers)
 
-    async def sent(self, timeout: float | None = None) -> None:
-        """The offerer has sent every chunk (or failed the transfer)."""
-        await self._read("sent", timeout)
+    async def sent(self, timeout: float | None = None) -> peer_pb2.TransferSent:
+        """The offerer has sent every chunk (or failed the transfer), with the block sums the
+        landed bytes are checked against."""
+        msg: peer_pb2.TransferSent = await self._read("sent", timeout)
+        return msg
 
     def done(self, readers: int = 1) -> None:
         """Say every byte landed (for ``readers`` readers of the offer). From here the offerer

@@ -35,8 +35,10 @@ MAX_TOKENS = 8
 
 @pytest.fixture(scope="module")
 def engines() -> Iterator[example.Engines]:
-    # Layer-wise offers stream layer by layer however small (only test_layer_wise_* make them).
-    with _example().engines("--layerwise-min-bytes", "1", "--layerwise-batch-bytes", "1") as e:
+    # Layer-wise offers stream layer by layer however small (only test_layer_wise_* make them);
+    # every byte of every offer is checksummed (the requests here are small).
+    streamed = ("--layerwise-min-bytes", "1", "--layerwise-batch-bytes", "1")
+    with _example().engines(*streamed, "--integrity", "full") as e:
         yield e
 
 
@@ -83,27 +85,46 @@ def test_layer_wise_pushed_kv_decodes_to_the_single_process_tokens(
     assert got["tokens"] == expected
 
 
-def test_layers_said_written_before_they_are_change_the_generated_tokens(
+def test_layers_said_written_before_they_are_never_yield_the_right_tokens(
     engines: example.Engines, reference_model: Any
 ) -> None:
     """Negative control: a prefill engine that says every layer written before running the
-    model lets the transfer move stale blocks, and the tokens differ."""
+    model lets the transfer move stale blocks: either the checksums see the blocks change
+    under the transfer (DataLossError) or the decode engine's tokens differ. Which one depends
+    on whether the model wrote the blocks before the source was checked."""
     prompt = _model().prompt_tokens(9, 37)
     expected = _model().generate(reference_model, prompt, MAX_TOKENS)
-    got = _example().streamed_handoff(engines.prefill, engines.decode_remote, "stream-early", prompt, MAX_TOKENS, True)
-    assert got["ok"], got
-    assert got["tokens"] != expected
+    try:
+        got = _example().streamed_handoff(
+            engines.prefill, engines.decode_remote, "stream-early", prompt, MAX_TOKENS, True
+        )
+    except RuntimeError as exc:
+        assert "DataLossError" in str(exc), exc
+    else:
+        assert got["ok"] and got["tokens"] != expected, got
 
 
 @pytest.mark.parametrize("path", ["local", "remote"])
-def test_a_flipped_block_changes_the_generated_tokens(
-    engines: example.Engines, reference_model: Any, path: str
+def test_a_block_flipped_after_its_offer_is_caught_before_decode_instead_of_changing_the_tokens(
+    engines: example.Engines, path: str
 ) -> None:
-    prompt = _model().prompt_tokens(7, 37)
-    expected = _model().generate(reference_model, prompt, MAX_TOKENS)
-    got = _example().handoff(engines.prefill, decoder(engines, path), f"flip-{path}", prompt, MAX_TOKENS, flip=True)
-    assert got["ok"], got
-    assert got["tokens"] != expected
+    """The prefill engine corrupts an offered block (layer 0's K of its last block) before the
+    pull: the checksums taken when it was offered catch it where it lands (full mode here), the
+    pull fails with DataLossError, the decode engine generates nothing from it, and the offer
+    ends as failed."""
+    request_id = f"flip-{path}"
+    done = engines.prefill("prefill", request_id=request_id, prompt=_model().prompt_tokens(7, 37))
+    engines.prefill("flip", request_id=request_id, block=len(done["block_ids"]) - 1)
+    reply = decoder(engines, path).call(
+        "decode",
+        request_id=request_id,
+        kv_transfer_params=done["kv_transfer_params"],
+        first_token=done["first_token"],
+        max_tokens=MAX_TOKENS,
+    )
+    assert not reply["ok"] and reply["error"] == "DataLossError", reply
+    assert "landed with other bytes" in reply["detail"], reply  # full mode: caught where it lands
+    assert engines.prefill("finished")["released"][request_id] == "failed"
 
 
 def test_a_ticket_with_the_wrong_token_is_reported_as_a_failed_load(engines: example.Engines) -> None:

@@ -18,6 +18,7 @@ MAPPING = [
     (kx.DeadlineExceededError, grpc.StatusCode.DEADLINE_EXCEEDED),
     (kx.UnavailableError, grpc.StatusCode.UNAVAILABLE),
     (kx.CancelledError, grpc.StatusCode.CANCELLED),
+    (kx.DataLossError, grpc.StatusCode.DATA_LOSS),
     (kx.InternalError, grpc.StatusCode.INTERNAL),
 ]
 
@@ -32,7 +33,7 @@ def test_each_error_maps_to_one_code_and_back(cls: type[kx.KvxferError], code: g
 
 
 def test_unknown_codes_become_the_base_error() -> None:
-    err = error_from_status(grpc.StatusCode.DATA_LOSS, "x")
+    err = error_from_status(grpc.StatusCode.UNAUTHENTICATED, "x")
     assert type(err) is kx.KvxferError
 
 

@@ -32,6 +32,7 @@ from kvxferd._sessions import Session, SessionTable
 from kvxferd._transfers import TransferRecord, TransferTable
 from kvxferd.dataplane.gpucopy import GpuDevices
 from kvxferd.dataplane.staging import StagingPool
+from kvxferd.handoff.integrity import Integrity
 from kvxferd.handoff.local import LocalHandoff
 from kvxferd.handoff.peers import PeerDirectory
 from kvxferd.handoff.pull import Pulls
@@ -56,8 +57,16 @@ class Daemonless:
             16, lambda role, path, transport, result, reason, n, s: self.observed.append((path, transport, result, n))
         )
         self.executor = ThreadPoolExecutor(2)
+        integrity = Integrity(Settings(), self.executor, Faults())
         local = LocalHandoff(
-            self.offers, 64 << 10, 2, self.executor, single_pass=True, gpu=self._no_gpu, faults=Faults()
+            self.offers,
+            64 << 10,
+            2,
+            self.executor,
+            single_pass=True,
+            gpu=self._no_gpu,
+            faults=Faults(),
+            integrity=integrity,
         )
         self.pulls = Pulls("here", self.transfers, local, None)
 
@@ -232,7 +241,7 @@ class RecordingStream:
     async def ready(self, layers: int) -> None:
         self.written.append(f"ready {layers}")
 
-    async def sent(self, nbytes: int, transport: str) -> None:
+    async def sent(self, nbytes: int, transport: str, sums: Any = None) -> None:
         self.written.append("sent")
 
     async def read_done(self) -> tuple[bool, str] | None:
@@ -262,7 +271,10 @@ class Offerer:
         plane = RemotePlane(self.settings, self.ucx, self.peers, Faults(), staging, staging, self.d._no_gpu)
         self.offers: OfferTable = self.d.offers
         self.transfers: TransferTable = self.d.transfers
-        self.server = TransferServer(self.settings, plane, self.offers, self.transfers, self.d._no_gpu, Faults())
+        integrity = Integrity(self.settings, self.d.executor, Faults())
+        self.server = TransferServer(
+            self.settings, plane, self.offers, self.transfers, self.d._no_gpu, Faults(), integrity
+        )
         self.sessions: SessionTable = self.d.sessions
 
     def request(self, offer: Any, **changes: Any) -> ServeRequest:

@@ -315,6 +315,9 @@ class TransferInfo(_message.Message):
     MAPPING_FIELD_NUMBER: _builtins.int
     MODE_FIELD_NUMBER: _builtins.int
     MODE_REASON_FIELD_NUMBER: _builtins.int
+    INTEGRITY_MODE_FIELD_NUMBER: _builtins.int
+    INTEGRITY_BLOCKS_FIELD_NUMBER: _builtins.int
+    INTEGRITY_RESULT_FIELD_NUMBER: _builtins.int
     transfer_id: _builtins.str
     role: _builtins.str
     """"decode" (this daemon pulls) or "prefill" (a peer pulls from this daemon)."""
@@ -334,6 +337,14 @@ class TransferInfo(_message.Message):
     why: who announced a push, or why a push fell back to a pull.
     """
     mode_reason: _builtins.str
+    integrity_mode: _builtins.str
+    """Block checksums (kvxferd setting integrity): "off", "sampled" or "full" as the offering
+    daemon took them, how many blocks this side checked, and the result: "ok", "mismatch"
+    (the transfer failed with DATA_LOSS), "sent" (offering side in full mode: the receiver
+    checks every byte), or why nothing was checked ("not checked: ...").
+    """
+    integrity_blocks: _builtins.int
+    integrity_result: _builtins.str
     def __init__(
         self,
         *,
@@ -351,10 +362,13 @@ class TransferInfo(_message.Message):
         mapping: _builtins.str = ...,
         mode: _builtins.str = ...,
         mode_reason: _builtins.str = ...,
+        integrity_mode: _builtins.str = ...,
+        integrity_blocks: _builtins.int = ...,
+        integrity_result: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "detail", b"detail", "duration_s", b"duration_s", "mapping", b"mapping", "mode", b"mode", "mode_reason", b"mode_reason", "offer_id", b"offer_id", "path", b"path", "peer_daemon_id", b"peer_daemon_id", "role", b"role", "started_unix", b"started_unix", "state", b"state", "transfer_id", b"transfer_id", "transport", b"transport"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "detail", b"detail", "duration_s", b"duration_s", "integrity_blocks", b"integrity_blocks", "integrity_mode", b"integrity_mode", "integrity_result", b"integrity_result", "mapping", b"mapping", "mode", b"mode", "mode_reason", b"mode_reason", "offer_id", b"offer_id", "path", b"path", "peer_daemon_id", b"peer_daemon_id", "role", b"role", "started_unix", b"started_unix", "state", b"state", "transfer_id", b"transfer_id", "transport", b"transport"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

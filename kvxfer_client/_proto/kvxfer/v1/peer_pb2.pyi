@@ -544,21 +544,67 @@ class TransferSent(_message.Message):
 
     BYTES_FIELD_NUMBER: _builtins.int
     TRANSPORT_FIELD_NUMBER: _builtins.int
+    SUMS_FIELD_NUMBER: _builtins.int
     bytes: _builtins.int
     transport: _builtins.str
+    @_builtins.property
+    def sums(self) -> Global___BlockSums:
+        """The offered blocks' checksums as they were when the offer was written (and still were at
+        the source once sent): the receiver checks the bytes that landed against them before done.
+        Absent: nothing to check (integrity off on the offering daemon, a GPU pool, a remapped
+        stream), and the receiver's record says so.
+        """
+
     def __init__(
         self,
         *,
         bytes: _builtins.int = ...,
         transport: _builtins.str = ...,
+        sums: Global___BlockSums | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["sums", b"sums"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "transport", b"transport"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "sums", b"sums", "transport", b"transport"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TransferSent: _TypeAlias = TransferSent  # noqa: Y015
+
+@_typing.final
+class BlockSums(_message.Message):
+    """64-bit sums (kvxferd/dataplane/checksum.py) of blocks at these positions of the transfer's
+    stream (its block list, in order): every whole block ("full"), or random segments ("sampled":
+    regions names the region, a layer's K or V, of each sum; empty: whole blocks).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODE_FIELD_NUMBER: _builtins.int
+    POSITIONS_FIELD_NUMBER: _builtins.int
+    SUMS_FIELD_NUMBER: _builtins.int
+    REGIONS_FIELD_NUMBER: _builtins.int
+    mode: _builtins.str
+    @_builtins.property
+    def positions(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def sums(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def regions(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        mode: _builtins.str = ...,
+        positions: _abc.Iterable[_builtins.int] | None = ...,
+        sums: _abc.Iterable[_builtins.int] | None = ...,
+        regions: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["mode", b"mode", "positions", b"positions", "regions", b"regions", "sums", b"sums"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BlockSums: _TypeAlias = BlockSums  # noqa: Y015
 
 @_typing.final
 class TransferClosed(_message.Message):

@@ -1,0 +1,146 @@
+"""Block checksums: one 64-bit sum per block, the same wherever the block's bytes lie.
+
+A block is one segment per region (the layout). Its sum is linear in its 64-bit words:
+
+    sum(block) = Σ_r c_r · Σ_i w_i · x_{r,i}   (mod 2^64)
+
+with ``w_i`` and ``c_r`` fixed odd pseudo-random constants (SplitMix64 of the position), the
+same on every daemon. Odd weights make every product with a power of two non-zero: a single
+flipped bit, or any one changed word, always changes the sum; a block replaced by other
+contents changes it but with odds of about 2^-64; a change confined to the top bit of an even
+number of words does not (the price of linearity; accidental corruption does not look like
+that). Two pools with the same fingerprint cut blocks into the same segments, so the offering
+and the receiving daemon compute sums that can be compared.
+
+One numpy product per region and scratch-full of blocks (gathered with the data plane's own
+gather), so the Python work grows with regions, not with blocks. Measured on the development
+VM (2 cores): the product alone 8-10 GB/s, a copy 6.2 GB/s, sums of scattered blocks 5 GB/s (gather
+included): a full pass over a request costs about one more copy of it.
+
+>>> from kvxferd.dataplane.hostmem import MappedMemory
+>>> from kvxferd.dataplane.plan import RegionTable
+>>> buf = np.arange(4096, dtype=np.uint8)
+>>> regions = RegionTable.from_regions([(0, 0, 1024, 512), (0, 512, 1024, 512)])
+>>> sums = block_sums(MappedMemory([buf]), regions, np.array([2, 0]))
+>>> buf[2 * 1024 + 700] ^= 1                     # one bit of block 2, second region
+>>> again = block_sums(MappedMemory([buf]), regions, np.array([2, 0]))
+>>> (sums != again).tolist()
+[True, False]
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+from .hostmem import HostMemory
+from .plan import RegionTable, build_plan, plan_segments
+
+__all__ = ["SCRATCH_BYTES", "block_sums", "segment_sums"]
+
+U64 = npt.NDArray[np.uint64]
+#: The most bytes gathered at once to be summed (the rest waits its turn).
+SCRATCH_BYTES = 8 << 20
+#: Region constants come from this far into the sequence (word weights use the start).
+_REGION_BASE = 1 << 40
+
+#: Up to this many segments mapped in this process are summed one by one where they lie
+#: (about 5 us each) rather than gathered first (about 0.1 ms for the plan and the gather).
+_IN_PLACE = 64
+
+_weights: U64 = np.zeros(0, dtype=np.uint64)
+
+
+def block_sums(memory: HostMemory, regions: RegionTable, ids: npt.NDArray[np.integer]) -> U64:
+    """The sum of each block ``ids[j]`` (in that order) of a pool with these regions."""
+    ids = np.asarray(ids, dtype=np.int64)
+    total = np.zeros(len(ids), dtype=np.uint64)
+    if not len(ids):
+        return total
+    constants = _splitmix(_REGION_BASE, len(regions.nbytes))
+    for r in range(len(regions.nbytes)):
+        at = slice(r, r + 1)
+        one = RegionTable(regions.buffer[at], regions.offset[at], regions.stride[at], regions.nbytes[at])
+        seg = int(regions.nbytes[r])
+        per = max(1, SCRATCH_BYTES // seg)
+        scratch = np.empty(min(per, len(ids)) * seg, dtype=np.uint8)
+        for start in range(0, len(ids), per):
+            part = ids[start : start + per]
+            plan = build_plan(one, part, len(part) * seg)  # one chunk: the whole slice
+            memory.gather(plan.chunks[0], scratch)
+            sums = _segment_sums(scratch[: len(part) * seg].reshape(len(part), seg))
+            total[start : start + len(part)] += sums * constants[r]
+    return total
+
+
+def segment_sums(
+    memory: HostMemory, regions: RegionTable, ids: npt.NDArray[np.integer], region_of: npt.NDArray[np.integer]
+) -> U64:
+    """The sum of one segment per entry: region ``region_of[j]`` of block ``ids[j]`` (a sample
+    of a request costs its segments only: one gather for all of them, one product per
+    segment size).
+
+    >>> from kvxferd.dataplane.hostmem import MappedMemory
+    >>> buf = np.arange(4096, dtype=np.uint8)
+    >>> regions = RegionTable.from_regions([(0, 0, 1024, 512), (0, 512, 1024, 512)])
+    >>> one = segment_sums(MappedMemory([buf]), regions, np.array([2, 2]), np.array([1, 0]))
+    >>> buf[2 * 1024 + 700] ^= 1                     # block 2, second region
+    >>> (one != segment_sums(MappedMemory([buf]), regions, np.array([2, 2]), np.array([1, 0]))).tolist()
+    [True, False]
+    """
+    ids, region_of = np.asarray(ids, dtype=np.int64), np.asarray(region_of, dtype=np.int64)
+    out = np.zeros(len(ids), dtype=np.uint64)
+    if not len(ids):
+        return out
+    arrays = getattr(memory, "arrays", None)  # mapped here: each segment summed where it lies
+    seg_off = regions.offset[region_of] + ids * regions.stride[region_of]
+    seg_len = regions.nbytes[region_of]
+    if arrays is not None and len(ids) <= _IN_PLACE and not ((seg_off | seg_len) % 8).any():
+        where = zip(regions.buffer[region_of].tolist(), seg_off.tolist(), seg_len.tolist(), strict=True)
+        for j, (b, o, n) in enumerate(where):
+            out[j] = arrays[b][o : o + n].view(np.uint64) @ _weights_for(n // 8)
+        return out
+    # Sorted by size, so each size's segments lie back to back once gathered.
+    order = np.argsort(regions.nbytes[region_of], kind="stable")
+    ids, region_of, seg_off, seg_len = ids[order], region_of[order], seg_off[order], seg_len[order]
+    total = int(seg_len.sum())
+    scratch = np.empty(total, dtype=np.uint8)
+    memory.gather(plan_segments(regions.buffer[region_of], seg_off, seg_len, total).chunks[0], scratch)
+    sizes, first, count = np.unique(seg_len, return_index=True, return_counts=True)
+    starts = np.concatenate([[0], np.cumsum(seg_len)])
+    for size, at, n in zip(sizes.tolist(), first.tolist(), count.tolist(), strict=True):
+        rows = scratch[int(starts[at]) : int(starts[at]) + n * size].reshape(n, size)
+        out[order[at : at + n]] = _segment_sums(rows)
+    return out
+
+
+def _segment_sums(rows: npt.NDArray[np.uint8]) -> U64:
+    """Σ_i w_i · x_i (mod 2^64) of each row's 64-bit words (a short tail as a zero-padded word)."""
+    seg = rows.shape[1]
+    if seg % 8:
+        padded = np.zeros((rows.shape[0], -(-seg // 8) * 8), dtype=np.uint8)
+        padded[:, :seg] = rows
+        rows = padded
+    words = rows.view(np.uint64)
+    result: U64 = words @ _weights_for(words.shape[1])
+    return result
+
+
+def _weights_for(n: int) -> U64:
+    global _weights
+    if len(_weights) < n:
+        _weights = _splitmix(0, max(n, 2 * len(_weights)))
+    return _weights[:n]
+
+
+def _splitmix(start: int, n: int) -> U64:
+    """Odd SplitMix64 outputs for positions ``start .. start + n - 1`` (numpy wraps mod 2^64).
+
+    >>> [hex(int(v)) for v in _splitmix(0, 2)]
+    ['0xe220a8397b1dcdaf', '0x6e789e6aa1b965f5']
+    """
+    z = (np.arange(start, start + n, dtype=np.uint64) + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    out: U64 = (z ^ (z >> np.uint64(31))) | np.uint64(1)
+    return out

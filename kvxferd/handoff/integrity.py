@@ -1,0 +1,304 @@
+"""Block integrity: what an offer held when it was written, checked where its blocks land.
+
+Three checks with the sums of :mod:`..dataplane.checksum`, over what the ``integrity``
+setting covers: every byte of every offered block (``full``), or ``integrity_samples``
+random segments, one block's K or V of one layer each (``sampled``, the default: a reused
+block, a stale block reference or a broken path changes every segment it touches, so a few
+catch it at the cost of a few segments; a lone flipped bit needs ``full``).
+
+1. **Digest**: the moment an offer is written (in the offer call, or in the layers-ready call
+   that completes a layer-wise offer), the offering daemon sums what it covers. A digest over
+   more than :data:`INLINE_BYTES` is summed off the event loop right after, and the offer
+   answers at once (a block rewritten within that window is not caught as rewritten).
+2. **At the source** (sampled), once the bytes left and before ``sent``: the same again. A
+   block that changed since the offer (its engine reused it before the pull ended) fails the
+   transfer with :class:`DataLossError` naming it, rather than ship new contents under the old
+   request. In ``full`` mode this pass is left out: step 3 compares every landed byte with
+   the digest, so a block changed at the source fails there (a third full pass would only
+   say where it changed).
+3. **Where they land**, before ``done``: the receiver sums what arrived and compares it with
+   the digest (carried in ``sent``; at hand on a local pull). A mismatch fails the pull with
+   :class:`DataLossError` naming the blocks; the destination is never reported filled.
+
+Not checked, and said so in the transfer's record: GPU pools (no checksum kernel yet),
+remapped streams (the two sides cut blocks differently), offers of a daemon with
+``integrity: off``.
+
+>>> digest = Digest("sampled", np.array([1, 4]), np.array([0, 3]), np.array([7, 9], dtype=np.uint64))
+>>> offer_pos, stream_pos, regions, sums = digest.for_pull(np.array([4, 2, 1]))  # a pull of 4, 2, 1
+>>> stream_pos.tolist(), regions.tolist(), sums.tolist()
+([2, 0], [0, 3], [7, 9])
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from collections.abc import Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvxfer_client._errors import DataLossError, InvalidRequestError, KvxferError
+from kvxfer_client._proto import peer_pb2
+
+from .._config import Settings
+from .._faults import Faults
+from .._log import log_event
+from .._offers import Offer
+from .._transfers import TransferRecord
+from ..dataplane.checksum import block_sums, segment_sums
+from ..dataplane.plan import RegionTable, build_plan
+from ..memory.pools import Pool
+
+__all__ = ["INLINE_BYTES", "Digest", "Integrity"]
+
+I64 = npt.NDArray[np.int64]
+U64 = npt.NDArray[np.uint64]
+#: Sums over at most this many bytes run on the event loop (about 0.2 ms here); more go to
+#: the copy threads.
+INLINE_BYTES = 1 << 20
+#: Blocks named in an error message (a mismatch of many says how many more).
+NAMED = 8
+
+
+@dataclass(frozen=True)
+class Digest:
+    """An offer's sums when it was written: entries at ``positions`` of its block list, of
+    region ``regions[j]`` (sampled) or of the whole block (``regions`` None)."""
+
+    mode: str
+    positions: I64
+    regions: I64 | None
+    sums: U64
+
+    def for_pull(self, indices: I64 | None) -> tuple[I64, I64, I64 | None, U64]:
+        """The entries a pull of the offer's blocks at ``indices`` (None: all) moves: their
+        offer positions, positions in the pull's stream, regions, sums."""
+        if indices is None:
+            return self.positions, self.positions, self.regions, self.sums
+        order = np.argsort(indices, kind="stable")
+        at = np.minimum(np.searchsorted(indices, self.positions, sorter=order), len(indices) - 1)
+        stream = order[at]
+        moved = indices[stream] == self.positions
+        regions = self.regions[moved] if self.regions is not None else None
+        return self.positions[moved], stream[moved], regions, self.sums[moved]
+
+
+class Integrity:
+    """The daemon's checks (see the module docstring); ``count`` hears of each one."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        executor: Executor,
+        faults: Faults,
+        count: Callable[[str, str, int], None] = lambda mode, result, blocks: None,
+    ) -> None:
+        self.mode = settings.integrity
+        self.samples = settings.integrity_samples
+        self.executor = executor
+        self.faults = faults
+        self._count = count
+
+    # -- the offering side ----------------------------------------------------------------
+
+    def take_digest(self, offer: Offer) -> None:
+        """Sum the offer's blocks if it is written and not summed yet (called when it is made,
+        and when a layer-wise offer's layers are said written)."""
+        if offer.digest is not None or offer.integrity_off:
+            return
+        if self.mode == "off":
+            offer.integrity_off = "integrity is off on the offering daemon"
+            return
+        if offer.pool.on_gpu:
+            offer.integrity_off = "GPU pool: no checksum kernel yet"
+            return
+        if not offer.written:
+            return
+        n, nbytes = len(offer.block_ids), offer.pool.regions.nbytes
+        regions: I64 | None = None
+        if self.mode == "full":
+            positions = np.arange(n, dtype=np.int64)
+        else:
+            rng = np.random.default_rng(secrets.randbits(64))
+            picks = np.sort(rng.choice(n * len(nbytes), min(self.samples, n * len(nbytes)), replace=False))
+            positions, regions = (picks // len(nbytes)).astype(np.int64), (picks % len(nbytes)).astype(np.int64)
+        future: asyncio.Future[Digest | None] = asyncio.get_running_loop().create_future()
+        offer.digest = future
+
+        def summed(sums: U64 | None) -> Digest | None:
+            if sums is None:
+                offer.integrity_off = "the offered pool went away before its blocks were summed"
+                return None
+            log_event("integrity.digest", logging.DEBUG, offer_id=offer.offer_id, mode=self.mode, sums=len(sums))
+            return Digest(self.mode, positions, regions, sums)
+
+        if _covered(offer.pool, positions, regions) <= INLINE_BYTES:
+            try:
+                future.set_result(summed(_sum_now(offer.pool, offer.block_ids[positions], regions)))
+            except KvxferError as exc:  # e.g. an engine's process memory that cannot be read
+                offer.integrity_off = f"its blocks could not be summed: {exc}"
+                offer.digest = None
+            return
+        task = asyncio.ensure_future(self._sums(offer.pool, offer.block_ids[positions], regions))
+        task.add_done_callback(lambda t: _settle(future, t, summed))
+
+    async def to_send(
+        self, record: TransferRecord, offer: Offer, indices: I64 | None, remapped: bool
+    ) -> peer_pb2.BlockSums | None:
+        """At the source, once the bytes left: the sums a pull of ``indices`` (None: all) is
+        checked against where it lands, after checking those blocks did not change since the
+        offer (DataLossError naming them if they did)."""
+        digest = await self._digest_of(offer) if not remapped else None
+        if digest is None:
+            self._unchecked(record, "remapped stream" if remapped else offer.integrity_off or "no digest was taken")
+            return None
+        offer_pos, stream_pos, regions, sums = digest.for_pull(indices)
+        blocks = len(np.unique(offer_pos))
+        if digest.mode == "full":
+            # Every byte is checked where it lands, against the digest: a block changed here
+            # shows there. Reading them all again here would be a third pass over the request.
+            record.integrity_mode, record.integrity_blocks, record.integrity_result = "full", blocks, "sent"
+            changed = np.zeros(0, dtype=bool)
+        else:
+            now = await self._sums(offer.pool, offer.block_ids[offer_pos], regions)
+            if now is None:
+                self._unchecked(record, "the offered pool went away")
+                return None
+            changed = now != sums
+            self._checked(record, digest.mode, blocks, bool(changed.any()))
+        if changed.any():
+            raise DataLossError(
+                f"offer {offer.offer_id}: blocks {_named(np.unique(offer.block_ids[offer_pos[changed]]))} changed "
+                "after they were offered (the engine wrote them again before the pull ended): not sent",
+                offer_id=offer.offer_id,
+                transfer_id=record.transfer_id,
+            )
+        return peer_pb2.BlockSums(
+            mode=digest.mode,
+            positions=stream_pos.tolist(),
+            sums=sums.tolist(),
+            regions=regions.tolist() if regions is not None else [],
+        )
+
+    async def _digest_of(self, offer: Offer) -> Digest | None:
+        if offer.digest is None:
+            return None
+        try:
+            digest: Digest | None = await asyncio.shield(offer.digest)
+        except KvxferError as exc:  # e.g. the engine's process memory became unreadable
+            offer.integrity_off = f"its blocks could not be summed: {exc}"
+            return None
+        return digest
+
+    # -- where the blocks land ------------------------------------------------------------
+
+    async def check_landed(
+        self, record: TransferRecord, sums: peer_pb2.BlockSums | None, dst: Pool, dst_ids: I64
+    ) -> None:
+        """Before done: the landed blocks' sums against ``sums`` (the offering daemon's)."""
+        if not dst.on_gpu and self.faults.corrupts("before_check", record.transfer_id):
+            _flip_first_bit(dst, dst_ids)
+        if sums is None or not len(sums.positions):
+            self._unchecked(record, record.integrity_result or "the offering daemon sent no sums")
+            return
+        if dst.on_gpu:
+            self._unchecked(record, "GPU destination: no checksum kernel yet")
+            return
+        positions = np.asarray(sums.positions, dtype=np.int64)
+        expected = np.asarray(sums.sums, dtype=np.uint64)
+        regions = np.asarray(sums.regions, dtype=np.int64) if len(sums.regions) else None
+        if (
+            len(positions) != len(expected)
+            or positions.max() >= len(dst_ids)
+            or (regions is not None and (len(regions) != len(positions) or regions.max() >= len(dst.regions.nbytes)))
+        ):
+            raise InvalidRequestError("the peer's block sums name blocks or regions outside this transfer")
+        landed = await self._sums(dst, dst_ids[positions], regions)
+        if landed is None:
+            self._unchecked(record, "the destination pool went away")
+            return
+        bad = landed != expected
+        self._checked(record, sums.mode, len(np.unique(positions)), bool(bad.any()))
+        if bad.any():
+            raise DataLossError(
+                f"blocks {_named(np.unique(dst_ids[positions[bad]]))} (positions {_named(np.unique(positions[bad]))} "
+                f"of the transfer) landed with other bytes than offer {record.offer_id} held when it was written: "
+                "changed at the source or corrupted on the way; the destination is not filled",
+                transfer_id=record.transfer_id,
+                offer_id=record.offer_id,
+            )
+
+    # -- shared ---------------------------------------------------------------------------
+
+    async def _sums(self, pool: Pool, ids: I64, regions: I64 | None) -> U64 | None:
+        """The sums, on the loop when small, else in a copy thread; None when the pool is
+        going away."""
+        if pool.closing:
+            return None
+        with pool.in_use():
+            if _covered(pool, ids, regions) <= INLINE_BYTES:
+                return _sum_now(pool, ids, regions)
+            loop = asyncio.get_running_loop()
+            result: U64 = await loop.run_in_executor(self.executor, _sum_now, pool, ids, regions)
+            return result
+
+    def _checked(self, record: TransferRecord, mode: str, blocks: int, mismatch: bool) -> None:
+        record.integrity_mode, record.integrity_blocks = mode, blocks
+        record.integrity_result = "mismatch" if mismatch else "ok"
+        self._count(mode, record.integrity_result, blocks)
+
+    def _unchecked(self, record: TransferRecord, why: str) -> None:
+        record.integrity_result = why if why.startswith("not checked") else f"not checked: {why}"
+        self._count(record.integrity_mode, "not_checked", 0)
+
+
+def _sum_now(pool: Pool, ids: I64, regions: I64 | None) -> U64:
+    memory = pool.host_memory()
+    if regions is None:
+        return block_sums(memory, pool.regions, ids)
+    return segment_sums(memory, pool.regions, ids, regions)
+
+
+def _covered(pool: Pool, ids: I64, regions: I64 | None) -> int:
+    """Bytes the sums of these entries read."""
+    if regions is None:
+        return len(ids) * int(pool.regions.nbytes.sum())
+    return int(pool.regions.nbytes[regions].sum())
+
+
+def _settle(future: asyncio.Future[Any], task: asyncio.Future[Any], summed: Callable[[Any], Any]) -> None:
+    """Hand a digest summed in a copy thread to the offer's future (its error, if any)."""
+    if future.done():
+        return
+    if task.cancelled():
+        future.cancel()
+    elif task.exception() is not None:
+        future.set_exception(task.exception())  # type: ignore[arg-type]
+        future.exception()  # retrieved: an offer gone before its pull logs no warning
+    else:
+        future.set_result(summed(task.result()))
+
+
+def _flip_first_bit(dst: Pool, dst_ids: I64) -> None:
+    """Fault injection (``before_check=corrupt``): flip one bit of the first landed block, as a
+    fault on the way would."""
+    regions = dst.regions
+    first = RegionTable(regions.buffer[:1], regions.offset[:1], regions.stride[:1], np.ones(1, np.int64))
+    chunk = build_plan(first, dst_ids[:1], 1).chunks[0]
+    memory, byte = dst.host_memory(), np.zeros(1, dtype=np.uint8)
+    memory.gather(chunk, byte)
+    byte ^= 1
+    memory.scatter(chunk, byte)
+
+
+def _named(values: Any) -> str:
+    """Up to :data:`NAMED` values, and how many more."""
+    listed = [int(v) for v in values]
+    more = f" and {len(listed) - NAMED} more" if len(listed) > NAMED else ""
+    return f"{listed[:NAMED]}{more}"

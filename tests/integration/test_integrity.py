@@ -1,0 +1,180 @@
+"""Block checksums end to end (kvxferd/handoff/integrity.py): what an offer held when it was
+written is what lands, or the pull fails with DataLossError naming the blocks. Real daemons;
+remote pulls over UCX and over same-host direct reads, and local copies. Bits are flipped
+"in flight" with the ``before_check=corrupt`` fault point; an engine reusing an offered block
+too early is an engine writing into it after its offer."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+import numpy as np
+import pytest
+
+from bench.cluster import Cluster, Daemon
+from kvxfer_client import (
+    AsyncKvxferClient,
+    DataLossError,
+    HostBuffer,
+    Layout,
+    Pool,
+    ReleaseReason,
+)
+from kvxfer_client._proto import admin_pb2, admin_pb2_grpc, common_pb2
+
+LAYOUT = Layout.paged_kv(num_layers=2, num_blocks=32, block_bytes=8 << 10)
+SRC, DST = [3, 9, 1, 20, 7, 11], [0, 5, 6, 30, 2, 8]
+FULL = ("--integrity", "full", "--log-level", "debug")
+CORRUPT = ("--fault-injection", "--faults", "before_check=corrupt")
+
+
+def _env(path: str) -> dict[str, str]:
+    return {"KVXFERD_SAME_HOST_DIRECT_READ": "true" if path == "direct" else "false"}
+
+
+async def _pools(p: AsyncKvxferClient, d: AsyncKvxferClient) -> tuple[Pool, Pool]:
+    src = [HostBuffer.create(s) for s in LAYOUT.buffer_sizes()]
+    for i, buf in enumerate(src):
+        buf.array()[:] = np.random.default_rng(i).integers(0, 256, buf.size, dtype=np.uint8)
+    dst = [HostBuffer.create(s) for s in LAYOUT.buffer_sizes()]
+    return await p.register_pool(src, LAYOUT), await d.register_pool(dst, LAYOUT)
+
+
+def _transfers(daemon: Daemon) -> list[admin_pb2.TransferInfo]:
+    with grpc.insecure_channel("unix:" + daemon.socket) as channel:
+        stub = admin_pb2_grpc.AdminServiceStub(channel)
+        return list(stub.ListTransfers(admin_pb2.ListTransfersRequest(include_finished=True), timeout=5).transfers)
+
+
+def _row(daemon: Daemon, transfer_id: str) -> admin_pb2.TransferInfo:
+    [row] = [t for t in _transfers(daemon) if t.transfer_id == transfer_id]
+    return row
+
+
+async def _until(condition: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.01)
+
+
+@pytest.fixture
+async def pair(cluster: Cluster, request: pytest.FixtureRequest) -> AsyncIterator[tuple[Daemon, Daemon]]:
+    """(offering, decode) daemons in full mode for a path: remote over UCX, remote by direct
+    reads, or local (both engines on one daemon); ``corrupt`` arms the corrupting fault."""
+    path, corrupt = request.param
+    extra = CORRUPT if corrupt else ()
+    a = cluster.daemon("a", *FULL, *extra, env=_env(path))
+    yield (a, a) if path == "local" else (a, cluster.daemon("b", *FULL, *extra, env=_env(path)))
+
+
+PATHS = ["ucx", "direct", "local"]
+
+
+@pytest.mark.parametrize("pair", [(p, False) for p in PATHS], indirect=True, ids=PATHS)
+async def test_every_block_is_checked_in_full_mode_and_the_records_say_so(
+    pair: tuple[Daemon, Daemon], request: pytest.FixtureRequest
+) -> None:
+    a, b = pair
+    async with (
+        AsyncKvxferClient(a.socket, engine_name="prefill") as p,
+        AsyncKvxferClient(b.socket, engine_name="decode") as d,
+    ):
+        src, dst = await _pools(p, d)
+        ticket = await p.offer(src, SRC)
+        result = await d.pull(ticket, dst, DST, transfer_id="checked-1")
+        row = _row(b, "checked-1")
+        path = {"direct:cma": "direct", "local-copy": "local"}.get(row.transport, "ucx")
+        assert path == request.node.callspec.id, row.transport  # the path this case is about
+        assert (row.integrity_mode, row.integrity_blocks, row.integrity_result) == ("full", len(SRC), "ok"), row
+        if a is not b:  # the offering daemon's record: full mode leaves every byte to the receiver
+            served = _row(a, "checked-1")
+            assert (served.integrity_mode, served.integrity_blocks, served.integrity_result) == ("full", 6, "sent")
+        assert f"integrity=full:{len(SRC)}:ok" in b.log()
+        assert result.bytes == len(SRC) * LAYOUT.bytes_per_block
+
+
+@pytest.mark.parametrize("pair", [(p, True) for p in PATHS], indirect=True, ids=PATHS)
+async def test_a_bit_flipped_on_the_way_fails_the_pull_naming_the_block(pair: tuple[Daemon, Daemon]) -> None:
+    """The fault flips one bit of the first landed block before the check: the pull fails with
+    DataLossError naming that block, the offer is released as failed, nothing reports success."""
+    a, b = pair
+    async with (
+        AsyncKvxferClient(a.socket, engine_name="prefill") as p,
+        AsyncKvxferClient(b.socket, engine_name="decode") as d,
+    ):
+        src, dst = await _pools(p, d)
+        ticket = await p.offer(src, SRC)
+        with pytest.raises(DataLossError, match=rf"blocks \[{DST[0]}\] \(positions \[0\]"):
+            await d.pull(ticket, dst, DST, transfer_id="flipped-1")
+        released = await p.wait_released(ticket.offer_id, 10)
+        assert released.reason is ReleaseReason.FAILED
+        row = _row(b, "flipped-1")
+        assert row.state == common_pb2.TRANSFER_STATE_FAILED and row.integrity_result == "mismatch", row
+        assert "fault.hit point=before_check action=corrupt" in b.log()
+
+
+@pytest.mark.parametrize("mode", ["sampled", "full"])
+@pytest.mark.parametrize("path", PATHS)
+async def test_a_block_written_again_after_its_offer_is_not_shipped_under_the_old_request(
+    cluster: Cluster, path: str, mode: str
+) -> None:
+    """The engine reuses an offered block (writes one layer's V of it) before the pull: the
+    transfer fails naming the block instead of delivering new contents under the old request:
+    at the source in sampled mode (every segment sampled here: 6 blocks x 4 regions < 32),
+    where it lands in full mode."""
+    extra = ("--integrity", mode, "--integrity-samples", "32", "--log-level", "debug")
+    a = cluster.daemon("a", *extra, env=_env(path))
+    b = a if path == "local" else cluster.daemon("b", *extra, env=_env(path))
+    async with (
+        AsyncKvxferClient(a.socket, engine_name="prefill") as p,
+        AsyncKvxferClient(b.socket, engine_name="decode") as d,
+    ):
+        src, dst = await _pools(p, d)
+        ticket = await p.offer(src, SRC)
+        await _until(lambda: f"integrity.digest offer_id={ticket.offer_id}" in a.log(), "the offer was never summed")
+        reused = SRC[3]
+        region = LAYOUT.regions[1]
+        start = region.offset + reused * region.block_stride
+        src.buffers[region.buffer_index].array()[start : start + 64] ^= 0xFF  # another request's KV
+        said = "changed after they were offered" if mode == "sampled" else "landed with other bytes"
+        with pytest.raises(DataLossError, match=rf"blocks \[{reused if mode == 'sampled' else DST[3]}\].*{said}"):
+            await d.pull(ticket, dst, DST)
+        assert (await p.wait_released(ticket.offer_id, 10)).reason is ReleaseReason.FAILED
+
+
+async def test_sampled_mode_catches_a_corrupt_segment_at_the_rate_it_samples(cluster: Cluster) -> None:
+    """8 of 32 segments (16 blocks, K and V of one layer) summed per offer, the first one
+    corrupted every time: about a quarter of the pulls fail (binomial, 60 pulls: outside 4..28
+    has odds under 1e-4), and every one that fails names block position 0."""
+    a = cluster.daemon("a", "--integrity", "sampled", "--integrity-samples", "8", *CORRUPT)
+    layout = Layout.paged_kv(num_layers=1, num_blocks=64, block_bytes=4 << 10)
+    async with (
+        AsyncKvxferClient(a.socket, engine_name="prefill") as p,
+        AsyncKvxferClient(a.socket, engine_name="decode") as d,
+    ):
+        src = await p.register_pool([HostBuffer.create(s) for s in layout.buffer_sizes()], layout)
+        dst = await d.register_pool([HostBuffer.create(s) for s in layout.buffer_sizes()], layout)
+        caught = 0
+        for _ in range(60):
+            ticket = await p.offer(src, list(range(16)))
+            try:
+                await d.pull(ticket, dst, list(range(16, 32)))
+            except DataLossError as exc:
+                assert "(positions [0]" in str(exc), exc
+                caught += 1
+    assert 4 <= caught <= 28, caught
+
+
+async def test_with_integrity_off_the_record_says_nothing_was_checked(cluster: Cluster) -> None:
+    a = cluster.daemon("a", "--integrity", "off")
+    async with (
+        AsyncKvxferClient(a.socket, engine_name="prefill") as p,
+        AsyncKvxferClient(a.socket, engine_name="decode") as d,
+    ):
+        src, dst = await _pools(p, d)
+        await d.pull(await p.offer(src, SRC), dst, DST, transfer_id="off-1")
+        assert _row(a, "off-1").integrity_result == "not checked: integrity is off on the offering daemon"
