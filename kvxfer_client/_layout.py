@@ -52,6 +52,9 @@ class ModelInfo:
     block_tokens: int = 0
     tp_size: int = 1
     tp_rank: int = 0
+    #: How KV lies inside a block as the engine's kernels read it (common.proto, ModelInfo):
+    #: part of the fingerprint, so engines that lay blocks out differently never meet.
+    kv_format: str = ""
 
     def to_proto(self) -> common_pb2.ModelInfo:
         return common_pb2.ModelInfo(
@@ -60,11 +63,12 @@ class ModelInfo:
             block_tokens=self.block_tokens,
             tp_size=self.tp_size,
             tp_rank=self.tp_rank,
+            kv_format=self.kv_format,
         )
 
     @classmethod
     def from_proto(cls, msg: common_pb2.ModelInfo) -> ModelInfo:
-        return cls(msg.model, msg.dtype, msg.block_tokens, msg.tp_size, msg.tp_rank)
+        return cls(msg.model, msg.dtype, msg.block_tokens, msg.tp_size, msg.tp_rank, msg.kv_format)
 
 
 @dataclass(frozen=True)
@@ -192,6 +196,8 @@ def signature_fingerprint(sig: common_pb2.LayoutSignature) -> str:
         facts: list[object] = [list(sig.block_bytes), [m.model, m.dtype, m.block_tokens, m.tp_size, m.tp_rank]]
     else:
         facts = ["mappable", len(sig.block_bytes), [m.model, m.dtype], [g.total_kv_heads, g.head_bytes]]
+    if m.kv_format:  # added only when given: fingerprints of pools without one stay as they were
+        facts.append(["kv_format", m.kv_format])
     canonical = json.dumps(facts, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()[:32]
 
@@ -212,6 +218,20 @@ def signature_mismatch(ours: common_pb2.LayoutSignature, theirs: common_pb2.Layo
         x, y = getattr(ours.model, name), getattr(theirs.model, name)
         if x != y:
             return f"model {name} differs: {x!r} vs {y!r}"
+    return _kv_format_mismatch(ours, theirs)
+
+
+def _kv_format_mismatch(ours: common_pb2.LayoutSignature, theirs: common_pb2.LayoutSignature) -> str | None:
+    """The in-block layouts differ: the same bytes would be read as other values.
+
+    >>> def sig(kv_format):
+    ...     return common_pb2.LayoutSignature(model=common_pb2.ModelInfo(kv_format=kv_format))
+    >>> print(_kv_format_mismatch(sig("vllm/A [B,2,16,256] x2"), sig("vllm/B [B,16,2,256] x2")))
+    KV format differs: 'vllm/A [B,2,16,256] x2' vs 'vllm/B [B,16,2,256] x2' (other engine versions or kernels)
+    """
+    x, y = ours.model.kv_format, theirs.model.kv_format
+    if x != y:
+        return f"KV format differs: {x!r} vs {y!r} (other engine versions or kernels)"
     return None
 
 
@@ -226,6 +246,8 @@ def _geometry_mismatch(
             return f"model {name} differs: {x!r} vs {y!r}"
     if a.total_kv_heads != b.total_kv_heads:
         return f"KV heads differ: {a.total_kv_heads} vs {b.total_kv_heads}"
+    if ours.model.kv_format != theirs.model.kv_format:
+        return _kv_format_mismatch(ours, theirs)
     if a.head_bytes != b.head_bytes:
         return f"bytes per head and token differ: {a.head_bytes} vs {b.head_bytes}"
     small, large = sorted((a.block_tokens, b.block_tokens))

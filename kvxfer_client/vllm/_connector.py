@@ -158,8 +158,9 @@ class KvxferConnector(KVConnectorBase_V1):
             tp_rank=self._worker.tp_rank,
         )
         num_blocks = int(self._kv_cache_config.num_blocks)
-        backend = _backend_shape(config, self._kv_cache_config)
-        pool = self._worker.register(kv_caches, num_blocks, model, backend, _head_facts(config, self._kv_cache_config))
+        shape = _backend_shape(config, self._kv_cache_config)
+        heads = _head_facts(config, self._kv_cache_config)
+        pool = self._worker.register(kv_caches, num_blocks, model, shape, heads, _backend_name(config))
         self._handshake = KvxferHandshake(pool)
 
     def get_handshake_metadata(self) -> KvxferHandshake | None:
@@ -292,6 +293,16 @@ def _backend_shape(config: VllmConfig, kv_cache_config: KVCacheConfig) -> tuple[
         log.info("kvxfer: the attention backend's KV shape is unknown (%s); reading the tensors' shapes", exc)
         return None
     return tuple(int(n) for n in shape)
+
+
+def _backend_name(config: VllmConfig) -> str:
+    """The attention backend's name (part of the pool's KV format), "" when vLLM cannot say."""
+    from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+
+    try:
+        return str(get_current_attn_backends(config)[0].get_name())
+    except (AttributeError, IndexError, NotImplementedError, TypeError, ValueError):
+        return ""
 
 
 def _total_kv_heads(config: VllmConfig) -> int:

@@ -34,7 +34,15 @@ from .._tensor_layout import layout_from_tensors, tensor_geometry
 from .._ticket import Ticket
 from ._plan import Load, RankPool, Send, Stream, stream_id
 
-__all__ = ["QUARANTINE_S", "SENTINEL_BLOCKS", "HeadFacts", "WorkerTransfers", "block_dim_of", "kv_geometry"]
+__all__ = [
+    "QUARANTINE_S",
+    "SENTINEL_BLOCKS",
+    "HeadFacts",
+    "WorkerTransfers",
+    "block_dim_of",
+    "kv_format_of",
+    "kv_geometry",
+]
 
 log = logging.getLogger("vllm.kvxfer")
 
@@ -109,10 +117,12 @@ class WorkerTransfers:
         model: ModelInfo,
         backend_shape: tuple[int, ...] | None = None,
         heads: HeadFacts | None = None,
+        backend: str = "",
     ) -> RankPool:
         """Register the rank's KV tensors (one buffer per layer, in vLLM's layer order);
         ``backend_shape`` as :func:`block_dim_of` takes it; ``heads``: what vLLM says of the
-        heads, to declare the pool's geometry (then other TP sizes can pull from it)."""
+        heads, to declare the pool's geometry (then other TP sizes can pull from it);
+        ``backend``: the attention backend's name, for the pool's KV format."""
         tensors = list(kv_caches.values())
         self._layer_of = {name: index for index, name in enumerate(kv_caches)}
         self.layers = len(tensors)
@@ -123,6 +133,8 @@ class WorkerTransfers:
         geometry = kv_geometry(tensors[0], block_dim, layout, heads, model) if heads is not None else None
         if geometry is not None:
             layout = dataclasses.replace(layout, geometry=geometry)
+        kv_format = kv_format_of(tensors[0], block_dim, geometry, backend)
+        layout = dataclasses.replace(layout, model=dataclasses.replace(layout.model, kv_format=kv_format))
         self.pool = self.client.register_pool(tensors, layout, name=f"vllm-tp{self.tp_rank}")
         log.info(
             "kvxfer: registered %d KV tensors of TP rank %d as pool %s (%d blocks, %d regions, %d bytes per block, %s)",
@@ -369,6 +381,29 @@ def kv_geometry(tensor: Any, block_dim: int, layout: Any, facts: HeadFacts, mode
         h, t = pairs[0]
         order = "HND" if strides[h] > strides[t] else "NHD"
     return KvGeometry(facts.block_size, facts.total_heads, head_bytes, order)  # type: ignore[arg-type]
+
+
+def kv_format_of(tensor: Any, block_dim: int, geometry: KvGeometry | None, backend: str) -> str:
+    """The pool's KV format (common.proto, ModelInfo.kv_format): what the fingerprint must
+    hold of the in-block layout beyond the sizes. Without a geometry, the whole shape (blocks
+    as ``B``) and the attention backend: engines whose kernels lay blocks out differently never
+    meet. With one, only what no mapping bridges: how K and V share a region (a mapping handles
+    TP, head order and block size, and the geometry holds the bytes per head).
+
+    >>> import numpy as np
+    >>> cpu = np.zeros((8, 2, 16, 256), dtype=np.uint16)       # [blocks, heads, tokens, K|V]
+    >>> kv_format_of(cpu, 0, None, "CPU_ATTN")
+    'vllm/CPU_ATTN [B,2,16,256] x2'
+    >>> g = KvGeometry(16, 4, 512, "HND")
+    >>> kv_format_of(cpu, 0, g, "CPU_ATTN"), kv_format_of(np.zeros((2, 8, 16, 2, 128)), 1, g, "FLASH")
+    ('vllm kv=packed', 'vllm kv=planes')
+    """
+    shape, _, itemsize = tensor_geometry(tensor)
+    if geometry is not None:
+        return f"vllm kv={'planes' if block_dim else 'packed'}"
+    dims = ["B" if d == block_dim else str(n) for d, n in enumerate(shape)]
+    name = f"vllm/{backend}" if backend else "vllm"
+    return f"{name} [{','.join(dims)}] x{itemsize}"
 
 
 def _done() -> concurrent.futures.Future[Any]:

@@ -25,6 +25,7 @@ from kvxfer_client._errors import (
     KvxferError,
     UnavailableError,
 )
+from kvxfer_client._layout import signature_mismatch
 from kvxfer_client._proto import common_pb2
 from kvxfer_client._ticket import Ticket
 
@@ -68,7 +69,8 @@ class Pulls:
         of ``dst`` within ``timeout_s``; returns the finished record. ``transfer_id`` names a
         retryable pull (empty: a fresh id); ``pushed_by``: the daemon that announced it, for a
         push (:mod:`.push`)."""
-        _check_against(ticket, dst, dst_ids, indices)
+        offered = self.local.offers.offers.get(ticket.offer_id) if ticket.daemon_id == self.daemon_id else None
+        _check_against(ticket, dst, dst_ids, indices, offered.pool if offered is not None else None)
         dst_key = _destination_key(dst.pool_id, dst_ids, indices)
         if transfer_id:
             done = self.transfers.succeeded_pull(transfer_id)
@@ -156,10 +158,15 @@ class Pulls:
 
 
 def _check_against(
-    ticket: Ticket, dst: Pool, dst_ids: np.ndarray[Any, Any], indices: np.ndarray[Any, Any] | None
+    ticket: Ticket,
+    dst: Pool,
+    dst_ids: np.ndarray[Any, Any],
+    indices: np.ndarray[Any, Any] | None,
+    src: Pool | None = None,
 ) -> None:
     """The ticket fits the destination: block count, layout fingerprint, byte count. With a
-    declared geometry, counts and bytes depend on the mapping: the planner checks them."""
+    declared geometry, counts and bytes depend on the mapping: the planner checks them.
+    ``src``: the offered pool, when it is on this daemon (a refusal then names the difference)."""
     mapped = dst.layout.geometry is not None
     if indices is None and len(dst_ids) != ticket.num_blocks and not mapped:
         raise InvalidRequestError(f"ticket holds {ticket.num_blocks} blocks, {len(dst_ids)} destination ids given")
@@ -168,8 +175,10 @@ def _check_against(
             raise InvalidRequestError(f"{len(indices)} offer_block_indices, {len(dst_ids)} destination ids given")
         check_block_ids(indices, ticket.num_blocks, "offer_block_indices")  # the offerer checks again
     if ticket.fingerprint != dst.fingerprint:
+        why = signature_mismatch(src.layout.signature(), dst.layout.signature()) if src is not None else None
         raise IncompatibleError(
-            f"layout fingerprint mismatch: offer {ticket.fingerprint}, destination pool {dst.fingerprint}"
+            f"layout fingerprint mismatch: offer {ticket.fingerprint}, destination pool {dst.fingerprint}: "
+            + (why or "the pools differ in block sizes, model, dtype, TP, geometry or KV format (kvxferctl pools)")
         )
     # Same fingerprint, same bytes per block: a ticket's byte count is derived, never trusted.
     if not mapped and ticket.total_bytes != ticket.num_blocks * dst.layout.bytes_per_block:

@@ -19,7 +19,9 @@ from kvxfer_client import (
     AsyncKvxferClient,
     DataLossError,
     HostBuffer,
+    IncompatibleError,
     Layout,
+    ModelInfo,
     Pool,
     ReleaseReason,
 )
@@ -178,3 +180,33 @@ async def test_with_integrity_off_the_record_says_nothing_was_checked(cluster: C
         src, dst = await _pools(p, d)
         await d.pull(await p.offer(src, SRC), dst, DST, transfer_id="off-1")
         assert _row(a, "off-1").integrity_result == "not checked: integrity is off on the offering daemon"
+
+
+@pytest.mark.parametrize("path", ["ucx", "local"])
+async def test_pools_whose_kv_format_differs_never_exchange_blocks(cluster: Cluster, path: str) -> None:
+    """Layout drift: two engine versions with the same block sizes but another in-block layout
+    (ModelInfo.kv_format) get different fingerprints, and a pull between them is refused
+    naming both formats, before a byte moves."""
+    a = cluster.daemon("a", env=_env(path))
+    b = a if path == "local" else cluster.daemon("b", env=_env(path))
+    formats = ("eng/1 [B,2,16,256] x2", "eng/2 [B,16,2,256] x2", "")
+    layouts = [
+        Layout.paged_kv(num_layers=2, num_blocks=32, block_bytes=8 << 10, model=ModelInfo("m", "bf16", 16, kv_format=f))
+        for f in formats
+    ]
+    assert len({layout.fingerprint() for layout in layouts}) == 3
+    new_layout = layouts[1]
+    async with (
+        AsyncKvxferClient(a.socket, engine_name="prefill") as p,
+        AsyncKvxferClient(b.socket, engine_name="decode") as d,
+    ):
+        src = await p.register_pool([HostBuffer.create(s) for s in layouts[0].buffer_sizes()], layouts[0])
+        dst = await d.register_pool([HostBuffer.create(s) for s in new_layout.buffer_sizes()], new_layout)
+        ticket = await p.offer(src, SRC)
+        # The decode daemon refuses on the fingerprint; on one daemon it names the difference.
+        said = r"KV format differs: 'eng/1 \[B,2,16,256\] x2' vs 'eng/2" if path == "local" else "KV format"
+        with pytest.raises(IncompatibleError, match=f"layout fingerprint mismatch: .*{said}"):
+            await d.pull(ticket, dst, DST)
+        # Refused before a byte moved: the offer is still there for an engine of its own format.
+        same = await d.register_pool([HostBuffer.create(s) for s in layouts[0].buffer_sizes()], layouts[0])
+        assert (await d.pull(ticket, same, DST)).bytes == len(SRC) * layouts[0].bytes_per_block

@@ -25,35 +25,35 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvxfer/v1/common.proto\x12\tkvxfer.v1\"\xc3\x01\n\nBufferSpec\x12#\n\x04kind\x18\x01 \x01(\x0e\x32\x15.kvxfer.v1.MemoryKind\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x10\n\x08shm_name\x18\x03 \x01(\t\x12\x17\n\x0f\x63uda_ipc_handle\x18\x04 \x01(\x0c\x12\x19\n\x11\x63uda_alloc_offset\x18\x05 \x01(\x04\x12\x10\n\x08gpu_uuid\x18\x06 \x01(\t\x12\x11\n\tfd_handle\x18\x07 \x01(\t\x12\x17\n\x0fprocess_address\x18\x08 \x01(\x04\"Y\n\x06Region\x12\x14\n\x0c\x62uffer_index\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x14\n\x0c\x62lock_stride\x18\x03 \x01(\x04\x12\x13\n\x0b\x62lock_bytes\x18\x04 \x01(\x04\"a\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x14\n\x0c\x62lock_tokens\x18\x03 \x01(\r\x12\x0f\n\x07tp_size\x18\x04 \x01(\r\x12\x0f\n\x07tp_rank\x18\x05 \x01(\r\"s\n\nKvGeometry\x12\x14\n\x0c\x62lock_tokens\x18\x01 \x01(\r\x12\x16\n\x0etotal_kv_heads\x18\x02 \x01(\r\x12\x12\n\nhead_bytes\x18\x03 \x01(\r\x12#\n\x05order\x18\x04 \x01(\x0e\x32\x14.kvxfer.v1.HeadOrder\"\x8e\x01\n\x06Layout\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\"\n\x07regions\x18\x02 \x03(\x0b\x32\x11.kvxfer.v1.Region\x12#\n\x05model\x18\x03 \x01(\x0b\x32\x14.kvxfer.v1.ModelInfo\x12\'\n\x08geometry\x18\x04 \x01(\x0b\x32\x15.kvxfer.v1.KvGeometry\"t\n\x0fLayoutSignature\x12\x13\n\x0b\x62lock_bytes\x18\x01 \x03(\x04\x12#\n\x05model\x18\x02 \x01(\x0b\x32\x14.kvxfer.v1.ModelInfo\x12\'\n\x08geometry\x18\x03 \x01(\x0b\x32\x15.kvxfer.v1.KvGeometry\"\xb2\x01\n\x06Ticket\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x11\n\tdaemon_id\x18\x02 \x01(\t\x12\x14\n\x0cpeer_address\x18\x03 \x01(\t\x12\x10\n\x08offer_id\x18\x04 \x01(\t\x12\r\n\x05token\x18\x05 \x01(\x0c\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12\x13\n\x0b\x66ingerprint\x18\x07 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x08 \x01(\x04\x12\x0f\n\x07readers\x18\t \x01(\r*{\n\nMemoryKind\x12\x1b\n\x17MEMORY_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14MEMORY_KIND_HOST_SHM\x10\x01\x12\x18\n\x14MEMORY_KIND_CUDA_IPC\x10\x02\x12\x1c\n\x18MEMORY_KIND_HOST_PROCESS\x10\x03*3\n\tHeadOrder\x12\x12\n\x0eHEAD_ORDER_HND\x10\x00\x12\x12\n\x0eHEAD_ORDER_NHD\x10\x01*\xda\x01\n\rReleaseReason\x12\x1e\n\x1aRELEASE_REASON_UNSPECIFIED\x10\x00\x12\x19\n\x15RELEASE_REASON_PULLED\x10\x01\x12\x1a\n\x16RELEASE_REASON_EXPIRED\x10\x02\x12\x1c\n\x18RELEASE_REASON_CANCELLED\x10\x03\x12\x19\n\x15RELEASE_REASON_FAILED\x10\x04\x12\x1c\n\x18RELEASE_REASON_POOL_GONE\x10\x05\x12\x1b\n\x17RELEASE_REASON_SHUTDOWN\x10\x06*`\n\x0cTransferPath\x12\x1d\n\x19TRANSFER_PATH_UNSPECIFIED\x10\x00\x12\x17\n\x13TRANSFER_PATH_LOCAL\x10\x01\x12\x18\n\x14TRANSFER_PATH_REMOTE\x10\x02*\xa2\x01\n\rTransferState\x12\x1e\n\x1aTRANSFER_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16TRANSFER_STATE_RUNNING\x10\x01\x12\x1c\n\x18TRANSFER_STATE_SUCCEEDED\x10\x02\x12\x19\n\x15TRANSFER_STATE_FAILED\x10\x03\x12\x1c\n\x18TRANSFER_STATE_CANCELLED\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16kvxfer/v1/common.proto\x12\tkvxfer.v1\"\xc3\x01\n\nBufferSpec\x12#\n\x04kind\x18\x01 \x01(\x0e\x32\x15.kvxfer.v1.MemoryKind\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x10\n\x08shm_name\x18\x03 \x01(\t\x12\x17\n\x0f\x63uda_ipc_handle\x18\x04 \x01(\x0c\x12\x19\n\x11\x63uda_alloc_offset\x18\x05 \x01(\x04\x12\x10\n\x08gpu_uuid\x18\x06 \x01(\t\x12\x11\n\tfd_handle\x18\x07 \x01(\t\x12\x17\n\x0fprocess_address\x18\x08 \x01(\x04\"Y\n\x06Region\x12\x14\n\x0c\x62uffer_index\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x14\n\x0c\x62lock_stride\x18\x03 \x01(\x04\x12\x13\n\x0b\x62lock_bytes\x18\x04 \x01(\x04\"t\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x14\n\x0c\x62lock_tokens\x18\x03 \x01(\r\x12\x0f\n\x07tp_size\x18\x04 \x01(\r\x12\x0f\n\x07tp_rank\x18\x05 \x01(\r\x12\x11\n\tkv_format\x18\x06 \x01(\t\"s\n\nKvGeometry\x12\x14\n\x0c\x62lock_tokens\x18\x01 \x01(\r\x12\x16\n\x0etotal_kv_heads\x18\x02 \x01(\r\x12\x12\n\nhead_bytes\x18\x03 \x01(\r\x12#\n\x05order\x18\x04 \x01(\x0e\x32\x14.kvxfer.v1.HeadOrder\"\x8e\x01\n\x06Layout\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\"\n\x07regions\x18\x02 \x03(\x0b\x32\x11.kvxfer.v1.Region\x12#\n\x05model\x18\x03 \x01(\x0b\x32\x14.kvxfer.v1.ModelInfo\x12\'\n\x08geometry\x18\x04 \x01(\x0b\x32\x15.kvxfer.v1.KvGeometry\"t\n\x0fLayoutSignature\x12\x13\n\x0b\x62lock_bytes\x18\x01 \x03(\x04\x12#\n\x05model\x18\x02 \x01(\x0b\x32\x14.kvxfer.v1.ModelInfo\x12\'\n\x08geometry\x18\x03 \x01(\x0b\x32\x15.kvxfer.v1.KvGeometry\"\xb2\x01\n\x06Ticket\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x11\n\tdaemon_id\x18\x02 \x01(\t\x12\x14\n\x0cpeer_address\x18\x03 \x01(\t\x12\x10\n\x08offer_id\x18\x04 \x01(\t\x12\r\n\x05token\x18\x05 \x01(\x0c\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12\x13\n\x0b\x66ingerprint\x18\x07 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x08 \x01(\x04\x12\x0f\n\x07readers\x18\t \x01(\r*{\n\nMemoryKind\x12\x1b\n\x17MEMORY_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14MEMORY_KIND_HOST_SHM\x10\x01\x12\x18\n\x14MEMORY_KIND_CUDA_IPC\x10\x02\x12\x1c\n\x18MEMORY_KIND_HOST_PROCESS\x10\x03*3\n\tHeadOrder\x12\x12\n\x0eHEAD_ORDER_HND\x10\x00\x12\x12\n\x0eHEAD_ORDER_NHD\x10\x01*\xda\x01\n\rReleaseReason\x12\x1e\n\x1aRELEASE_REASON_UNSPECIFIED\x10\x00\x12\x19\n\x15RELEASE_REASON_PULLED\x10\x01\x12\x1a\n\x16RELEASE_REASON_EXPIRED\x10\x02\x12\x1c\n\x18RELEASE_REASON_CANCELLED\x10\x03\x12\x19\n\x15RELEASE_REASON_FAILED\x10\x04\x12\x1c\n\x18RELEASE_REASON_POOL_GONE\x10\x05\x12\x1b\n\x17RELEASE_REASON_SHUTDOWN\x10\x06*`\n\x0cTransferPath\x12\x1d\n\x19TRANSFER_PATH_UNSPECIFIED\x10\x00\x12\x17\n\x13TRANSFER_PATH_LOCAL\x10\x01\x12\x18\n\x14TRANSFER_PATH_REMOTE\x10\x02*\xa2\x01\n\rTransferState\x12\x1e\n\x1aTRANSFER_STATE_UNSPECIFIED\x10\x00\x12\x1a\n\x16TRANSFER_STATE_RUNNING\x10\x01\x12\x1c\n\x18TRANSFER_STATE_SUCCEEDED\x10\x02\x12\x19\n\x15TRANSFER_STATE_FAILED\x10\x03\x12\x1c\n\x18TRANSFER_STATE_CANCELLED\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MEMORYKIND']._serialized_start=986
-  _globals['_MEMORYKIND']._serialized_end=1109
-  _globals['_HEADORDER']._serialized_start=1111
-  _globals['_HEADORDER']._serialized_end=1162
-  _globals['_RELEASEREASON']._serialized_start=1165
-  _globals['_RELEASEREASON']._serialized_end=1383
-  _globals['_TRANSFERPATH']._serialized_start=1385
-  _globals['_TRANSFERPATH']._serialized_end=1481
-  _globals['_TRANSFERSTATE']._serialized_start=1484
-  _globals['_TRANSFERSTATE']._serialized_end=1646
+  _globals['_MEMORYKIND']._serialized_start=1005
+  _globals['_MEMORYKIND']._serialized_end=1128
+  _globals['_HEADORDER']._serialized_start=1130
+  _globals['_HEADORDER']._serialized_end=1181
+  _globals['_RELEASEREASON']._serialized_start=1184
+  _globals['_RELEASEREASON']._serialized_end=1402
+  _globals['_TRANSFERPATH']._serialized_start=1404
+  _globals['_TRANSFERPATH']._serialized_end=1500
+  _globals['_TRANSFERSTATE']._serialized_start=1503
+  _globals['_TRANSFERSTATE']._serialized_end=1665
   _globals['_BUFFERSPEC']._serialized_start=38
   _globals['_BUFFERSPEC']._serialized_end=233
   _globals['_REGION']._serialized_start=235
   _globals['_REGION']._serialized_end=324
   _globals['_MODELINFO']._serialized_start=326
-  _globals['_MODELINFO']._serialized_end=423
-  _globals['_KVGEOMETRY']._serialized_start=425
-  _globals['_KVGEOMETRY']._serialized_end=540
-  _globals['_LAYOUT']._serialized_start=543
-  _globals['_LAYOUT']._serialized_end=685
-  _globals['_LAYOUTSIGNATURE']._serialized_start=687
-  _globals['_LAYOUTSIGNATURE']._serialized_end=803
-  _globals['_TICKET']._serialized_start=806
-  _globals['_TICKET']._serialized_end=984
+  _globals['_MODELINFO']._serialized_end=442
+  _globals['_KVGEOMETRY']._serialized_start=444
+  _globals['_KVGEOMETRY']._serialized_end=559
+  _globals['_LAYOUT']._serialized_start=562
+  _globals['_LAYOUT']._serialized_end=704
+  _globals['_LAYOUTSIGNATURE']._serialized_start=706
+  _globals['_LAYOUTSIGNATURE']._serialized_end=822
+  _globals['_TICKET']._serialized_start=825
+  _globals['_TICKET']._serialized_end=1003
 # @@protoc_insertion_point(module_scope)

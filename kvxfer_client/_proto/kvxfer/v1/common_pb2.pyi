@@ -241,11 +241,19 @@ class ModelInfo(_message.Message):
     BLOCK_TOKENS_FIELD_NUMBER: _builtins.int
     TP_SIZE_FIELD_NUMBER: _builtins.int
     TP_RANK_FIELD_NUMBER: _builtins.int
+    KV_FORMAT_FIELD_NUMBER: _builtins.int
     model: _builtins.str
     dtype: _builtins.str
     block_tokens: _builtins.int
     tp_size: _builtins.int
     tp_rank: _builtins.int
+    kv_format: _builtins.str
+    """How the engine lays KV out inside a block, as its attention kernels read it (dimension
+    order, K/V packing, element strides; the vLLM connector writes e.g.
+    "vllm/CPU_ATTN [B,H,32,2x128] bf16"), independent of the tensor-parallel split. Opaque to
+    kvxfer and part of the fingerprint: two engine versions or attention backends that lay
+    blocks out differently never exchange them ("" matches only "").
+    """
     def __init__(
         self,
         *,
@@ -254,10 +262,11 @@ class ModelInfo(_message.Message):
         block_tokens: _builtins.int = ...,
         tp_size: _builtins.int = ...,
         tp_rank: _builtins.int = ...,
+        kv_format: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_tokens", b"block_tokens", "dtype", b"dtype", "model", b"model", "tp_rank", b"tp_rank", "tp_size", b"tp_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_tokens", b"block_tokens", "dtype", b"dtype", "kv_format", b"kv_format", "model", b"model", "tp_rank", b"tp_rank", "tp_size", b"tp_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
