@@ -226,14 +226,13 @@ def test_prefill_holds_blocks_until_pulled_and_decode_waits_for_the_pull(engines
     prefill, decode = engines
     prompt = list(range(3, 3 + 3 * BLOCK + 5))  # 4 blocks, the last partly filled
     prefill.scheduler.add_request(_request("p1", prompt, 1, {"do_remote_decode": True}))
-    params = _params_of(prefill.step(), "p1")
+    # What the prefill worker "computes" in its forward pass: recognisable bytes in every block.
+    params = _params_of(prefill.step(forward=_filled(prefill, 5)), "p1")
     assert params and params["do_remote_prefill"] and len(params["kvxfer_tickets"]) == 1
     free_while_held = prefill.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
     assert "p1" in prefill.scheduler.requests, "blocks must stay held (delay_free) until the pull"
     src = list(prefill.scheduler.kv_cache_manager.get_block_ids("p1")[0])
     assert params["kvxfer_tickets"][0]["num_blocks"] == len(src) == 4
-    # What the prefill worker "computed": recognisable bytes in every block.
-    prefill.kv[:] = np.random.default_rng(5).integers(0, 1 << 16, prefill.kv.shape, dtype=np.uint16)
 
     decode.scheduler.add_request(_request("d1", prompt, 4, params))
     decode.step()
@@ -278,10 +277,9 @@ def test_a_prefix_cache_hit_pulls_only_the_blocks_the_decode_engine_lacks(engine
     _run_until(decode, lambda: "d-warm" not in decode.scheduler.requests, "the warm-up request never finished")
     prompt = shared + list(range(900, 900 + BLOCK + 7))  # 4 blocks, 2 of them cached on decode
     prefill.scheduler.add_request(_request("p2", prompt, 1, {"do_remote_decode": True}))
-    params = _params_of(prefill.step(), "p2")
+    params = _params_of(prefill.step(forward=_filled(prefill, 6)), "p2")
     assert params is not None
     src = list(prefill.scheduler.kv_cache_manager.get_block_ids("p2")[0])
-    prefill.kv[:] = np.random.default_rng(6).integers(0, 1 << 16, prefill.kv.shape, dtype=np.uint16)
     decode_before = decode.kv.copy()
     decode.scheduler.add_request(_request("d2", prompt, 2, params))
     decode.step()
@@ -364,15 +362,24 @@ def test_a_dead_daemon_fails_the_load_instead_of_hanging(tmp_path_factory: pytes
             decode.close()
 
 
+def _filled(engine: Engine, seed: int) -> Any:
+    """A forward pass that fills each rank's KV with recognisable bytes (before the step's
+    offers are made: bytes written after an offer fail its integrity check, as they should)."""
+
+    def forward(rank: int, layer: int) -> None:
+        kv = engine.layer_kvs[rank][layer]
+        kv[:] = np.random.default_rng((seed, rank, layer)).integers(0, 1 << 16, kv.shape, dtype=np.uint16)
+
+    return forward
+
+
 def _handoff(prefill: Engine, decode: Engine, rid: str, prompt: list[int], max_tokens: int, seed: int) -> list[int]:
     """Prefill ``prompt``, fill the prefill ranks' KV with recognisable bytes, let the decode
     engine load it; returns the prefill's block ids."""
     prefill.scheduler.add_request(_request("p-" + rid, prompt, 1, {"do_remote_decode": True}, prefill.block))
-    params = _params_of(prefill.step(), "p-" + rid)
+    params = _params_of(prefill.step(forward=_filled(prefill, seed)), "p-" + rid)
     assert params is not None
     src = list(prefill.scheduler.kv_cache_manager.get_block_ids("p-" + rid)[0])
-    for rank, kv in enumerate(prefill.kvs):
-        kv[:] = np.random.default_rng((seed, rank)).integers(0, 1 << 16, kv.shape, dtype=np.uint16)
     decode.scheduler.add_request(_request(rid, prompt, max_tokens, params, decode.block))
     decode.step()
     _run_until(
