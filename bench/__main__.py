@@ -1,12 +1,14 @@
 """kvxfer host-memory benchmark: local and remote paths next to a plain UCXX baseline.
 
-Run: ``python -m bench [--iters 8] [--workloads b16,b128,contig,small,sliced,lean] [--out results.json]``
+Run: ``python -m bench [--iters 8] [--workloads b16,b128,contig,small,sliced,lean,integrity] [--out results.json]``
 (``ttft``, not in the default set, adds ``bench/ttft.py``: prefill start to decode ready for
 pull, push and layer-wise push, on two 2 GiB Llama-8B-shaped pools at its largest size).
 Prints one JSON line per (workload, path) and a summary line with the remote/baseline ratio;
 ``sliced`` (``bench/sliced.py``) adds remapped handoffs (other TP, head order, block size)
 with their ratio to plain ones of the same bytes; ``lean`` (``bench/lean.py``) the fixed cost
-of a handoff against same-run gRPC echoes, offers under load, CPU per GB, and contention.
+of a handoff against same-run gRPC echoes, offers under load, CPU per GB, and contention;
+``integrity`` (``bench/integrity.py``) handoff time with block checksums sampled and full
+against off, same run.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import sys
 
 import numpy as np
 
-from . import lean, sliced, ttft, ucx_baseline
+from . import integrity, lean, sliced, ttft, ucx_baseline
 from .cluster import Cluster
 from .workloads import WORKLOADS, both_paths, run_concurrent, run_sequential
 
@@ -34,7 +36,7 @@ UCX_ONLY = {"KVXFERD_SAME_HOST_DIRECT_READ": "false"}
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--iters", type=int, default=8)
-    parser.add_argument("--workloads", default="b16,b128,contig,small,sliced,lean")
+    parser.add_argument("--workloads", default="b16,b128,contig,small,sliced,lean,integrity")
     parser.add_argument("--small-count", type=int, default=2000)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--out", help="also write every line into this JSON file")
@@ -56,6 +58,10 @@ def main() -> None:
             continue
         if name == "lean":
             lean.run(max(args.iters, 20), 1, lambda row: emit({"workload": "lean", **row}))
+            continue
+        if name == "integrity":
+            rounds = max(args.iters, 9)
+            asyncio.run(integrity.run_async([1024, 2048], rounds, lambda row: emit({"workload": "integrity", **row})))
             continue
         if name == "ttft":
             tokens = [256, 1024, 4096, 16384]

@@ -239,10 +239,11 @@ def test_joiners_of_a_read_that_fails_before_its_bytes_land_pull_on_their_own(cl
 
 
 def test_joiners_counted_in_a_read_that_then_fails_share_its_failure(cluster: Cluster) -> None:
-    """Every byte landed and the joiners got their copies, but the offerer fails the transfer
-    before it reads done: the joiners were counted in it, so they fail with it, each with its
-    own typed error naming the shared read."""
-    results, reason = _shared_read_failing(cluster, "after_chunk_sent:0=fail:1", "mla-late")
+    """Every byte landed, matched its checksums and was copied to the joiners, but the offerer
+    fails the transfer once it has read done: the joiners were counted in it, so they fail with
+    it, each with its own typed error naming the shared read. (A failure the offerer sends
+    before done, with its sums, comes before any joiner is counted: see the test above.)"""
+    results, reason = _shared_read_failing(cluster, "after_done_read=fail:1", "mla-late")
     assert all(r["type"] == "UnavailableError" for r in results), results
     leaders = {r["error"].split("the shared read ")[1].split()[0] for r in results[1:]}
     assert len(leaders) == 1 and leaders.pop().startswith("xfer-"), results

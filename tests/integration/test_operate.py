@@ -277,8 +277,10 @@ def test_kvxferctl_json_carries_raw_numbers_and_everything_the_table_shows(two_d
     (done,) = [t for t in json.loads(ctl(b, "transfers", "--all", "--json").stdout) if t["offer"] == ticket["offer_id"]]
     assert done["bytes"] == 4 * 65536 and isinstance(done["duration_s"], float) and done["gb_per_s"] > 0
     assert done["state"] == "succeeded" and done["transport"].startswith("ucx:")
-    # The default integrity mode sums a few blocks of each offer: all 4 of this one here.
-    assert (done["integrity"], done["integrity_mode"], done["integrity_result"]) == ("sampled 4 ok", "sampled", "ok")
+    # The default integrity mode sums a few random segments of each offer (of 1 to 4 blocks here).
+    assert (done["integrity_mode"], done["integrity_result"]) == ("sampled", "ok")
+    assert 1 <= done["integrity_blocks"] <= 4
+    assert done["integrity"] == f"sampled {done['integrity_blocks']} ok"
     status = json.loads(ctl(b, "status", "--json").stdout)
     s = status["status"]
     assert s["state"] == "serving" and s["bytes_moved"] >= 4 * 65536 and s["transfers_succeeded"] >= 1

@@ -16,6 +16,7 @@ import pytest
 
 from kvxfer_client import (
     CancelledError,
+    DataLossError,
     HostBuffer,
     IncompatibleError,
     InvalidRequestError,
@@ -135,6 +136,29 @@ async def test_a_local_pull_copies_the_blocks_records_the_transfer_and_releases_
     # Retried under its id, the pull answers from the record and moves nothing.
     again = await d.pulls.pull(d.ticket_for(offer), dst, np.array([0, 63, 7], dtype=np.int64), 10.0, "t-1")
     assert again is record and len(d.observed) == 1
+
+
+@pytest.mark.parametrize(
+    ("sums", "error"),
+    [
+        (peer_pb2.BlockSums(mode="full", positions=[0, 9], sums=[1, 2]), "outside this transfer"),  # position 9 of 3
+        (peer_pb2.BlockSums(mode="full", positions=[0, 1], sums=[1]), "outside this transfer"),  # counts differ
+        (peer_pb2.BlockSums(mode="sampled", positions=[0], sums=[1], regions=[99]), "outside this transfer"),
+        (peer_pb2.BlockSums(mode="full", positions=[2], sums=[12345]), "landed with other bytes"),
+    ],
+)
+async def test_block_sums_a_peer_sends_are_checked_before_they_are_used(
+    d: Daemonless, sums: peer_pb2.BlockSums, error: str
+) -> None:
+    """A peer's sums name positions and regions of this transfer only (typed refusal, never an
+    index error), and a wrong sum is a DataLossError naming the block."""
+    dst, _ = d.pool(d.sessions.open("q"), seed=4)
+    integrity = Integrity(Settings(), d.executor, Faults())
+    record = TransferRecord("t-sums", "decode", common_pb2.TRANSFER_PATH_REMOTE, "off-x")
+    with pytest.raises((InvalidRequestError, DataLossError), match=error) as failed:
+        await integrity.check_landed(record, sums, dst, np.array([5, 6, 7], dtype=np.int64))
+    if isinstance(failed.value, DataLossError):
+        assert "blocks [7] (positions [2]" in str(failed.value) and record.integrity_result == "mismatch"
 
 
 async def test_a_pool_in_use_is_unmapped_only_when_its_last_transfer_ends(d: Daemonless) -> None:
