@@ -113,8 +113,9 @@ class Settings:
     ucx_enabled: bool = _setting(
         True, "The UCX data plane; off, the daemon serves the local path only (its peer port reports NOT_SERVING)."
     )
-    # Checksums cost a pass over what they cover on each side: a few blocks per transfer catch
-    # a systematic fault (a block reused too early, a broken path) within a few transfers.
+    # Checksums cost a pass over what they cover on each side: a few segments per transfer
+    # catch a systematic fault (a block reused too early, a broken path) within a few
+    # transfers at no measurable cost; every byte (full) costs two more passes over a request.
     integrity: str = _setting(
         "sampled",
         "Block checksums, taken when an offer is written and checked at the source once sent and where the "
