@@ -21,8 +21,9 @@ catch it at the cost of a few segments; a lone flipped bit needs ``full``).
    :class:`DataLossError` naming the blocks; the destination is never reported filled.
 
 Not checked, and said so in the transfer's record: GPU pools (no checksum kernel yet),
-remapped streams (the two sides cut blocks differently), offers of a daemon with
-``integrity: off``.
+offers of a daemon with ``integrity: off``; remapped streams (other TP, head order or block
+size: the two sides cut blocks differently) are checked at the source only (step 2, in both
+modes).
 
 >>> digest = Digest("sampled", np.array([1, 4]), np.array([0, 3]), np.array([7, 9], dtype=np.uint64))
 >>> offer_pos, stream_pos, regions, sums = digest.for_pull(np.array([4, 2, 1]))  # a pull of 4, 2, 1
@@ -153,14 +154,16 @@ class Integrity:
     ) -> peer_pb2.BlockSums | None:
         """At the source, once the bytes left: the sums a pull of ``indices`` (None: all) is
         checked against where it lands, after checking those blocks did not change since the
-        offer (DataLossError naming them if they did)."""
-        digest = await self._digest_of(offer) if not remapped else None
+        offer (DataLossError naming them if they did). A remapped stream (``remapped``) is
+        checked here only: its destination cuts blocks otherwise."""
+        digest = await self._digest_of(offer)
         if digest is None:
-            self._unchecked(record, "remapped stream" if remapped else offer.integrity_off or "no digest was taken")
-            return None
+            why = offer.integrity_off or "no digest was taken"
+            self._unchecked(record, why)
+            return peer_pb2.BlockSums(unchecked=why)  # the receiver's record says why
         offer_pos, stream_pos, regions, sums = digest.for_pull(indices)
         blocks = len(np.unique(offer_pos))
-        if digest.mode == "full":
+        if digest.mode == "full" and not remapped:
             # Every byte is checked where it lands, against the digest: a block changed here
             # shows there. Reading them all again here would be a third pass over the request.
             record.integrity_mode, record.integrity_blocks, record.integrity_result = "full", blocks, "sent"
@@ -179,6 +182,8 @@ class Integrity:
                 offer_id=offer.offer_id,
                 transfer_id=record.transfer_id,
             )
+        if remapped:
+            return peer_pb2.BlockSums(unchecked="remapped stream: checked at the source only")
         return peer_pb2.BlockSums(
             mode=digest.mode,
             positions=stream_pos.tolist(),
@@ -205,7 +210,8 @@ class Integrity:
         if not dst.on_gpu and self.faults.corrupts("before_check", record.transfer_id):
             _flip_first_bit(dst, dst_ids)
         if sums is None or not len(sums.positions):
-            self._unchecked(record, record.integrity_result or "the offering daemon sent no sums")
+            why = f" ({sums.unchecked[:200]})" if sums is not None and sums.unchecked else ""
+            self._unchecked(record, record.integrity_result or f"no sums from the offering daemon{why}")
             return
         if dst.on_gpu:
             self._unchecked(record, "GPU destination: no checksum kernel yet")

@@ -111,7 +111,7 @@ class LocalHandoff:
                 record.data_plane_s = time.perf_counter() - started
             # As offered (unchanged at the source), and as landed.
             sums = await self.integrity.to_send(record, offer, indices, bool(record.mapping))
-            if sums is not None:
+            if sums is not None and len(sums.positions):
                 await self.integrity.check_landed(record, sums, dst, dst_ids)
             record.mark("checked")
         except BaseException as exc:

@@ -20,6 +20,7 @@ from kvxfer_client import (
     DataLossError,
     HostBuffer,
     IncompatibleError,
+    KvGeometry,
     Layout,
     ModelInfo,
     Pool,
@@ -171,15 +172,21 @@ async def test_sampled_mode_catches_a_corrupt_segment_at_the_rate_it_samples(clu
     assert 4 <= caught <= 28, caught
 
 
-async def test_with_integrity_off_the_record_says_nothing_was_checked(cluster: Cluster) -> None:
-    a = cluster.daemon("a", "--integrity", "off")
+@pytest.mark.parametrize("path", ["ucx", "local"])
+async def test_with_integrity_off_the_records_say_why_nothing_was_checked(cluster: Cluster, path: str) -> None:
+    """The offering daemon's reason reaches the receiver's record too (with BlockSums.unchecked)."""
+    a = cluster.daemon("a", "--integrity", "off", env=_env(path))
+    b = a if path == "local" else cluster.daemon("b", env=_env(path))
     async with (
         AsyncKvxferClient(a.socket, engine_name="prefill") as p,
-        AsyncKvxferClient(a.socket, engine_name="decode") as d,
+        AsyncKvxferClient(b.socket, engine_name="decode") as d,
     ):
         src, dst = await _pools(p, d)
         await d.pull(await p.offer(src, SRC), dst, DST, transfer_id="off-1")
-        assert _row(a, "off-1").integrity_result == "not checked: integrity is off on the offering daemon"
+        why = "integrity is off on the offering daemon"
+        assert _row(a, "off-1").integrity_result == f"not checked: {why}"
+        if b is not a:
+            assert _row(b, "off-1").integrity_result == f"not checked: no sums from the offering daemon ({why})"
 
 
 @pytest.mark.parametrize("path", ["ucx", "local"])
@@ -210,3 +217,39 @@ async def test_pools_whose_kv_format_differs_never_exchange_blocks(cluster: Clus
         # Refused before a byte moved: the offer is still there for an engine of its own format.
         same = await d.register_pool([HostBuffer.create(s) for s in layouts[0].buffer_sizes()], layouts[0])
         assert (await d.pull(ticket, same, DST)).bytes == len(SRC) * layouts[0].bytes_per_block
+
+
+@pytest.mark.parametrize("path", ["ucx", "local"])
+async def test_a_remapped_pull_is_checked_at_the_source(cluster: Cluster, path: str) -> None:
+    """Another head order (HND offered, NHD destination): the blocks are cut otherwise where
+    they land, so the sums are checked at the source only, and say so; a block written after
+    its offer still fails the pull there."""
+    a = cluster.daemon("a", "--integrity-samples", "64", "--log-level", "debug", env=_env(path))
+    b = a if path == "local" else cluster.daemon("b", env=_env(path))
+    model = ModelInfo("m", "bf16", 16)
+    src_layout, dst_layout = (
+        Layout.paged_kv(num_layers=1, num_blocks=8, block_bytes=8192, model=model, geometry=KvGeometry(16, 2, 256, o))
+        for o in ("HND", "NHD")
+    )
+    async with (
+        AsyncKvxferClient(a.socket, engine_name="prefill") as p,
+        AsyncKvxferClient(b.socket, engine_name="decode") as d,
+    ):
+        buffers = [HostBuffer.create(s) for s in src_layout.buffer_sizes()]
+        buffers[0].array()[:] = np.random.default_rng(3).integers(0, 256, buffers[0].size, dtype=np.uint8)
+        src = await p.register_pool(buffers, src_layout)
+        dst = await d.register_pool([HostBuffer.create(s) for s in dst_layout.buffer_sizes()], dst_layout)
+        result = await d.pull(await p.offer(src, [1, 2, 3]), dst, [4, 5, 6], transfer_id="remap-1")
+        assert result.mapping, result
+        # The offering side's check (the one record, on a local pull) passed; the receiver says why
+        # it checked nothing.
+        assert _row(a, "remap-1").integrity_result == "ok"
+        if b is not a:
+            said = "not checked: no sums from the offering daemon (remapped stream: checked at the source only)"
+            assert _row(b, "remap-1").integrity_result == said
+
+        ticket = await p.offer(src, [1, 2, 3])
+        await _until(lambda: f"integrity.digest offer_id={ticket.offer_id}" in a.log(), "the offer was never summed")
+        buffers[0].array()[2 * 8192 : 2 * 8192 + 64] ^= 0xFF  # block 2's K, written again
+        with pytest.raises(DataLossError, match=r"blocks \[2\] changed after they were offered"):
+            await d.pull(ticket, dst, [4, 5, 6])

@@ -583,7 +583,12 @@ class BlockSums(_message.Message):
     POSITIONS_FIELD_NUMBER: _builtins.int
     SUMS_FIELD_NUMBER: _builtins.int
     REGIONS_FIELD_NUMBER: _builtins.int
+    UNCHECKED_FIELD_NUMBER: _builtins.int
     mode: _builtins.str
+    unchecked: _builtins.str
+    """Set, with no sums, when the offering daemon has none to give: why (integrity off there, a
+    GPU pool, a remapped stream), for the receiver's record.
+    """
     @_builtins.property
     def positions(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -597,10 +602,11 @@ class BlockSums(_message.Message):
         positions: _abc.Iterable[_builtins.int] | None = ...,
         sums: _abc.Iterable[_builtins.int] | None = ...,
         regions: _abc.Iterable[_builtins.int] | None = ...,
+        unchecked: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["mode", b"mode", "positions", b"positions", "regions", b"regions", "sums", b"sums"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["mode", b"mode", "positions", b"positions", "regions", b"regions", "sums", b"sums", "unchecked", b"unchecked"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
