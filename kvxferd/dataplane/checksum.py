@@ -34,9 +34,9 @@ import numpy as np
 import numpy.typing as npt
 
 from .hostmem import HostMemory
-from .plan import RegionTable, build_plan, plan_segments
+from .plan import RegionTable, SidePlan, build_plan, plan_segments, window_pieces
 
-__all__ = ["SCRATCH_BYTES", "block_sums", "segment_sums"]
+__all__ = ["SCRATCH_BYTES", "block_sums", "segment_sums", "window_sums"]
 
 U64 = npt.NDArray[np.uint64]
 #: The most bytes gathered at once to be summed (the rest waits its turn).
@@ -111,6 +111,32 @@ def segment_sums(
     for size, at, n in zip(sizes.tolist(), first.tolist(), count.tolist(), strict=True):
         rows = scratch[int(starts[at]) : int(starts[at]) + n * size].reshape(n, size)
         out[order[at : at + n]] = _segment_sums(rows)
+    return out
+
+
+def window_sums(memory: HostMemory, plan: SidePlan, window_bytes: int, windows: npt.NDArray[np.integer]) -> U64:
+    """The sum of each window ``windows[j]`` of a plan's stream: its bytes ``w * window_bytes``
+    up to the next window (the last may be shorter), in stream order. The two sides of a
+    remapped handoff cut the stream into other blocks but agree on its bytes: each sums its
+    own plan, and the sums match when the same bytes moved.
+
+    >>> from kvxferd.dataplane.hostmem import MappedMemory
+    >>> buf = np.arange(64, dtype=np.uint8)
+    >>> a = build_plan(RegionTable.from_regions([(0, 0, 16, 16)]), np.array([1, 0]), 32)
+    >>> b = build_plan(RegionTable.from_regions([(0, 0, 8, 8)]), np.array([2, 3, 0, 1]), 32)
+    >>> mem = MappedMemory([buf])
+    >>> (window_sums(mem, a, 16, np.array([0, 1])) == window_sums(mem, b, 16, np.array([0, 1]))).tolist()
+    [True, True]
+    """
+    windows = np.asarray(windows, dtype=np.int64)
+    out = np.zeros(len(windows), dtype=np.uint64)
+    scratch = np.empty(min(window_bytes, plan.total_bytes), dtype=np.uint8)
+    for j, w in enumerate(windows.tolist()):
+        start = w * window_bytes
+        end = min(start + window_bytes, plan.total_bytes)
+        buf, off, length = window_pieces(plan, start, end)
+        memory.gather(plan_segments(buf, off, length, end - start).chunks[0], scratch)
+        out[j] = _segment_sums(scratch[: end - start].reshape(1, end - start))[0]
     return out
 
 

@@ -36,6 +36,7 @@ __all__ = [
     "plan_segments",
     "stream_plan",
     "sub_plan",
+    "window_pieces",
 ]
 
 I64 = npt.NDArray[np.int64]
@@ -146,6 +147,36 @@ def sub_plan(plan: SidePlan, first: int, end: int) -> SidePlan:
     """Chunks ``first`` up to ``end`` of ``plan`` (their indices kept) as a plan of their own."""
     chunks = plan.chunks[first:end]
     return SidePlan(sum(c.nbytes for c in chunks), plan.chunk_bytes, plan.num_segments, chunks)
+
+
+def window_pieces(plan: SidePlan, start: int, end: int) -> tuple[I64, I64, I64]:
+    """The pieces (buffer, offset, bytes) that hold stream bytes ``start`` up to ``end`` of a
+    plan with runs, in stream order: two plans of the same stream, cut into other blocks, name
+    other pieces for the same bytes (a remap's landing check sums each side's own).
+
+    >>> regions = RegionTable.from_regions([(0, 0, 8, 4)])
+    >>> plan = build_plan(regions, np.array([3, 1, 2]), chunk_bytes=8)   # at 24, 8, 16
+    >>> [a.tolist() for a in window_pieces(plan, 2, 10)]                 # buffers, offsets, bytes
+    [[0, 0, 0], [26, 8, 16], [2, 4, 2]]
+    """
+    bounds = np.cumsum([0, *(c.nbytes for c in plan.chunks)])
+    first = int(np.searchsorted(bounds, start, side="right")) - 1
+    last = int(np.searchsorted(bounds, end - 1, side="right")) - 1
+    bufs, offs, lens, poss = [], [], [], []
+    for c in range(max(first, 0), min(last + 1, len(plan.chunks))):
+        for run in plan.chunks[c].runs:
+            k = len(run.offsets)
+            bufs.append(np.full(k, run.buffer, dtype=np.int64))
+            offs.append(run.offsets)
+            lens.append(np.full(k, run.length, dtype=np.int64))
+            poss.append(int(bounds[c]) + run.chunk_offset + run.length * np.arange(k, dtype=np.int64))
+    if not bufs:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, empty
+    buf, off, length, pos = (np.concatenate(a) for a in (bufs, offs, lens, poss))
+    lo, hi = np.maximum(pos, start), np.minimum(pos + length, end)
+    keep = hi > lo
+    return buf[keep], (off + lo - pos)[keep], (hi - lo)[keep]
 
 
 def plan_segments(seg_buf: I64, seg_off: I64, seg_len: I64, chunk_bytes: int) -> SidePlan:

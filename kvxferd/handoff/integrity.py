@@ -20,10 +20,14 @@ catch it at the cost of a few segments; a lone flipped bit needs ``full``).
    the digest (carried in ``sent``; at hand on a local pull). A mismatch fails the pull with
    :class:`DataLossError` naming the blocks; the destination is never reported filled.
 
-Not checked, and said so in the transfer's record: GPU pools (no checksum kernel yet),
-offers of a daemon with ``integrity: off``; remapped streams (other TP, head order or block
-size: the two sides cut blocks differently) are checked at the source only (step 2, in both
-modes).
+A remapped stream (other TP, head order or block size) lands in blocks cut otherwise than
+the offer's: after step 2 (both modes), the source also sums the stream as it left, by windows
+of its bytes (all of them, :data:`FULL_WINDOW` each, in ``full``; ``integrity_samples``
+random windows of :data:`SAMPLE_WINDOW` in ``sampled``), and the receiver sums the same windows
+of what landed (each side through its own plan of the stream).
+
+Not checked, and said so in the transfer's record: GPU pools (no checksum kernel yet), offers
+of a daemon with ``integrity: off``.
 
 >>> digest = Digest("sampled", np.array([1, 4]), np.array([0, 3]), np.array([7, 9], dtype=np.uint64))
 >>> offer_pos, stream_pos, regions, sums = digest.for_pull(np.array([4, 2, 1]))  # a pull of 4, 2, 1
@@ -52,11 +56,11 @@ from .._faults import Faults
 from .._log import log_event
 from .._offers import Offer
 from .._transfers import TransferRecord
-from ..dataplane.checksum import block_sums, segment_sums
-from ..dataplane.plan import RegionTable, build_plan
+from ..dataplane.checksum import block_sums, segment_sums, window_sums
+from ..dataplane.plan import RegionTable, SidePlan, build_plan, num_chunks, window_pieces
 from ..memory.pools import Pool
 
-__all__ = ["INLINE_BYTES", "Digest", "Integrity"]
+__all__ = ["FULL_WINDOW", "INLINE_BYTES", "SAMPLE_WINDOW", "Digest", "Integrity"]
 
 I64 = npt.NDArray[np.int64]
 U64 = npt.NDArray[np.uint64]
@@ -65,6 +69,10 @@ U64 = npt.NDArray[np.uint64]
 INLINE_BYTES = 1 << 20
 #: Blocks named in an error message (a mismatch of many says how many more).
 NAMED = 8
+#: Windows of a remapped stream, summed whole in ``full`` mode and sampled in ``sampled`` mode
+#: (a sample about one segment of a Llama-8B-sized block); a peer's windows must lie between.
+FULL_WINDOW, SAMPLE_WINDOW = 8 << 20, 64 << 10
+MIN_WINDOW, MAX_WINDOW = 8, 64 << 20
 
 
 @dataclass(frozen=True)
@@ -150,20 +158,28 @@ class Integrity:
         task.add_done_callback(lambda t: _settle(future, t, summed))
 
     async def to_send(
-        self, record: TransferRecord, offer: Offer, indices: I64 | None, remapped: bool
+        self, record: TransferRecord, offer: Offer, indices: I64 | None, remapped: SidePlan | None
     ) -> peer_pb2.BlockSums | None:
         """At the source, once the bytes left: the sums a pull of ``indices`` (None: all) is
         checked against where it lands, after checking those blocks did not change since the
-        offer (DataLossError naming them if they did). A remapped stream (``remapped``) is
-        checked here only: its destination cuts blocks otherwise."""
+        offer (DataLossError naming them if they did). ``remapped``: this side's plan of a
+        remapped stream, whose windows are summed instead (before the blocks are checked, so a
+        block changed in between fails that check)."""
         digest = await self._digest_of(offer)
         if digest is None:
             why = offer.integrity_off or "no digest was taken"
             self._unchecked(record, why)
             return peer_pb2.BlockSums(unchecked=why)  # the receiver's record says why
+        left: U64 | None = None
+        if remapped is not None:
+            window, picks = self._windows(digest.mode, remapped.total_bytes)
+            left = await self._window_sums(offer.pool, remapped, window, picks)
+            if left is None:
+                self._unchecked(record, "the offered pool went away")
+                return None
         offer_pos, stream_pos, regions, sums = digest.for_pull(indices)
         blocks = len(np.unique(offer_pos))
-        if digest.mode == "full" and not remapped:
+        if digest.mode == "full" and remapped is None:
             # Every byte is checked where it lands, against the digest: a block changed here
             # shows there. Reading them all again here would be a third pass over the request.
             record.integrity_mode, record.integrity_blocks, record.integrity_result = "full", blocks, "sent"
@@ -182,8 +198,8 @@ class Integrity:
                 offer_id=offer.offer_id,
                 transfer_id=record.transfer_id,
             )
-        if remapped:
-            return peer_pb2.BlockSums(unchecked="remapped stream: checked at the source only")
+        if left is not None:
+            return peer_pb2.BlockSums(mode=digest.mode, window_bytes=window, windows=picks.tolist(), sums=left.tolist())
         return peer_pb2.BlockSums(
             mode=digest.mode,
             positions=stream_pos.tolist(),
@@ -204,11 +220,23 @@ class Integrity:
     # -- where the blocks land ------------------------------------------------------------
 
     async def check_landed(
-        self, record: TransferRecord, sums: peer_pb2.BlockSums | None, dst: Pool, dst_ids: I64
+        self,
+        record: TransferRecord,
+        sums: peer_pb2.BlockSums | None,
+        dst: Pool,
+        dst_ids: I64,
+        remapped: SidePlan | None = None,
     ) -> None:
-        """Before done: the landed blocks' sums against ``sums`` (the offering daemon's)."""
+        """Before done: the landed blocks' sums against ``sums`` (the offering daemon's);
+        ``remapped``: this side's plan of a remapped stream (its windows are compared)."""
         if not dst.on_gpu and self.faults.corrupts("before_check", record.transfer_id):
             _flip_first_bit(dst, dst_ids)
+        windowed = sums is not None and sums.window_bytes > 0
+        if sums is not None and len(sums.sums) and windowed != (remapped is not None):
+            raise InvalidRequestError("the peer's sums do not fit this stream (windows of a remap, blocks otherwise)")
+        if windowed and remapped is not None and sums is not None:
+            await self._check_windows(record, sums, dst, dst_ids, remapped)
+            return
         if sums is None or not len(sums.positions):
             why = f" ({sums.unchecked[:200]})" if sums is not None and sums.unchecked else ""
             self._unchecked(record, record.integrity_result or f"no sums from the offering daemon{why}")
@@ -239,6 +267,55 @@ class Integrity:
                 transfer_id=record.transfer_id,
                 offer_id=record.offer_id,
             )
+
+    async def _check_windows(
+        self, record: TransferRecord, sums: peer_pb2.BlockSums, dst: Pool, dst_ids: I64, plan: SidePlan
+    ) -> None:
+        window, count = sums.window_bytes, num_chunks(plan.total_bytes, max(1, sums.window_bytes))
+        if (
+            not MIN_WINDOW <= window <= MAX_WINDOW
+            or not sums.windows
+            or len(sums.windows) != len(sums.sums)
+            or len(sums.windows) > count
+            or max(sums.windows) >= count
+        ):
+            raise InvalidRequestError("the peer's window sums name windows outside this stream")
+        picks = np.asarray(sums.windows, dtype=np.int64)
+        landed = await self._window_sums(dst, plan, window, picks)
+        if landed is None:
+            self._unchecked(record, "the destination pool went away")
+            return
+        bad = landed != np.asarray(sums.sums, dtype=np.uint64)
+        blocks = len(dst_ids) if sums.mode == "full" else len(_blocks_under(dst, plan, window, picks))
+        self._checked(record, sums.mode, blocks, bool(bad.any()))
+        if bad.any():
+            raise DataLossError(
+                f"blocks {_named(_blocks_under(dst, plan, window, picks[bad]))} (bytes "
+                f"{_named(picks[bad] * window)} onwards, {window} each, of the remapped stream) landed with "
+                f"other bytes than offer {record.offer_id} sent: corrupted on the way; the destination is not filled",
+                transfer_id=record.transfer_id,
+                offer_id=record.offer_id,
+            )
+
+    def _windows(self, mode: str, total_bytes: int) -> tuple[int, I64]:
+        """The windows of a remapped stream to sum: all, or a random sample."""
+        window = FULL_WINDOW if mode == "full" else SAMPLE_WINDOW
+        count = num_chunks(total_bytes, window)
+        if mode == "full":
+            return window, np.arange(count, dtype=np.int64)
+        rng = np.random.default_rng(secrets.randbits(64))
+        return window, np.sort(rng.choice(count, min(self.samples, count), replace=False)).astype(np.int64)
+
+    async def _window_sums(self, pool: Pool, plan: SidePlan, window: int, picks: I64) -> U64 | None:
+        if pool.closing:
+            return None
+        with pool.in_use():
+            if len(picks) * window <= INLINE_BYTES:
+                return window_sums(pool.host_memory(), plan, window, picks)
+            loop = asyncio.get_running_loop()
+            memory = pool.host_memory()
+            result: U64 = await loop.run_in_executor(self.executor, window_sums, memory, plan, window, picks)
+            return result
 
     # -- shared ---------------------------------------------------------------------------
 
@@ -289,6 +366,20 @@ def _settle(future: asyncio.Future[Any], task: asyncio.Future[Any], summed: Call
         future.exception()  # retrieved: an offer gone before its pull logs no warning
     else:
         future.set_result(summed(task.result()))
+
+
+def _blocks_under(pool: Pool, plan: SidePlan, window: int, picks: I64) -> I64:
+    """The pool's blocks that hold bytes of these windows of ``plan``'s stream."""
+    found = [np.zeros(0, dtype=np.int64)]
+    regions = pool.regions
+    for w in picks.tolist():
+        buf, off, _ = window_pieces(plan, w * window, min((w + 1) * window, plan.total_bytes))
+        rel = off[:, None] - regions.offset[None, :]
+        block = rel // np.maximum(regions.stride, 1)[None, :]
+        inside = (buf[:, None] == regions.buffer[None, :]) & (rel >= 0)
+        inside &= (rel - block * regions.stride[None, :] < regions.nbytes[None, :]) & (block < pool.layout.num_blocks)
+        found.append(block[inside])
+    return np.unique(np.concatenate(found))
 
 
 def _flip_first_bit(dst: Pool, dst_ids: I64) -> None:

@@ -110,9 +110,10 @@ class LocalHandoff:
                 record.transport = transport or record.transport
                 record.data_plane_s = time.perf_counter() - started
             # As offered (unchanged at the source), and as landed.
-            sums = await self.integrity.to_send(record, offer, indices, bool(record.mapping))
-            if sums is not None and len(sums.positions):
-                await self.integrity.check_landed(record, sums, dst, dst_ids)
+            remapped = plans if record.mapping else None
+            sums = await self.integrity.to_send(record, offer, indices, remapped[0] if remapped else None)
+            if sums is not None and len(sums.sums):
+                await self.integrity.check_landed(record, sums, dst, dst_ids, remapped[1] if remapped else None)
             record.mark("checked")
         except BaseException as exc:
             detail = f"local pull failed: {exc!r}"

@@ -187,9 +187,7 @@ class RemotePull:
                 # against, before any reader hears of them.
                 said = landed if sent is None else await within(sent, _left(ends_at), "the peer's 'sent'")
                 sums = said.sums if isinstance(said, peer_pb2.TransferSent) and said.HasField("sums") else None
-                if record.mapping:  # the sums name the sender's blocks: checked at the source only
-                    sums = peer_pb2.BlockSums(unchecked=(sums.unchecked if sums else "") or "remapped stream")
-                await self.integrity.check_landed(record, sums, dst, dst_ids)
+                await self.integrity.check_landed(record, sums, dst, dst_ids, plan if record.mapping else None)
                 record.mark("checked")
                 readers = 1 + (await hand_on() if hand_on is not None else 0)
                 await self.faults.hit("before_done", transfer_id=record.transfer_id)

@@ -268,7 +268,7 @@ class TransferServer:
         else:
             await self._send(start, peer, pool, src_ids, record, stream, chunk, plan, side, offer)
         # The blocks as offered, checked unchanged at the source now that they left.
-        sums = await self.integrity.to_send(record, offer, start.offer_block_indices, remapped is not None)
+        sums = await self.integrity.to_send(record, offer, start.offer_block_indices, remapped)
         record.mark("sent")
         await stream.sent(record.nbytes, record.transport, sums)
         done = await stream.read_done()

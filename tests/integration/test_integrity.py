@@ -219,13 +219,16 @@ async def test_pools_whose_kv_format_differs_never_exchange_blocks(cluster: Clus
         assert (await d.pull(ticket, same, DST)).bytes == len(SRC) * layouts[0].bytes_per_block
 
 
-@pytest.mark.parametrize("path", ["ucx", "local"])
-async def test_a_remapped_pull_is_checked_at_the_source(cluster: Cluster, path: str) -> None:
+@pytest.mark.parametrize("path", PATHS)
+async def test_a_remapped_pull_is_checked_where_it_lands(cluster: Cluster, path: str) -> None:
     """Another head order (HND offered, NHD destination): the blocks are cut otherwise where
-    they land, so the sums are checked at the source only, and say so; a block written after
-    its offer still fails the pull there."""
-    a = cluster.daemon("a", "--integrity-samples", "64", "--log-level", "debug", env=_env(path))
-    b = a if path == "local" else cluster.daemon("b", env=_env(path))
+    they land, so the stream is summed by windows on both sides. A bit flipped on the way
+    fails the pull naming the destination blocks under its window (one: the whole stream); a
+    clean pull is checked on both sides; a block written after its offer still fails the pull
+    at the source."""
+    flip = ("--fault-injection", "--faults", "before_check=corrupt:1")
+    a = cluster.daemon("a", "--integrity-samples", "64", "--log-level", "debug", *flip, env=_env(path))
+    b = a if path == "local" else cluster.daemon("b", *flip, env=_env(path))
     model = ModelInfo("m", "bf16", 16)
     src_layout, dst_layout = (
         Layout.paged_kv(num_layers=1, num_blocks=8, block_bytes=8192, model=model, geometry=KvGeometry(16, 2, 256, o))
@@ -239,14 +242,22 @@ async def test_a_remapped_pull_is_checked_at_the_source(cluster: Cluster, path: 
         buffers[0].array()[:] = np.random.default_rng(3).integers(0, 256, buffers[0].size, dtype=np.uint8)
         src = await p.register_pool(buffers, src_layout)
         dst = await d.register_pool([HostBuffer.create(s) for s in dst_layout.buffer_sizes()], dst_layout)
+        ticket = await p.offer(src, [1, 2, 3])
+        with pytest.raises(
+            DataLossError, match=r"blocks \[4, 5, 6\] \(bytes \[0\] onwards, 65536 each, of the remapped"
+        ):
+            await d.pull(ticket, dst, [4, 5, 6], transfer_id="remap-flipped")
+        assert _row(b, "remap-flipped").integrity_result == "mismatch"
+
         result = await d.pull(await p.offer(src, [1, 2, 3]), dst, [4, 5, 6], transfer_id="remap-1")
         assert result.mapping, result
-        # The offering side's check (the one record, on a local pull) passed; the receiver says why
-        # it checked nothing.
-        assert _row(a, "remap-1").integrity_result == "ok"
+        row = _row(b, "remap-1")
+        path_taken = {"direct:cma": "direct", "local-copy": "local"}.get(row.transport, "ucx")
+        assert path_taken == path, row.transport
+        # One 64 KiB window holds the whole stream: every destination block is checked.
+        assert (row.integrity_mode, row.integrity_blocks, row.integrity_result) == ("sampled", 3, "ok"), row
         if b is not a:
-            said = "not checked: no sums from the offering daemon (remapped stream: checked at the source only)"
-            assert _row(b, "remap-1").integrity_result == said
+            assert _row(a, "remap-1").integrity_result == "ok"  # the source's own check
 
         ticket = await p.offer(src, [1, 2, 3])
         await _until(lambda: f"integrity.digest offer_id={ticket.offer_id}" in a.log(), "the offer was never summed")

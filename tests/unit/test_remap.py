@@ -17,8 +17,9 @@ import pytest
 from bench.heads import HEAD_BYTES, LAYERS, POOL_BLOCKS, Pool, logical_kv
 from kvxfer_client._errors import IncompatibleError, InvalidRequestError
 from kvxfer_client._geometry import HeadRange, head_sources, rank_heads, readers
+from kvxferd.dataplane.checksum import window_sums
 from kvxferd.dataplane.hostmem import MappedMemory
-from kvxferd.dataplane.plan import build_plan
+from kvxferd.dataplane.plan import build_plan, window_pieces
 from kvxferd.dataplane.remap import Side, plan_remap, remap
 
 
@@ -80,6 +81,31 @@ def test_every_mapping_lands_each_element_where_the_reference_says(
         for got, want in zip(dst.buffers, expected, strict=True):
             np.testing.assert_array_equal(got, want)
     assert moved_from == [readers(heads, p_tp, d_tp, r) for r in range(p_tp)]
+
+
+@pytest.mark.parametrize(("heads", "p_tp", "d_tp", "p_order", "d_order", "p_block", "d_block"), CASES)
+def test_both_sides_sum_a_remapped_stream_alike_window_by_window(
+    heads: int, p_tp: int, d_tp: int, p_order: str, d_order: str, p_block: int, d_block: int
+) -> None:
+    """The landing check of a remapped pull: each side sums windows of the stream through its
+    own plan (windows of 512 bytes straddle the 1000-byte chunks); after the move every window
+    agrees, and one byte changed where the stream landed changes its window's sum only."""
+    logical = logical_kv(heads, 64, seed=7)
+    src = Pool.empty(rank_heads(heads, p_tp, 0), p_block, p_order)
+    dst = Pool.empty(rank_heads(heads, d_tp, 0), d_block, d_order)
+    p_ids, d_ids = list(range(64 // p_block)), list(range(64 // d_block))[::-1]
+    src.fill(logical, p_ids)
+    total = move(src, p_ids, dst, d_ids)
+    s_plan = plan_remap(src.side(p_ids), dst.side(d_ids), 1000, "src")
+    d_plan = plan_remap(src.side(p_ids), dst.side(d_ids), 1000, "dst")
+    windows = np.arange(-(-total // 512))
+    sent = window_sums(MappedMemory(src.buffers), s_plan, 512, windows)
+    np.testing.assert_array_equal(sent, window_sums(MappedMemory(dst.buffers), d_plan, 512, windows))
+    k = len(windows) // 2
+    buf, off, _ = window_pieces(d_plan, k * 512, (k + 1) * 512)
+    dst.buffers[int(buf[0])][int(off[0])] ^= 0x10
+    changed = sent != window_sums(MappedMemory(dst.buffers), d_plan, 512, windows)
+    assert np.flatnonzero(changed).tolist() == [k]
 
 
 def test_the_same_geometry_on_both_sides_plans_what_build_plan_plans() -> None:

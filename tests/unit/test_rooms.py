@@ -32,6 +32,7 @@ from kvxferd._offers import Offer, OfferTable
 from kvxferd._sessions import Session, SessionTable
 from kvxferd._transfers import TransferRecord, TransferTable
 from kvxferd.dataplane.gpucopy import GpuDevices
+from kvxferd.dataplane.plan import build_plan
 from kvxferd.dataplane.staging import StagingPool
 from kvxferd.handoff.integrity import Integrity
 from kvxferd.handoff.local import LocalHandoff
@@ -138,27 +139,42 @@ async def test_a_local_pull_copies_the_blocks_records_the_transfer_and_releases_
     assert again is record and len(d.observed) == 1
 
 
+WINDOWED = peer_pb2.BlockSums(mode="full", window_bytes=4096, windows=[0], sums=[1])
+
+
 @pytest.mark.parametrize(
-    ("sums", "error"),
+    ("sums", "remapped", "error"),
     [
-        (peer_pb2.BlockSums(mode="full", positions=[0, 9], sums=[1, 2]), "outside this transfer"),  # position 9 of 3
-        (peer_pb2.BlockSums(mode="full", positions=[0, 1], sums=[1]), "outside this transfer"),  # counts differ
-        (peer_pb2.BlockSums(mode="sampled", positions=[0], sums=[1], regions=[99]), "outside this transfer"),
-        (peer_pb2.BlockSums(mode="full", positions=[2], sums=[12345]), "landed with other bytes"),
+        (peer_pb2.BlockSums(mode="full", positions=[0, 9], sums=[1, 2]), False, "outside this transfer"),  # 9 of 3
+        (peer_pb2.BlockSums(mode="full", positions=[0, 1], sums=[1]), False, "outside this transfer"),  # counts differ
+        (peer_pb2.BlockSums(mode="sampled", positions=[0], sums=[1], regions=[99]), False, "outside this transfer"),
+        (peer_pb2.BlockSums(mode="full", positions=[2], sums=[12345]), False, "landed with other bytes"),
+        # A remapped stream is summed by windows, and only it.
+        (peer_pb2.BlockSums(mode="full", positions=[0], sums=[1]), True, "do not fit this stream"),
+        (WINDOWED, False, "do not fit this stream"),
+        (peer_pb2.BlockSums(mode="full", window_bytes=4, windows=[0], sums=[1]), True, "outside this stream"),
+        (peer_pb2.BlockSums(mode="full", window_bytes=1 << 40, windows=[0], sums=[1]), True, "outside this stream"),
+        (peer_pb2.BlockSums(mode="full", window_bytes=4096, windows=[99], sums=[1]), True, "outside this stream"),
+        (peer_pb2.BlockSums(mode="full", window_bytes=4096, windows=[0, 1], sums=[1]), True, "outside this stream"),
+        (WINDOWED, True, "landed with other bytes"),
     ],
 )
 async def test_block_sums_a_peer_sends_are_checked_before_they_are_used(
-    d: Daemonless, sums: peer_pb2.BlockSums, error: str
+    d: Daemonless, sums: peer_pb2.BlockSums, remapped: bool, error: str
 ) -> None:
-    """A peer's sums name positions and regions of this transfer only (typed refusal, never an
-    index error), and a wrong sum is a DataLossError naming the block."""
+    """A peer's sums name positions and regions (or windows of a remapped stream) of this
+    transfer only (typed refusal, never an index error), and a wrong sum is a DataLossError
+    naming the blocks."""
     dst, _ = d.pool(d.sessions.open("q"), seed=4)
+    ids = np.array([5, 6, 7], dtype=np.int64)
+    plan = build_plan(dst.regions, ids, 1 << 20) if remapped else None  # this side's plan of the stream
     integrity = Integrity(Settings(), d.executor, Faults())
     record = TransferRecord("t-sums", "decode", common_pb2.TRANSFER_PATH_REMOTE, "off-x")
     with pytest.raises((InvalidRequestError, DataLossError), match=error) as failed:
-        await integrity.check_landed(record, sums, dst, np.array([5, 6, 7], dtype=np.int64))
+        await integrity.check_landed(record, sums, dst, ids, plan)
     if isinstance(failed.value, DataLossError):
-        assert "blocks [7] (positions [2]" in str(failed.value) and record.integrity_result == "mismatch"
+        named = "(bytes [0] onwards, 4096 each" if remapped else "blocks [7] (positions [2]"
+        assert named in str(failed.value) and record.integrity_result == "mismatch"
 
 
 async def test_a_pool_in_use_is_unmapped_only_when_its_last_transfer_ends(d: Daemonless) -> None:

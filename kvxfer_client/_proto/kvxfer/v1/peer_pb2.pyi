@@ -575,6 +575,9 @@ class BlockSums(_message.Message):
     """64-bit sums (kvxferd/dataplane/checksum.py) of blocks at these positions of the transfer's
     stream (its block list, in order): every whole block ("full"), or random segments ("sampled":
     regions names the region, a layer's K or V, of each sum; empty: whole blocks).
+    A remapped stream (other TP, head order or block size: the sides cut blocks otherwise) is
+    summed by windows of its bytes instead: window_bytes > 0, windows[j] the window of sums[j]
+    (bytes windows[j] * window_bytes onwards), positions and regions empty.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -584,17 +587,22 @@ class BlockSums(_message.Message):
     SUMS_FIELD_NUMBER: _builtins.int
     REGIONS_FIELD_NUMBER: _builtins.int
     UNCHECKED_FIELD_NUMBER: _builtins.int
+    WINDOW_BYTES_FIELD_NUMBER: _builtins.int
+    WINDOWS_FIELD_NUMBER: _builtins.int
     mode: _builtins.str
     unchecked: _builtins.str
     """Set, with no sums, when the offering daemon has none to give: why (integrity off there, a
-    GPU pool, a remapped stream), for the receiver's record.
+    GPU pool), for the receiver's record.
     """
+    window_bytes: _builtins.int
     @_builtins.property
     def positions(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
     def sums(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
     def regions(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def windows(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
         self,
         *,
@@ -603,10 +611,12 @@ class BlockSums(_message.Message):
         sums: _abc.Iterable[_builtins.int] | None = ...,
         regions: _abc.Iterable[_builtins.int] | None = ...,
         unchecked: _builtins.str = ...,
+        window_bytes: _builtins.int = ...,
+        windows: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["mode", b"mode", "positions", b"positions", "regions", b"regions", "sums", b"sums", "unchecked", b"unchecked"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["mode", b"mode", "positions", b"positions", "regions", b"regions", "sums", b"sums", "unchecked", b"unchecked", "window_bytes", b"window_bytes", "windows", b"windows"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
