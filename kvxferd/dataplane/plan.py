@@ -19,6 +19,7 @@ plan grows with the number of chunks and regions, never with the number of block
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import pairwise
@@ -159,24 +160,32 @@ def window_pieces(plan: SidePlan, start: int, end: int) -> tuple[I64, I64, I64]:
     >>> [a.tolist() for a in window_pieces(plan, 2, 10)]                 # buffers, offsets, bytes
     [[0, 0, 0], [26, 8, 16], [2, 4, 2]]
     """
-    bounds = np.cumsum([0, *(c.nbytes for c in plan.chunks)])
-    first = int(np.searchsorted(bounds, start, side="right")) - 1
-    last = int(np.searchsorted(bounds, end - 1, side="right")) - 1
+    bounds = np.cumsum([0, *(c.nbytes for c in plan.chunks)]).tolist()
+    first = bisect.bisect_right(bounds, start) - 1
+    last = bisect.bisect_right(bounds, end - 1) - 1
     bufs, offs, lens, poss = [], [], [], []
     for c in range(max(first, 0), min(last + 1, len(plan.chunks))):
-        for run in plan.chunks[c].runs:
-            k = len(run.offsets)
-            bufs.append(np.full(k, run.buffer, dtype=np.int64))
-            offs.append(run.offsets)
-            lens.append(np.full(k, run.length, dtype=np.int64))
-            poss.append(int(bounds[c]) + run.chunk_offset + run.length * np.arange(k, dtype=np.int64))
+        base, runs = bounds[c], plan.chunks[c].runs
+        lo, hi = start - base, end - base  # the window, in this chunk
+        at = max(bisect.bisect_right([r.chunk_offset for r in runs], lo) - 1, 0)
+        for run in runs[at:]:
+            if run.chunk_offset >= hi:
+                break
+            # Only the run's pieces the window touches (a run may hold thousands).
+            i0 = max(0, (lo - run.chunk_offset) // run.length)
+            i1 = min(len(run.offsets), -(-(hi - run.chunk_offset) // run.length))
+            if i1 > i0:
+                bufs.append(np.full(i1 - i0, run.buffer, dtype=np.int64))
+                offs.append(run.offsets[i0:i1])
+                lens.append(np.full(i1 - i0, run.length, dtype=np.int64))
+                poss.append(base + run.chunk_offset + run.length * np.arange(i0, i1, dtype=np.int64))
     if not bufs:
         empty = np.zeros(0, dtype=np.int64)
         return empty, empty, empty
     buf, off, length, pos = (np.concatenate(a) for a in (bufs, offs, lens, poss))
-    lo, hi = np.maximum(pos, start), np.minimum(pos + length, end)
-    keep = hi > lo
-    return buf[keep], (off + lo - pos)[keep], (hi - lo)[keep]
+    lo_, hi_ = np.maximum(pos, start), np.minimum(pos + length, end)
+    keep = hi_ > lo_
+    return buf[keep], (off + lo_ - pos)[keep], (hi_ - lo_)[keep]
 
 
 def plan_segments(seg_buf: I64, seg_off: I64, seg_len: I64, chunk_bytes: int) -> SidePlan:
