@@ -110,6 +110,18 @@ class Settings:
         "daemon's memory (process_vm_readv) once a probe proves it may; the offering daemon then does no work "
         "per byte. Off, or where the probe fails: UCX's shared-memory transport.",
     )
+    # UCX over TCP moves a large message over one connection (1.2 GB/s here for 256 MiB);
+    # several connections at once, one thread each, go faster where the host has the cores.
+    tcp_lanes: str = _setting(
+        "auto",
+        "Host blocks to a peer over TCP lanes (several TCP connections at once, one thread each): auto (when "
+        "UCX would use TCP to that peer: no shared memory or RDMA in common), always (every remote pull between "
+        "host pools that is not a direct read) or off.",
+    )
+    tcp_lane_count: int = _setting(4, "TCP connections (and threads) one transfer over TCP lanes uses, 1 to 16.")
+    tcp_lanes_listen: str = _setting(
+        "", "host:port the lanes of transfers this daemon serves connect to; empty: peer_listen's host, a free port."
+    )
     ucx_enabled: bool = _setting(
         True, "The UCX data plane; off, the daemon serves the local path only (its peer port reports NOT_SERVING)."
     )
@@ -167,6 +179,10 @@ class Settings:
             raise ValueError("integrity must be off, sampled or full")
         if self.integrity_samples < 1:
             raise ValueError("integrity_samples must be >= 1")
+        if self.tcp_lanes not in ("auto", "always", "off"):
+            raise ValueError("tcp_lanes must be auto, always or off")
+        if not 1 <= self.tcp_lane_count <= 16:
+            raise ValueError("tcp_lane_count must be in 1..16")
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

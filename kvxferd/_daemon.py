@@ -105,6 +105,15 @@ async def serve(settings: Settings) -> int:
         listeners.append(peer_listener)
         node.peer_address = settings.peer_advertise or peer_listener.address
         node.start_peers(tls.channel_credentials() if tls else None)
+        lanes_address = ""
+        if node.remote is not None and settings.tcp_lanes != "off":
+            lanes_address = settings.tcp_lanes_listen or peer_listener.address.rsplit(":", 1)[0] + ":0"
+            try:
+                host, port = lanes_address.rsplit(":", 1)
+                port_taken = node.remote.start_lanes(host.strip("[]"), int(port))
+            except (OSError, ValueError) as exc:
+                raise explain("tcp lanes", lanes_address, exc) from None
+            lanes_address = f"{lanes_address.rsplit(':', 1)[0]}:{port_taken}"
         listeners.append(
             await start_listener(
                 "engine socket",
@@ -150,6 +159,7 @@ async def serve(settings: Settings) -> int:
         "engine_socket": settings.engine_socket,
         "peer_address": node.peer_address,
         "admin_address": node.admin_address,
+        "lanes_address": lanes_address,
         "metrics_address": metrics_address,
         "ucx_transports": ucx.transports if ucx else [],
         "tls": tls is not None,
@@ -184,6 +194,8 @@ async def serve(settings: Settings) -> int:
     fd_socket.close()
     for listener in listeners:
         await listener.server.stop(grace=1.0)
+    if node.remote is not None:
+        await node.remote.close()
     if node.peers is not None:
         await node.peers.close()
     if ucx is not None:

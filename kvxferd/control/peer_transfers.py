@@ -171,6 +171,7 @@ class _OffererStream:
         signature: common_pb2.LayoutSignature,
         direct: peer_pb2.DirectReadSource | None = None,
         layers: int = 0,
+        lanes: peer_pb2.TcpLanes | None = None,
     ) -> None:
         self._send(
             accepted=peer_pb2.TransferAccepted(
@@ -180,6 +181,7 @@ class _OffererStream:
                 sender_signature=signature,
                 direct=direct,
                 layers=layers,
+                lanes=lanes,
             )
         )
 

@@ -24,6 +24,7 @@ from kvxfer_client._layout import MAX_BLOCKS, MAX_REGIONS
 from kvxfer_client._proto import common_pb2, peer_pb2
 from kvxfer_client._ticket import Ticket
 
+from ..dataplane.tcp_lanes import MAX_LANES
 from ..handoff.direct import NONCE_BYTES
 from ..handoff.serve import ServeRequest
 from ..handoff.steps import MAX_CHUNK, MIN_CHUNK
@@ -136,6 +137,8 @@ def serve_request(msg: peer_pb2.TransferStart, default_timeout_s: float, peer_ti
         raise InvalidRequestError(f"num_blocks must be at most {MAX_BLOCKS}")
     if len(msg.direct_read_nonce) not in (0, NONCE_BYTES):
         raise InvalidRequestError(f"direct_read_nonce must be empty or {NONCE_BYTES} bytes")
+    if msg.tcp_lanes > MAX_LANES:
+        raise InvalidRequestError(f"tcp_lanes must be at most {MAX_LANES}")
     timeout_s = min(msg.timeout_s or default_timeout_s, MAX_PULL_TIMEOUT_S)
     if not timeout_s > 0:  # also NaN
         raise InvalidRequestError(f"timeout_s must be positive, got {msg.timeout_s}")
@@ -155,4 +158,5 @@ def serve_request(msg: peer_pb2.TransferStart, default_timeout_s: float, peer_ti
         timeout_s=timeout_s,
         deadline_s=deadline_s,
         direct_read_nonce=bytes(msg.direct_read_nonce),
+        tcp_lanes=msg.tcp_lanes,
     )

@@ -8,11 +8,14 @@ buffers and transport names from it, so both decide them by the same rules:
   probe child, and only when both ends agree on UCX error handling (UCX would otherwise fail
   the endpoint only when the first message arrives);
 * a peer whose data plane failed is marked failed and its endpoint dropped: the next pull
-  says Hello again and makes a new one.
+  says Hello again and makes a new one;
+* transfers between host pools that UCX would carry over TCP go over TCP lanes instead
+  (:mod:`.lanes`), whose listener lives here.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -27,6 +30,7 @@ from .._log import log_event
 from ..dataplane.gpucopy import GpuDevices
 from ..dataplane.plan import SidePlan
 from ..dataplane.staging import StagingPool
+from ..dataplane.tcp_lanes import LaneListener
 from ..dataplane.ucx import UcxTransport
 from ..dataplane.ucx_setup import describe_transport
 from ..memory.pools import Pool
@@ -65,6 +69,18 @@ class RemotePlane:
         self._recv_staging = recv_staging
         self._gpu = gpu
         self._tcp_warned: set[str] = set()
+        self._lanes_told: set[str] = set()
+        #: The lane port of transfers this daemon serves (None: tcp_lanes is off).
+        self.lanes: LaneListener | None = None
+
+    def start_lanes(self, host: str, port: int) -> int:
+        """Listen for TCP lanes (OSError when the address cannot be taken); returns the port."""
+        self.lanes = LaneListener(self.settings.peer_timeout_s)
+        return self.lanes.start(host, port)
+
+    async def close(self) -> None:
+        if self.lanes is not None:
+            await self.lanes.close()
 
     # -- peers -------------------------------------------------------------------------------
 
@@ -200,6 +216,40 @@ class RemotePlane:
         if pool.process is not None:
             return host_staging, min(window, len(plan.chunks))
         return host_staging, min(window, sum(1 for c in plan.chunks if c.contiguous is None))
+
+    def lane_staging(self, pool: Pool, plan: SidePlan, direction: str) -> tuple[StagingPool, bool]:
+        """The host staging TCP lanes use on ``pool``'s side, and whether they need it (one
+        buffer per lane): not when every chunk lies contiguous in memory mapped here."""
+        staging = self._send_staging if direction == "send" else self._recv_staging
+        staged = pool.process is not None or any(c.contiguous is None for c in plan.chunks)
+        return staging, staged
+
+    def tell_lanes_once(self, peer: Peer, count: int) -> None:
+        """Log, once per peer, that its transfers go over TCP lanes (and why)."""
+        if peer.daemon_id in self._lanes_told:
+            return
+        self._lanes_told.add(peer.daemon_id)
+        why = "tcp_lanes is always" if self.settings.tcp_lanes == "always" else "UCX would use TCP to this peer"
+        log_event(
+            "transport.tcp_lanes",
+            level=logging.WARNING if self.settings.tcp_lanes == "auto" else logging.INFO,
+            peer=peer.daemon_id,
+            lanes=count,
+            detail=f"host memory to this peer goes over {count} TCP lanes ({why}: no shared memory or RDMA in "
+            "common); check UCX_TLS and the NICs if RDMA was expected",
+        )
+
+    def chunk_fault_in_thread(self, transfer_id: str) -> Callable[[int], None] | None:
+        """:meth:`chunk_fault` for a lane thread: it waits for the fault point on the loop."""
+        if self.chunk_fault(transfer_id) is None:
+            return None
+        loop = asyncio.get_running_loop()
+
+        def in_thread(index: int) -> None:
+            point = self.faults.hit(f"after_chunk_sent:{index}", transfer_id=transfer_id)
+            asyncio.run_coroutine_threadsafe(point, loop).result()
+
+        return in_thread
 
     def chunk_fault(self, transfer_id: str) -> Callable[[int], Awaitable[None]] | None:
         """The ``after_chunk_sent:N`` fault points as a send hook (None when none is armed)."""

@@ -37,6 +37,7 @@ from ..dataplane.ucp_iov import CANCEL_CONFIRM_S
 from ..memory.pools import Pool
 from .direct import DIRECT_READ, new_nonce, nonce_missing, source_plan
 from .integrity import Integrity
+from .lanes import LaneHandoff, lanes_to_ask
 from .layers import LayerProgress
 from .local import copy_in_threads
 from .peers import Peer
@@ -106,7 +107,8 @@ class RemotePull:
             sent: asyncio.Task[Any] | None = None
             lease: StagingLease | None = None
             nonce = new_nonce() if side is None and await self.plane.direct_read_ok(peer) else b""
-            source = None
+            asked_lanes = lanes_to_ask(self.settings, record.transport, dst, bool(nonce))
+            source = by_lanes = None
             try:
                 call.start(
                     peer_pb2.TransferStart(
@@ -122,6 +124,7 @@ class RemotePull:
                         timeout_s=timeout,
                         direct_read_nonce=nonce,
                         deadline_s=transfer_deadline_s,
+                        tcp_lanes=asked_lanes,
                     )
                 )
                 record.mark("start_sent")
@@ -134,6 +137,9 @@ class RemotePull:
                 chunk, total_bytes = accepted.chunk_bytes or max_chunk, accepted.total_bytes
                 sender = accepted.sender_signature
                 source = accepted.direct if accepted.HasField("direct") else None
+                by_lanes = accepted.lanes if accepted.HasField("lanes") else None
+                if by_lanes is not None and (not asked_lanes or accepted.layers or source is not None):
+                    raise IncompatibleError(f"peer {peer.daemon_id} answered with TCP lanes this pull cannot take")
                 if not MIN_CHUNK <= chunk <= max_chunk:
                     raise IncompatibleError(f"peer chose {chunk}-byte chunks; this side takes {MIN_CHUNK}..{max_chunk}")
                 record.mapping = mapping_between(sender, dst.layout.signature()) if mapped else ""
@@ -163,6 +169,10 @@ class RemotePull:
                     receiving = asyncio.create_task(
                         self._read(record, peer, source, sender, dst, dst_ids, plan, nonce, layered)
                     )
+                elif by_lanes is not None:
+                    started = time.perf_counter()
+                    lanes = LaneHandoff(self.settings, self.plane, self.faults)
+                    receiving = asyncio.create_task(lanes.receive(peer, by_lanes, asked_lanes, dst, plan, record))
                 else:
                     staging, need = self.plane.staging_for(dst, plan, "receive")
                     lease = await stack.enter_async_context(staging.lease(need))
@@ -204,7 +214,7 @@ class RemotePull:
             except BaseException as exc:
                 if sent is not None and not sent.done():
                     sent.cancel()
-                if receiving is not None and not receiving.done() and source is not None:
+                if receiving is not None and not receiving.done() and (source is not None or by_lanes is not None):
                     receiving.cancel()  # the copy threads stop at their next chunk; awaited there
                     await asyncio.wait({receiving})
                 elif receiving is not None and not receiving.done():

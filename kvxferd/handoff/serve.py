@@ -39,6 +39,7 @@ from ..dataplane.remap import peer_side, plan_remap, side_of
 from ..memory.pools import Pool
 from .direct import DIRECT_READ, source_of
 from .integrity import Integrity
+from .lanes import LaneHandoff
 from .layers import layer_batches, layer_sizes, send_by_layer
 from .peers import Peer
 from .remote import RemotePlane
@@ -67,6 +68,8 @@ class ServeRequest:
     offer_block_indices: npt.NDArray[np.int64] | None = None
     #: Non-empty when the receiver reads the blocks itself where it can (see :mod:`.direct`).
     direct_read_nonce: bytes = b""
+    #: The TCP lanes the receiver would open (0: it takes the bytes over UCX).
+    tcp_lanes: int = 0
 
 
 class OffererStream(Protocol):
@@ -92,6 +95,7 @@ class OffererStream(Protocol):
         signature: common_pb2.LayoutSignature,
         direct: peer_pb2.DirectReadSource | None = None,
         layers: int = 0,
+        lanes: peer_pb2.TcpLanes | None = None,
     ) -> None: ...
 
     async def ready(self, layers: int) -> None:
@@ -262,6 +266,16 @@ class TransferServer:
                 batch = self.settings.layerwise_batch_bytes if per_layer else float("inf")
                 async for _, written in layer_batches(offer, sizes, batch):
                     await stream.ready(written)
+        elif start.tcp_lanes and self.plane.lanes is not None and side is None and not per_layer:
+            plan = plan or build_plan(pool.regions, src_ids, chunk)
+            signature, count = pool.layout.signature(), len(plan.chunks)
+
+            async def announce(lanes: peer_pb2.TcpLanes) -> None:
+                await stream.accepted(record.nbytes, count, chunk, signature, None, 0, lanes)
+
+            await LaneHandoff(self.settings, self.plane, self.faults).send(
+                start.tcp_lanes, pool, plan, record, announce, offer
+            )
         elif per_layer:
             plan, starts = build_layered_plan(pool.regions, src_ids, chunk, layers)
             await self._send(start, peer, pool, src_ids, record, stream, chunk, plan, side, offer, starts)

@@ -26,7 +26,7 @@ _sym_db = _symbol_database.Default()
 from . import common_pb2 as kvxfer_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14kvxfer/v1/peer.proto\x12\tkvxfer.v1\x1a\x16kvxfer/v1/common.proto\"n\n\x10PushAnnouncement\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12!\n\x06ticket\x18\x02 \x01(\x0b\x32\x11.kvxfer.v1.Ticket\x12\x0f\n\x07lease_s\x18\x03 \x01(\x01\x12\x11\n\tdaemon_id\x18\x04 \x01(\t\" \n\rPushAnnounced\x12\x0f\n\x07matched\x18\x01 \x01(\x08\" \n\x0f\x44irectReadProbe\x12\r\n\x05nonce\x18\x01 \x01(\x0c\"/\n\x0f\x44irectReadProof\x12\x0b\n\x03pid\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\x04\"J\n\x16PeerExtendLeaseRequest\x12\x10\n\x08offer_id\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\x0c\x12\x0f\n\x07lease_s\x18\x03 \x01(\x01\"4\n\x17PeerExtendLeaseResponse\x12\x19\n\x11lease_remaining_s\x18\x01 \x01(\x01\"\xc4\x01\n\x0cPeerIdentity\x12\x11\n\tdaemon_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x18\n\x10protocol_version\x18\x03 \x01(\r\x12\x10\n\x08hostname\x18\x04 \x01(\t\x12\x1a\n\x12ucx_worker_address\x18\x05 \x01(\x0c\x12\x16\n\x0eucx_transports\x18\x06 \x03(\t\x12\x14\n\x0cpeer_address\x18\x07 \x01(\t\x12\x1a\n\x12ucx_error_handling\x18\x08 \x01(\t\"9\n\x0cHelloRequest\x12)\n\x08identity\x18\x01 \x01(\x0b\x32\x17.kvxfer.v1.PeerIdentity\":\n\rHelloResponse\x12)\n\x08identity\x18\x01 \x01(\x0b\x32\x17.kvxfer.v1.PeerIdentity\"\xb3\x02\n\rTransferStart\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x10\n\x08offer_id\x18\x02 \x01(\t\x12\r\n\x05token\x18\x03 \x01(\x0c\x12\x1a\n\x12receiver_daemon_id\x18\x04 \x01(\t\x12\x36\n\x12receiver_signature\x18\x05 \x01(\x0b\x32\x1a.kvxfer.v1.LayoutSignature\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12\x10\n\x08tag_base\x18\x07 \x01(\x04\x12\x13\n\x0b\x63hunk_bytes\x18\x08 \x01(\x04\x12\x11\n\ttimeout_s\x18\t \x01(\x01\x12\x1b\n\x13offer_block_indices\x18\n \x03(\r\x12\x19\n\x11\x64irect_read_nonce\x18\x0b \x01(\x0c\x12\x12\n\ndeadline_s\x18\x0c \x01(\x01\";\n\x0cTransferDone\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\x12\x0f\n\x07readers\x18\x03 \x01(\r\"\x1f\n\rTransferAbort\x12\x0e\n\x06\x64\x65tail\x18\x01 \x01(\t\"\xb2\x01\n\x15TransferClientMessage\x12\x13\n\x0btransfer_id\x18\x03 \x01(\t\x12)\n\x05start\x18\x01 \x01(\x0b\x32\x18.kvxfer.v1.TransferStartH\x00\x12\'\n\x04\x64one\x18\x02 \x01(\x0b\x32\x17.kvxfer.v1.TransferDoneH\x00\x12)\n\x05\x61\x62ort\x18\x04 \x01(\x0b\x32\x18.kvxfer.v1.TransferAbortH\x00\x42\x05\n\x03msg\"\xc3\x01\n\x10TransferAccepted\x12\x13\n\x0btotal_bytes\x18\x01 \x01(\x04\x12\x12\n\nnum_chunks\x18\x02 \x01(\r\x12\x13\n\x0b\x63hunk_bytes\x18\x03 \x01(\x04\x12\x34\n\x10sender_signature\x18\x04 \x01(\x0b\x32\x1a.kvxfer.v1.LayoutSignature\x12+\n\x06\x64irect\x18\x05 \x01(\x0b\x32\x1b.kvxfer.v1.DirectReadSource\x12\x0e\n\x06layers\x18\x06 \x01(\r\"\x1f\n\rTransferReady\x12\x0e\n\x06layers\x18\x01 \x01(\r\"\xa6\x01\n\x10\x44irectReadSource\x12\x0b\n\x03pid\x18\x01 \x01(\r\x12\x16\n\x0e\x62uffer_address\x18\x02 \x03(\x04\x12\x15\n\rregion_buffer\x18\x03 \x03(\r\x12\x15\n\rregion_offset\x18\x04 \x03(\x04\x12\x15\n\rregion_stride\x18\x05 \x03(\x04\x12\x11\n\tblock_ids\x18\x06 \x03(\r\x12\x15\n\rnonce_address\x18\x07 \x01(\x04\"T\n\x0cTransferSent\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x11\n\ttransport\x18\x02 \x01(\t\x12\"\n\x04sums\x18\x03 \x01(\x0b\x32\x14.kvxfer.v1.BlockSums\"\x85\x01\n\tBlockSums\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x11\n\tpositions\x18\x02 \x03(\r\x12\x0c\n\x04sums\x18\x03 \x03(\x06\x12\x0f\n\x07regions\x18\x04 \x03(\r\x12\x11\n\tunchecked\x18\x05 \x01(\t\x12\x14\n\x0cwindow_bytes\x18\x06 \x01(\x04\x12\x0f\n\x07windows\x18\x07 \x03(\x04\"\"\n\x0eTransferClosed\x12\x10\n\x08released\x18\x01 \x01(\x08\"-\n\rTransferError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\"\x91\x02\n\x15TransferServerMessage\x12\x13\n\x0btransfer_id\x18\x04 \x01(\t\x12/\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x0b\x32\x1b.kvxfer.v1.TransferAcceptedH\x00\x12\'\n\x04sent\x18\x02 \x01(\x0b\x32\x17.kvxfer.v1.TransferSentH\x00\x12+\n\x06\x63losed\x18\x03 \x01(\x0b\x32\x19.kvxfer.v1.TransferClosedH\x00\x12*\n\x06\x66\x61iled\x18\x05 \x01(\x0b\x32\x18.kvxfer.v1.TransferErrorH\x00\x12)\n\x05ready\x18\x06 \x01(\x0b\x32\x18.kvxfer.v1.TransferReadyH\x00\x42\x05\n\x03msg2\x82\x03\n\x0bPeerService\x12:\n\x05Hello\x12\x17.kvxfer.v1.HelloRequest\x1a\x18.kvxfer.v1.HelloResponse\x12S\n\tTransfers\x12 .kvxfer.v1.TransferClientMessage\x1a .kvxfer.v1.TransferServerMessage(\x01\x30\x01\x12T\n\x0b\x45xtendLease\x12!.kvxfer.v1.PeerExtendLeaseRequest\x1a\".kvxfer.v1.PeerExtendLeaseResponse\x12I\n\x0fProbeDirectRead\x12\x1a.kvxfer.v1.DirectReadProbe\x1a\x1a.kvxfer.v1.DirectReadProof\x12\x41\n\x08\x41nnounce\x12\x1b.kvxfer.v1.PushAnnouncement\x1a\x18.kvxfer.v1.PushAnnouncedb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14kvxfer/v1/peer.proto\x12\tkvxfer.v1\x1a\x16kvxfer/v1/common.proto\"n\n\x10PushAnnouncement\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12!\n\x06ticket\x18\x02 \x01(\x0b\x32\x11.kvxfer.v1.Ticket\x12\x0f\n\x07lease_s\x18\x03 \x01(\x01\x12\x11\n\tdaemon_id\x18\x04 \x01(\t\" \n\rPushAnnounced\x12\x0f\n\x07matched\x18\x01 \x01(\x08\" \n\x0f\x44irectReadProbe\x12\r\n\x05nonce\x18\x01 \x01(\x0c\"/\n\x0f\x44irectReadProof\x12\x0b\n\x03pid\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\x04\"J\n\x16PeerExtendLeaseRequest\x12\x10\n\x08offer_id\x18\x01 \x01(\t\x12\r\n\x05token\x18\x02 \x01(\x0c\x12\x0f\n\x07lease_s\x18\x03 \x01(\x01\"4\n\x17PeerExtendLeaseResponse\x12\x19\n\x11lease_remaining_s\x18\x01 \x01(\x01\"\xc4\x01\n\x0cPeerIdentity\x12\x11\n\tdaemon_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x18\n\x10protocol_version\x18\x03 \x01(\r\x12\x10\n\x08hostname\x18\x04 \x01(\t\x12\x1a\n\x12ucx_worker_address\x18\x05 \x01(\x0c\x12\x16\n\x0eucx_transports\x18\x06 \x03(\t\x12\x14\n\x0cpeer_address\x18\x07 \x01(\t\x12\x1a\n\x12ucx_error_handling\x18\x08 \x01(\t\"9\n\x0cHelloRequest\x12)\n\x08identity\x18\x01 \x01(\x0b\x32\x17.kvxfer.v1.PeerIdentity\":\n\rHelloResponse\x12)\n\x08identity\x18\x01 \x01(\x0b\x32\x17.kvxfer.v1.PeerIdentity\"\xc6\x02\n\rTransferStart\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x10\n\x08offer_id\x18\x02 \x01(\t\x12\r\n\x05token\x18\x03 \x01(\x0c\x12\x1a\n\x12receiver_daemon_id\x18\x04 \x01(\t\x12\x36\n\x12receiver_signature\x18\x05 \x01(\x0b\x32\x1a.kvxfer.v1.LayoutSignature\x12\x12\n\nnum_blocks\x18\x06 \x01(\r\x12\x10\n\x08tag_base\x18\x07 \x01(\x04\x12\x13\n\x0b\x63hunk_bytes\x18\x08 \x01(\x04\x12\x11\n\ttimeout_s\x18\t \x01(\x01\x12\x1b\n\x13offer_block_indices\x18\n \x03(\r\x12\x19\n\x11\x64irect_read_nonce\x18\x0b \x01(\x0c\x12\x12\n\ndeadline_s\x18\x0c \x01(\x01\x12\x11\n\ttcp_lanes\x18\r \x01(\r\";\n\x0cTransferDone\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\x12\x0f\n\x07readers\x18\x03 \x01(\r\"\x1f\n\rTransferAbort\x12\x0e\n\x06\x64\x65tail\x18\x01 \x01(\t\"\xb2\x01\n\x15TransferClientMessage\x12\x13\n\x0btransfer_id\x18\x03 \x01(\t\x12)\n\x05start\x18\x01 \x01(\x0b\x32\x18.kvxfer.v1.TransferStartH\x00\x12\'\n\x04\x64one\x18\x02 \x01(\x0b\x32\x17.kvxfer.v1.TransferDoneH\x00\x12)\n\x05\x61\x62ort\x18\x04 \x01(\x0b\x32\x18.kvxfer.v1.TransferAbortH\x00\x42\x05\n\x03msg\"\xe7\x01\n\x10TransferAccepted\x12\x13\n\x0btotal_bytes\x18\x01 \x01(\x04\x12\x12\n\nnum_chunks\x18\x02 \x01(\r\x12\x13\n\x0b\x63hunk_bytes\x18\x03 \x01(\x04\x12\x34\n\x10sender_signature\x18\x04 \x01(\x0b\x32\x1a.kvxfer.v1.LayoutSignature\x12+\n\x06\x64irect\x18\x05 \x01(\x0b\x32\x1b.kvxfer.v1.DirectReadSource\x12\x0e\n\x06layers\x18\x06 \x01(\r\x12\"\n\x05lanes\x18\x07 \x01(\x0b\x32\x13.kvxfer.v1.TcpLanes\"6\n\x08TcpLanes\x12\x0c\n\x04port\x18\x01 \x01(\r\x12\r\n\x05nonce\x18\x02 \x01(\x0c\x12\r\n\x05\x63ount\x18\x03 \x01(\r\"\x1f\n\rTransferReady\x12\x0e\n\x06layers\x18\x01 \x01(\r\"\xa6\x01\n\x10\x44irectReadSource\x12\x0b\n\x03pid\x18\x01 \x01(\r\x12\x16\n\x0e\x62uffer_address\x18\x02 \x03(\x04\x12\x15\n\rregion_buffer\x18\x03 \x03(\r\x12\x15\n\rregion_offset\x18\x04 \x03(\x04\x12\x15\n\rregion_stride\x18\x05 \x03(\x04\x12\x11\n\tblock_ids\x18\x06 \x03(\r\x12\x15\n\rnonce_address\x18\x07 \x01(\x04\"T\n\x0cTransferSent\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x11\n\ttransport\x18\x02 \x01(\t\x12\"\n\x04sums\x18\x03 \x01(\x0b\x32\x14.kvxfer.v1.BlockSums\"\x85\x01\n\tBlockSums\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x11\n\tpositions\x18\x02 \x03(\r\x12\x0c\n\x04sums\x18\x03 \x03(\x06\x12\x0f\n\x07regions\x18\x04 \x03(\r\x12\x11\n\tunchecked\x18\x05 \x01(\t\x12\x14\n\x0cwindow_bytes\x18\x06 \x01(\x04\x12\x0f\n\x07windows\x18\x07 \x03(\x04\"\"\n\x0eTransferClosed\x12\x10\n\x08released\x18\x01 \x01(\x08\"-\n\rTransferError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\"\x91\x02\n\x15TransferServerMessage\x12\x13\n\x0btransfer_id\x18\x04 \x01(\t\x12/\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x0b\x32\x1b.kvxfer.v1.TransferAcceptedH\x00\x12\'\n\x04sent\x18\x02 \x01(\x0b\x32\x17.kvxfer.v1.TransferSentH\x00\x12+\n\x06\x63losed\x18\x03 \x01(\x0b\x32\x19.kvxfer.v1.TransferClosedH\x00\x12*\n\x06\x66\x61iled\x18\x05 \x01(\x0b\x32\x18.kvxfer.v1.TransferErrorH\x00\x12)\n\x05ready\x18\x06 \x01(\x0b\x32\x18.kvxfer.v1.TransferReadyH\x00\x42\x05\n\x03msg2\x82\x03\n\x0bPeerService\x12:\n\x05Hello\x12\x17.kvxfer.v1.HelloRequest\x1a\x18.kvxfer.v1.HelloResponse\x12S\n\tTransfers\x12 .kvxfer.v1.TransferClientMessage\x1a .kvxfer.v1.TransferServerMessage(\x01\x30\x01\x12T\n\x0b\x45xtendLease\x12!.kvxfer.v1.PeerExtendLeaseRequest\x1a\".kvxfer.v1.PeerExtendLeaseResponse\x12I\n\x0fProbeDirectRead\x12\x1a.kvxfer.v1.DirectReadProbe\x1a\x1a.kvxfer.v1.DirectReadProof\x12\x41\n\x08\x41nnounce\x12\x1b.kvxfer.v1.PushAnnouncement\x1a\x18.kvxfer.v1.PushAnnouncedb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -52,29 +52,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HELLORESPONSE']._serialized_start=676
   _globals['_HELLORESPONSE']._serialized_end=734
   _globals['_TRANSFERSTART']._serialized_start=737
-  _globals['_TRANSFERSTART']._serialized_end=1044
-  _globals['_TRANSFERDONE']._serialized_start=1046
-  _globals['_TRANSFERDONE']._serialized_end=1105
-  _globals['_TRANSFERABORT']._serialized_start=1107
-  _globals['_TRANSFERABORT']._serialized_end=1138
-  _globals['_TRANSFERCLIENTMESSAGE']._serialized_start=1141
-  _globals['_TRANSFERCLIENTMESSAGE']._serialized_end=1319
-  _globals['_TRANSFERACCEPTED']._serialized_start=1322
-  _globals['_TRANSFERACCEPTED']._serialized_end=1517
-  _globals['_TRANSFERREADY']._serialized_start=1519
-  _globals['_TRANSFERREADY']._serialized_end=1550
-  _globals['_DIRECTREADSOURCE']._serialized_start=1553
-  _globals['_DIRECTREADSOURCE']._serialized_end=1719
-  _globals['_TRANSFERSENT']._serialized_start=1721
-  _globals['_TRANSFERSENT']._serialized_end=1805
-  _globals['_BLOCKSUMS']._serialized_start=1808
-  _globals['_BLOCKSUMS']._serialized_end=1941
-  _globals['_TRANSFERCLOSED']._serialized_start=1943
-  _globals['_TRANSFERCLOSED']._serialized_end=1977
-  _globals['_TRANSFERERROR']._serialized_start=1979
-  _globals['_TRANSFERERROR']._serialized_end=2024
-  _globals['_TRANSFERSERVERMESSAGE']._serialized_start=2027
-  _globals['_TRANSFERSERVERMESSAGE']._serialized_end=2300
-  _globals['_PEERSERVICE']._serialized_start=2303
-  _globals['_PEERSERVICE']._serialized_end=2689
+  _globals['_TRANSFERSTART']._serialized_end=1063
+  _globals['_TRANSFERDONE']._serialized_start=1065
+  _globals['_TRANSFERDONE']._serialized_end=1124
+  _globals['_TRANSFERABORT']._serialized_start=1126
+  _globals['_TRANSFERABORT']._serialized_end=1157
+  _globals['_TRANSFERCLIENTMESSAGE']._serialized_start=1160
+  _globals['_TRANSFERCLIENTMESSAGE']._serialized_end=1338
+  _globals['_TRANSFERACCEPTED']._serialized_start=1341
+  _globals['_TRANSFERACCEPTED']._serialized_end=1572
+  _globals['_TCPLANES']._serialized_start=1574
+  _globals['_TCPLANES']._serialized_end=1628
+  _globals['_TRANSFERREADY']._serialized_start=1630
+  _globals['_TRANSFERREADY']._serialized_end=1661
+  _globals['_DIRECTREADSOURCE']._serialized_start=1664
+  _globals['_DIRECTREADSOURCE']._serialized_end=1830
+  _globals['_TRANSFERSENT']._serialized_start=1832
+  _globals['_TRANSFERSENT']._serialized_end=1916
+  _globals['_BLOCKSUMS']._serialized_start=1919
+  _globals['_BLOCKSUMS']._serialized_end=2052
+  _globals['_TRANSFERCLOSED']._serialized_start=2054
+  _globals['_TRANSFERCLOSED']._serialized_end=2088
+  _globals['_TRANSFERERROR']._serialized_start=2090
+  _globals['_TRANSFERERROR']._serialized_end=2135
+  _globals['_TRANSFERSERVERMESSAGE']._serialized_start=2138
+  _globals['_TRANSFERSERVERMESSAGE']._serialized_end=2411
+  _globals['_PEERSERVICE']._serialized_start=2414
+  _globals['_PEERSERVICE']._serialized_end=2800
 # @@protoc_insertion_point(module_scope)

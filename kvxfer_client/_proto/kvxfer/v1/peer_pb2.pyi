@@ -268,6 +268,7 @@ class TransferStart(_message.Message):
     OFFER_BLOCK_INDICES_FIELD_NUMBER: _builtins.int
     DIRECT_READ_NONCE_FIELD_NUMBER: _builtins.int
     DEADLINE_S_FIELD_NUMBER: _builtins.int
+    TCP_LANES_FIELD_NUMBER: _builtins.int
     transfer_id: _builtins.str
     offer_id: _builtins.str
     token: _builtins.bytes
@@ -289,6 +290,11 @@ class TransferStart(_message.Message):
     deadline_s: _builtins.float
     """The transfer's deadline in seconds from this message (see Transfers); 0: timeout_s plus
     the offering daemon's own peer timeout.
+    """
+    tcp_lanes: _builtins.int
+    """Set (the lanes it would open, at most 16) when the receiver would take the bytes over TCP
+    lanes (its tcp_lanes setting; kvxferd/dataplane/tcp_lanes.py): the offerer answers with
+    TransferAccepted.lanes where its pool is in host memory, else it sends as usual.
     """
     @_builtins.property
     def receiver_signature(self) -> _common_pb2.LayoutSignature: ...
@@ -314,10 +320,11 @@ class TransferStart(_message.Message):
         offer_block_indices: _abc.Iterable[_builtins.int] | None = ...,
         direct_read_nonce: _builtins.bytes = ...,
         deadline_s: _builtins.float = ...,
+        tcp_lanes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["receiver_signature", b"receiver_signature"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_bytes", b"chunk_bytes", "deadline_s", b"deadline_s", "direct_read_nonce", b"direct_read_nonce", "num_blocks", b"num_blocks", "offer_block_indices", b"offer_block_indices", "offer_id", b"offer_id", "receiver_daemon_id", b"receiver_daemon_id", "receiver_signature", b"receiver_signature", "tag_base", b"tag_base", "timeout_s", b"timeout_s", "token", b"token", "transfer_id", b"transfer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_bytes", b"chunk_bytes", "deadline_s", b"deadline_s", "direct_read_nonce", b"direct_read_nonce", "num_blocks", b"num_blocks", "offer_block_indices", b"offer_block_indices", "offer_id", b"offer_id", "receiver_daemon_id", b"receiver_daemon_id", "receiver_signature", b"receiver_signature", "tag_base", b"tag_base", "tcp_lanes", b"tcp_lanes", "timeout_s", b"timeout_s", "token", b"token", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -420,6 +427,7 @@ class TransferAccepted(_message.Message):
     SENDER_SIGNATURE_FIELD_NUMBER: _builtins.int
     DIRECT_FIELD_NUMBER: _builtins.int
     LAYERS_FIELD_NUMBER: _builtins.int
+    LANES_FIELD_NUMBER: _builtins.int
     total_bytes: _builtins.int
     num_chunks: _builtins.int
     chunk_bytes: _builtins.int
@@ -441,6 +449,13 @@ class TransferAccepted(_message.Message):
         comes over UCX, and sent follows once every layer is written (ready says how far).
         """
 
+    @_builtins.property
+    def lanes(self) -> Global___TcpLanes:
+        """Set when the bytes come over TCP lanes (TransferStart.tcp_lanes): the receiver connects
+        to this port at the host it dialled for the offering daemon, sends each lane's hello with
+        the nonce, and chunk c arrives on lane c % count. No chunk comes over UCX.
+        """
+
     def __init__(
         self,
         *,
@@ -450,14 +465,41 @@ class TransferAccepted(_message.Message):
         sender_signature: _common_pb2.LayoutSignature | None = ...,
         direct: Global___DirectReadSource | None = ...,
         layers: _builtins.int = ...,
+        lanes: Global___TcpLanes | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["direct", b"direct", "sender_signature", b"sender_signature"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["direct", b"direct", "lanes", b"lanes", "sender_signature", b"sender_signature"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_bytes", b"chunk_bytes", "direct", b"direct", "layers", b"layers", "num_chunks", b"num_chunks", "sender_signature", b"sender_signature", "total_bytes", b"total_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_bytes", b"chunk_bytes", "direct", b"direct", "lanes", b"lanes", "layers", b"layers", "num_chunks", b"num_chunks", "sender_signature", b"sender_signature", "total_bytes", b"total_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TransferAccepted: _TypeAlias = TransferAccepted  # noqa: Y015
+
+@_typing.final
+class TcpLanes(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PORT_FIELD_NUMBER: _builtins.int
+    NONCE_FIELD_NUMBER: _builtins.int
+    COUNT_FIELD_NUMBER: _builtins.int
+    port: _builtins.int
+    nonce: _builtins.bytes
+    """16 random bytes: a lane connection proves with them which transfer it belongs to."""
+    count: _builtins.int
+    def __init__(
+        self,
+        *,
+        port: _builtins.int = ...,
+        nonce: _builtins.bytes = ...,
+        count: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count", "nonce", b"nonce", "port", b"port"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TcpLanes: _TypeAlias = TcpLanes  # noqa: Y015
 
 @_typing.final
 class TransferReady(_message.Message):
