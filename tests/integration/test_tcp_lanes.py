@@ -6,7 +6,6 @@ lost mid-lane fails the transfer typed and in bounded time, on both sides."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from collections.abc import Callable
 
@@ -15,7 +14,7 @@ import numpy as np
 import pytest
 
 from bench.cluster import Cluster, Daemon
-from kvxfer_client import AsyncKvxferClient, HostBuffer, Layout, ReleaseReason, UnavailableError
+from kvxfer_client import AsyncKvxferClient, HostBuffer, Layout
 from kvxfer_client._proto import admin_pb2, admin_pb2_grpc
 
 NO_DIRECT = {"KVXFERD_SAME_HOST_DIRECT_READ": "false"}
