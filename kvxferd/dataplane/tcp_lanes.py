@@ -228,10 +228,15 @@ async def connect_lanes(host: str, port: int, nonce: bytes, count: int, timeout_
     return socks
 
 
-async def run_lanes(lane: Callable[[socket.socket, int], None], socks: list[socket.socket], what: str) -> None:
+async def run_lanes(
+    lane: Callable[[socket.socket, int], None],
+    socks: list[socket.socket],
+    what: str,
+    on_stop: Callable[[], None] | None = None,
+) -> None:
     """Run ``lane(sock, index)`` for every lane, each in a thread of its own. The first to fail
-    (or a cancellation) shuts every socket down, which ends the others' blocking calls; every
-    thread has returned when this does."""
+    (or a cancellation) shuts every socket down, which ends the others' blocking calls, and
+    calls ``on_stop`` (for waits of their own); every thread has returned when this does."""
     loop = asyncio.get_running_loop()
     futures = [_in_thread(loop, lane, sock, i, f"kvxfer-lane-{what}-{i}") for i, sock in enumerate(socks)]
     try:
@@ -242,6 +247,8 @@ async def run_lanes(lane: Callable[[socket.socket, int], None], socks: list[sock
         await asyncio.gather(*futures)
     except BaseException:
         _shut(socks)
+        if on_stop is not None:
+            on_stop()
         await asyncio.wait(futures)  # the threads see their sockets shut and return
         for f in futures:
             f.exception()  # retrieved: the first failure is the one raised

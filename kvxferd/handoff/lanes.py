@@ -90,7 +90,8 @@ class LaneHandoff:
                 def lane(sock: socket.socket, index: int) -> None:
                     send_lane(sock, index, count, plan, memory, buffers[index], timeout_s, after_chunk)
 
-                await run_lanes(lane, socks, f"send {record.transfer_id}")
+                stop = after_chunk.cancel if after_chunk is not None else None
+                await run_lanes(lane, socks, f"send {record.transfer_id}", stop)
         finally:
             listener.forget(lanes)
 

@@ -16,6 +16,7 @@ buffers and transport names from it, so both decide them by the same rules:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -38,7 +39,30 @@ from .direct import new_nonce, probe_peer
 from .peers import Peer, PeerDirectory
 from .steps import within
 
-__all__ = ["RemotePlane", "resolve_error_handling"]
+__all__ = ["RemotePlane", "ThreadFault", "resolve_error_handling"]
+
+
+class ThreadFault:
+    """The ``after_chunk_sent:N`` fault points for a thread: it waits while the point runs on
+    the loop; :meth:`cancel` ends every wait (the transfer stopped: a paused lane must not
+    hold its thread for the rest of the pause)."""
+
+    def __init__(self, faults: Faults, transfer_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.faults, self.transfer_id, self.loop = faults, transfer_id, loop
+        self._waits: set[concurrent.futures.Future[None]] = set()
+
+    def __call__(self, index: int) -> None:
+        point = self.faults.hit(f"after_chunk_sent:{index}", transfer_id=self.transfer_id)
+        wait = asyncio.run_coroutine_threadsafe(point, self.loop)
+        self._waits.add(wait)
+        try:
+            wait.result()
+        finally:
+            self._waits.discard(wait)
+
+    def cancel(self) -> None:
+        for wait in list(self._waits):
+            wait.cancel()
 
 
 def resolve_error_handling(setting: str, same_host: bool) -> bool:
@@ -239,17 +263,11 @@ class RemotePlane:
             "common); check UCX_TLS and the NICs if RDMA was expected",
         )
 
-    def chunk_fault_in_thread(self, transfer_id: str) -> Callable[[int], None] | None:
-        """:meth:`chunk_fault` for a lane thread: it waits for the fault point on the loop."""
+    def chunk_fault_in_thread(self, transfer_id: str) -> ThreadFault | None:
+        """:meth:`chunk_fault` for lane threads (None when none is armed)."""
         if self.chunk_fault(transfer_id) is None:
             return None
-        loop = asyncio.get_running_loop()
-
-        def in_thread(index: int) -> None:
-            point = self.faults.hit(f"after_chunk_sent:{index}", transfer_id=transfer_id)
-            asyncio.run_coroutine_threadsafe(point, loop).result()
-
-        return in_thread
+        return ThreadFault(self.faults, transfer_id, asyncio.get_running_loop())
 
     def chunk_fault(self, transfer_id: str) -> Callable[[int], Awaitable[None]] | None:
         """The ``after_chunk_sent:N`` fault points as a send hook (None when none is armed)."""
