@@ -203,7 +203,10 @@ def run(args: argparse.Namespace, ctl: Ctl) -> int:
             return EXIT_OK
         print(f"daemon      {s.daemon_id} (kvxfer {s.version}, pid {s.pid}, host {s.hostname})")
         print(f"state       {'draining' if s.draining else 'serving'}, up {s.uptime_s:.0f}s")
-        print(f"listeners   engine unix:{s.engine_socket}  peer {s.peer_address}  admin {s.admin_address or '-'}")
+        print(
+            f"listeners   engine unix:{s.engine_socket}  peer {s.peer_address}  admin {s.admin_address or '-'}"
+            f"  lanes {s.lanes_address or '-'}"
+        )
         print(
             f"ucx         {','.join(s.ucx_transports) or 'unavailable'}; {s.ucx_endpoints} endpoints, "
             f"{s.ucx_receives_unconfirmed} receives unconfirmed"

@@ -113,7 +113,7 @@ async def serve(settings: Settings) -> int:
                 port_taken = node.remote.start_lanes(host.strip("[]"), int(port))
             except (OSError, ValueError) as exc:
                 raise explain("tcp lanes", lanes_address, exc) from None
-            lanes_address = f"{lanes_address.rsplit(':', 1)[0]}:{port_taken}"
+            lanes_address = node.lanes_address = f"{lanes_address.rsplit(':', 1)[0]}:{port_taken}"
         listeners.append(
             await start_listener(
                 "engine socket",

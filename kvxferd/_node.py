@@ -78,6 +78,7 @@ class Node:
         self.draining = False
         self.peer_address = ""  # set once the peer listener is bound
         self.admin_address = ""
+        self.lanes_address = ""
         self.ucx = ucx
         self.snapshots = SnapshotHandover(self.snapshot, _running_loop())
         self.metrics = Metrics(self.snapshots.take)
@@ -389,6 +390,7 @@ class Node:
             engine_socket=self.settings.engine_socket,
             peer_address=self.peer_address,
             admin_address=self.admin_address,
+            lanes_address=self.lanes_address,
             ucx_transports=tuple(self.ucx.transports) if self.ucx else (),
             sessions=len(self.sessions),
             pools=tuple(PoolView.of(p, self.sessions.find(p.session_id)) for p in self.pools.pools.values()),

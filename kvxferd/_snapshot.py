@@ -116,6 +116,7 @@ class NodeSnapshot:
     engine_socket: str = ""
     peer_address: str = ""
     admin_address: str = ""
+    lanes_address: str = ""
     ucx_transports: tuple[str, ...] = ()
     sessions: int = 0
     pools: tuple[PoolView, ...] = ()

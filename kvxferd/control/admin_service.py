@@ -42,6 +42,7 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
             engine_socket=s.engine_socket,
             peer_address=s.peer_address,
             admin_address=s.admin_address,
+            lanes_address=s.lanes_address,
             ucx_transports=s.ucx_transports,
             sessions=s.sessions,
             pools=len(s.pools),

@@ -142,6 +142,7 @@ async def test_the_lane_port_serves_no_stranger(cluster: Cluster) -> None:
     a = cluster.daemon("a", *LANES, "--peer-timeout-s", "1", env=NO_DIRECT)
     b = cluster.daemon("b", *LANES, env=NO_DIRECT)
     host, port = a.info["lanes_address"].rsplit(":", 1)
+    assert (await _settled(a)).lanes_address == a.info["lanes_address"]  # kvxferctl status shows it
     strangers = []
     for payload in (
         b"GET / HTTP/1.1\r\n\r\n" + b"x" * 100,

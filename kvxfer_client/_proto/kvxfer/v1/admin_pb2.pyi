@@ -67,6 +67,7 @@ class StatusResponse(_message.Message):
     UCX_RECEIVES_UNCONFIRMED_FIELD_NUMBER: _builtins.int
     DATA_PLANE_SERVING_FIELD_NUMBER: _builtins.int
     DATA_PLANE_DETAIL_FIELD_NUMBER: _builtins.int
+    LANES_ADDRESS_FIELD_NUMBER: _builtins.int
     daemon_id: _builtins.str
     version: _builtins.str
     hostname: _builtins.str
@@ -98,6 +99,8 @@ class StatusResponse(_message.Message):
     cannot. Health on every listener says the same for kvxfer.v1.PeerService.
     """
     data_plane_detail: _builtins.str
+    lanes_address: _builtins.str
+    """host:port of the TCP lanes listener (empty: tcp_lanes is off or UCX is missing)."""
     @_builtins.property
     def ucx_transports(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
@@ -129,10 +132,11 @@ class StatusResponse(_message.Message):
         ucx_receives_unconfirmed: _builtins.int = ...,
         data_plane_serving: _builtins.bool = ...,
         data_plane_detail: _builtins.str = ...,
+        lanes_address: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_offers", b"active_offers", "active_transfers", b"active_transfers", "admin_address", b"admin_address", "bytes_moved", b"bytes_moved", "daemon_id", b"daemon_id", "data_plane_detail", b"data_plane_detail", "data_plane_serving", b"data_plane_serving", "draining", b"draining", "engine_socket", b"engine_socket", "hostname", b"hostname", "lease_expiries", b"lease_expiries", "peer_address", b"peer_address", "peers", b"peers", "pid", b"pid", "pools", b"pools", "registered_bytes", b"registered_bytes", "sessions", b"sessions", "staging_receive_in_use", b"staging_receive_in_use", "staging_send_in_use", b"staging_send_in_use", "transfers_failed", b"transfers_failed", "transfers_succeeded", b"transfers_succeeded", "ucx_endpoints", b"ucx_endpoints", "ucx_receives_unconfirmed", b"ucx_receives_unconfirmed", "ucx_transports", b"ucx_transports", "uptime_s", b"uptime_s", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_offers", b"active_offers", "active_transfers", b"active_transfers", "admin_address", b"admin_address", "bytes_moved", b"bytes_moved", "daemon_id", b"daemon_id", "data_plane_detail", b"data_plane_detail", "data_plane_serving", b"data_plane_serving", "draining", b"draining", "engine_socket", b"engine_socket", "hostname", b"hostname", "lanes_address", b"lanes_address", "lease_expiries", b"lease_expiries", "peer_address", b"peer_address", "peers", b"peers", "pid", b"pid", "pools", b"pools", "registered_bytes", b"registered_bytes", "sessions", b"sessions", "staging_receive_in_use", b"staging_receive_in_use", "staging_send_in_use", b"staging_send_in_use", "transfers_failed", b"transfers_failed", "transfers_succeeded", b"transfers_succeeded", "ucx_endpoints", b"ucx_endpoints", "ucx_receives_unconfirmed", b"ucx_receives_unconfirmed", "ucx_transports", b"ucx_transports", "uptime_s", b"uptime_s", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
