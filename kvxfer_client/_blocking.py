@@ -245,6 +245,17 @@ class KvxferClient:
     def release(self, offer_id: str) -> None:
         self._run(self._async.release(offer_id))
 
+    def tier_store(
+        self, pool: Pool | str, block_ids: Sequence[int], keys: Sequence[bytes], *, salt: bytes = b""
+    ) -> tuple[int, int]:
+        return self._run(self._async.tier_store(pool, block_ids, keys, salt=salt))
+
+    def tier_lookup(self, pool: Pool | str, keys: Sequence[bytes], *, salt: bytes = b"") -> int:
+        return self._run(self._async.tier_lookup(pool, keys, salt=salt))
+
+    def tier_load(self, pool: Pool | str, block_ids: Sequence[int], keys: Sequence[bytes], *, salt: bytes = b"") -> int:
+        return self._run(self._async.tier_load(pool, block_ids, keys, salt=salt))
+
     def start_cancel(self, transfer_id: str) -> concurrent.futures.Future[CancelResult]:
         """:meth:`cancel`, returning at once with a future of its answer."""
         return asyncio.run_coroutine_threadsafe(self._async.cancel(transfer_id), self._loop)

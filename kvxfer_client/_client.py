@@ -39,6 +39,7 @@ from ._memory import HostBuffer
 from ._proto import common_pb2, engine_pb2, engine_pb2_grpc
 from ._results import CancelResult, Pool, PullResult, PushResult, pull_result
 from ._ticket import Ticket
+from ._tier import TierCalls
 
 __all__ = ["AsyncKvxferClient"]
 
@@ -77,7 +78,7 @@ def _as_ticket(ticket: Ticket | str | dict[str, Any]) -> Ticket:
     return ticket
 
 
-class AsyncKvxferClient:
+class AsyncKvxferClient(TierCalls):
     """Asyncio client of the node's kvxferd, over its Unix socket.
 
     ``socket_path`` defaults to :func:`kvxfer_client.default_socket_path`; ``timeout_s``

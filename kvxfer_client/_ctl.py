@@ -144,6 +144,23 @@ class Ctl:
             for t in resp.transfers
         ]
 
+    def tier(self) -> tuple[admin_pb2.ListTierResponse, list[dict[str, Any]]]:
+        resp = self.call("ListTier", admin_pb2.ListTierRequest())
+        rows = [
+            {
+                "namespace": t.namespace,
+                "label": t.label,
+                "chunks": t.chunks,
+                "bytes": t.bytes,
+                "hits": t.hits,
+                "misses": t.misses,
+                "hit_rate": round(t.hits / (t.hits + t.misses), 3) if t.hits + t.misses else None,
+                "evictions": t.evictions,
+            }
+            for t in resp.namespaces
+        ]
+        return resp, rows
+
     def peers(self) -> list[dict[str, Any]]:
         return [
             {
@@ -230,6 +247,15 @@ def run(args: argparse.Namespace, ctl: Ctl) -> int:
         _print(args, "", ctl.offers(), OFFER_COLUMNS)
     elif args.command == "peers":
         _print(args, "", ctl.peers(), PEER_COLUMNS)
+    elif args.command == "tier":
+        resp, rows = ctl.tier()
+        if args.json:
+            print(json.dumps({"limit_bytes": resp.limit_bytes, "used_bytes": resp.used_bytes, "namespaces": rows}))
+        elif not resp.limit_bytes:
+            print("the KV tier is off (tier_host_bytes is 0)")
+        else:
+            title = f"host tier: {_bytes(resp.used_bytes)} of {_bytes(resp.limit_bytes)}"
+            _print(args, title, rows, TIER_COLUMNS)
     elif args.command == "transfers" and args.watch:
         return _watch(args, ctl)
     elif args.command == "transfers":
@@ -296,6 +322,7 @@ def _watch(args: argparse.Namespace, ctl: Ctl) -> int:
 POOL_COLUMNS = ("pool", "engine", "memory", "device", "blocks", "regions", "bytes", "offers", "fingerprint")
 OFFER_COLUMNS = ("offer", "pool", "blocks", "bytes", "state", "lease_left_s")
 PEER_COLUMNS = ("peer", "address", "host", "state", "version", "transports", "hello_age_s")
+TIER_COLUMNS = ("namespace", "label", "chunks", "bytes", "hits", "misses", "hit_rate", "evictions")
 TRANSFER_COLUMNS = (
     "transfer",
     "role",
@@ -347,6 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("pools", "registered pools"),
         ("offers", "live offers"),
         ("peers", "peer daemons"),
+        ("tier", "the node's KV tier: use, hit rate and evictions per namespace"),
     ):
         sub.add_parser(name, help=help_text, parents=[json_anywhere])
     t = sub.add_parser("transfers", help="running transfers", parents=[json_anywhere])

@@ -122,6 +122,15 @@ class Settings:
     tcp_lanes_listen: str = _setting(
         "", "host:port the lanes of transfers this daemon serves connect to; empty: peer_listen's host, a free port."
     )
+    tier_host_bytes: int = _setting(
+        0, "Host memory of the node's KV tier (TierStore/TierLookup/TierLoad); 0: the tier is off."
+    )
+    tier_high_watermark: float = _setting(
+        0.95, "A store that would fill the tier past this share of tier_host_bytes evicts first."
+    )
+    tier_low_watermark: float = _setting(
+        0.85, "Evictions free the tier down to this share of tier_host_bytes (least recently used first)."
+    )
     ucx_enabled: bool = _setting(
         True, "The UCX data plane; off, the daemon serves the local path only (its peer port reports NOT_SERVING)."
     )
@@ -181,6 +190,8 @@ class Settings:
             raise ValueError("integrity_samples must be >= 1")
         if self.tcp_lanes not in ("auto", "always", "off"):
             raise ValueError("tcp_lanes must be auto, always or off")
+        if self.tier_host_bytes < 0 or not 0 < self.tier_low_watermark <= self.tier_high_watermark <= 1:
+            raise ValueError("tier_host_bytes must be >= 0 and 0 < tier_low_watermark <= tier_high_watermark <= 1")
         if not 1 <= self.tcp_lane_count <= 16:
             raise ValueError("tcp_lane_count must be in 1..16")
 

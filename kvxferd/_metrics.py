@@ -30,7 +30,7 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvxfer_client._version import PROTOCOL_VERSION, __version__
@@ -89,6 +89,21 @@ class _StateCollector(Collector):
         yield used
         yield made
         yield cap
+        tier_used = GaugeMetricFamily("kvxfer_tier_bytes", "Bytes of chunks the KV tier holds", labels=["tier"])
+        tier_used.add_metric(["host"], s.tier_used_bytes)
+        yield tier_used
+        tier_limit = GaugeMetricFamily("kvxfer_tier_limit_bytes", "Bytes the KV tier may hold", labels=["tier"])
+        tier_limit.add_metric(["host"], s.tier_limit_bytes)
+        yield tier_limit
+        lookups = CounterMetricFamily(
+            "kvxfer_tier_lookup_blocks", "Keys looked up or loaded: stored (hit) or not (miss)", labels=["result"]
+        )
+        lookups.add_metric(["hit"], sum(t.hits for t in s.tier))
+        lookups.add_metric(["miss"], sum(t.misses for t in s.tier))
+        yield lookups
+        evicted = CounterMetricFamily("kvxfer_tier_evictions", "Chunks evicted to make room", labels=["tier"])
+        evicted.add_metric(["host"], sum(t.evictions for t in s.tier))
+        yield evicted
         yield GaugeMetricFamily("kvxfer_serving", "1 while accepting work, 0 while draining", value=not s.draining)
         info = InfoMetricFamily("kvxfer_build", "Version of this daemon")
         info.add_metric([], {"version": __version__, "protocol_version": str(PROTOCOL_VERSION)})
@@ -150,6 +165,25 @@ class Metrics:
         self.integrity_blocks = Counter(
             "kvxfer_integrity_blocks_checked", "Blocks whose checksums were compared", ["mode"], registry=self.registry
         )
+        self.tier_blocks = Counter(
+            "kvxfer_tier_blocks",
+            "Blocks copied into (store) or out of (load) the node's KV tier",
+            ["op"],
+            registry=self.registry,
+        )
+        self.tier_bytes = Counter(
+            "kvxfer_tier_moved_bytes",
+            "Bytes copied into (store) or out of (load) the KV tier",
+            ["op"],
+            registry=self.registry,
+        )
+        self.tier_seconds = Histogram(
+            "kvxfer_tier_op_duration_seconds",
+            "Time of KV tier stores and loads that copied blocks",
+            ["op"],
+            buckets=DURATION_BUCKETS,
+            registry=self.registry,
+        )
         ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, resident memory, fds
         self.registry.register(_StateCollector(snapshot))
 
@@ -169,6 +203,12 @@ class Metrics:
         self.integrity_checks.labels(mode, result).inc()
         if blocks:
             self.integrity_blocks.labels(mode).inc(blocks)
+
+    def tier_op_finished(self, op: str, blocks: int, nbytes: int, seconds: float) -> None:
+        """A tier store or load that copied ``blocks`` blocks."""
+        self.tier_blocks.labels(op).inc(blocks)
+        self.tier_bytes.labels(op).inc(nbytes)
+        self.tier_seconds.labels(op).observe(seconds)
 
     def rpc_finished(self, method: str, code: str, seconds: float) -> None:
         self.rpc_seconds.labels(method, code).observe(seconds)

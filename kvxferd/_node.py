@@ -52,6 +52,7 @@ from .handoff.remote import RemotePlane
 from .handoff.remote_pull import RemotePull
 from .handoff.serve import OffererStream, ServeRequest, TransferServer
 from .memory.pools import Pool, PoolRegistry, check_block_ids
+from .tier.host import HostTier
 
 __all__ = ["CancelOutcome", "Node"]
 
@@ -117,6 +118,18 @@ class Node:
             self.gpu,
             self.faults,
             self.integrity,
+        )
+        #: The node's KV tier (:mod:`.tier`), when tier_host_bytes gives it memory.
+        self.tier = (
+            HostTier(
+                settings.tier_host_bytes,
+                settings.tier_high_watermark,
+                settings.tier_low_watermark,
+                local,
+                self.metrics.tier_op_finished,
+            )
+            if settings.tier_host_bytes
+            else None
         )
         self.pulls = Pulls(
             self.daemon_id, self.transfers, local, None, lambda pool, tid, n: tell_landed(self.sessions, pool, tid, n)
@@ -375,6 +388,14 @@ class Node:
         self.offers.release_all(common_pb2.RELEASE_REASON_SHUTDOWN, "daemon shutting down")
         for pool_id in list(self.pools.pools):
             self.deregister_pool(pool_id, common_pb2.RELEASE_REASON_SHUTDOWN)
+        if self.tier is not None:
+            self.tier.close()
+
+    def host_tier(self) -> HostTier:
+        """The tier, or the error that says how to turn it on."""
+        if self.tier is None:
+            raise UnavailableError("the node's KV tier is off: give it memory with tier_host_bytes")
+        return self.tier
 
     # -- what readers outside the core see ---------------------------------------------------
 
@@ -391,6 +412,9 @@ class Node:
             peer_address=self.peer_address,
             admin_address=self.admin_address,
             lanes_address=self.lanes_address,
+            tier_limit_bytes=self.tier.index.limit_bytes if self.tier else 0,
+            tier_used_bytes=self.tier.index.used_bytes if self.tier else 0,
+            tier=self.tier.views() if self.tier else (),
             ucx_transports=tuple(self.ucx.transports) if self.ucx else (),
             sessions=len(self.sessions),
             pools=tuple(PoolView.of(p, self.sessions.find(p.session_id)) for p in self.pools.pools.values()),

@@ -108,6 +108,19 @@ class StagingView:
 
 
 @dataclass(frozen=True)
+class TierView:
+    """One namespace of the node's KV tier."""
+
+    namespace: str
+    label: str
+    chunks: int
+    bytes: int
+    hits: int
+    misses: int
+    evictions: int
+
+
+@dataclass(frozen=True)
 class NodeSnapshot:
     daemon_id: str
     draining: bool
@@ -117,6 +130,9 @@ class NodeSnapshot:
     peer_address: str = ""
     admin_address: str = ""
     lanes_address: str = ""
+    tier_limit_bytes: int = 0
+    tier_used_bytes: int = 0
+    tier: tuple[TierView, ...] = ()
     ucx_transports: tuple[str, ...] = ()
     sessions: int = 0
     pools: tuple[PoolView, ...] = ()

@@ -109,6 +109,26 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
         return admin_pb2.ListTransfersResponse(transfers=[r.to_proto() for r in records])
 
     @rpc_method
+    async def ListTier(self, request: admin_pb2.ListTierRequest, context: Ctx) -> admin_pb2.ListTierResponse:  # noqa: N802
+        s = self.node.snapshot()
+        return admin_pb2.ListTierResponse(
+            limit_bytes=s.tier_limit_bytes,
+            used_bytes=s.tier_used_bytes,
+            namespaces=[
+                admin_pb2.TierNamespaceInfo(
+                    namespace=t.namespace,
+                    label=t.label,
+                    chunks=t.chunks,
+                    bytes=t.bytes,
+                    hits=t.hits,
+                    misses=t.misses,
+                    evictions=t.evictions,
+                )
+                for t in s.tier
+            ],
+        )
+
+    @rpc_method
     async def ListPeers(self, request: admin_pb2.ListPeersRequest, context: Ctx) -> admin_pb2.ListPeersResponse:  # noqa: N802
         return admin_pb2.ListPeersResponse(
             peers=[

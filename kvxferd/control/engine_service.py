@@ -8,10 +8,12 @@ from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
 from kvxfer_client._errors import InvalidRequestError, KvxferError, UnavailableError
+from kvxfer_client._layout import MAX_BLOCKS
 from kvxfer_client._proto import engine_pb2, engine_pb2_grpc
 
 from .._node import Node
 from .._transfers import TransferRecord
+from ..memory.pools import check_block_ids
 from . import wire
 from ._rpc import rpc_method
 from .call_stream import Handlers, serve_calls
@@ -162,6 +164,42 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
         self, request: engine_pb2.LayersReadyRequest, context: Ctx
     ) -> engine_pb2.LayersReadyResponse:
         return await self._layers_ready(request)
+
+    @rpc_method
+    async def TierStore(  # noqa: N802
+        self, request: engine_pb2.TierStoreRequest, context: Ctx
+    ) -> engine_pb2.TierStoreResponse:
+        return await self._timed("tier_store", self._tier_store(request))
+
+    @rpc_method
+    async def TierLookup(  # noqa: N802
+        self, request: engine_pb2.TierLookupRequest, context: Ctx
+    ) -> engine_pb2.TierLookupResponse:
+        tier = self.node.host_tier()
+        pool = self.node.owned_pool(request.pool_id, request.session_id)
+        if len(request.keys) > MAX_BLOCKS:
+            raise InvalidRequestError(f"more than {MAX_BLOCKS} keys")
+        return engine_pb2.TierLookupResponse(hits=tier.lookup(pool, list(request.keys), bytes(request.salt)))
+
+    @rpc_method
+    async def TierLoad(  # noqa: N802
+        self, request: engine_pb2.TierLoadRequest, context: Ctx
+    ) -> engine_pb2.TierLoadResponse:
+        return await self._timed("tier_load", self._tier_load(request))
+
+    async def _tier_store(self, request: engine_pb2.TierStoreRequest) -> engine_pb2.TierStoreResponse:
+        tier = self.node.host_tier()
+        pool = self.node.owned_pool(request.pool_id, request.session_id)
+        ids = check_block_ids(request.block_ids, pool.layout.num_blocks, "tier store")
+        stored, skipped = await tier.store(pool, ids, list(request.keys), bytes(request.salt))
+        return engine_pb2.TierStoreResponse(stored=stored, skipped=skipped)
+
+    async def _tier_load(self, request: engine_pb2.TierLoadRequest) -> engine_pb2.TierLoadResponse:
+        tier = self.node.host_tier()
+        pool = self.node.owned_pool(request.pool_id, request.session_id)
+        ids = check_block_ids(request.block_ids, pool.layout.num_blocks, "tier load")
+        loaded = await tier.load(pool, ids, list(request.keys), bytes(request.salt))
+        return engine_pb2.TierLoadResponse(loaded=loaded)
 
     @rpc_method
     async def Push(self, request: engine_pb2.PushRequest, context: Ctx) -> engine_pb2.PushResponse:  # noqa: N802

@@ -23,6 +23,87 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
+class ListTierRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListTierRequest: _TypeAlias = ListTierRequest  # noqa: Y015
+
+@_typing.final
+class ListTierResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LIMIT_BYTES_FIELD_NUMBER: _builtins.int
+    USED_BYTES_FIELD_NUMBER: _builtins.int
+    NAMESPACES_FIELD_NUMBER: _builtins.int
+    limit_bytes: _builtins.int
+    """tier_host_bytes (0: the tier is off) and the bytes of the chunks held now."""
+    used_bytes: _builtins.int
+    @_builtins.property
+    def namespaces(self) -> _containers.RepeatedCompositeFieldContainer[Global___TierNamespaceInfo]: ...
+    def __init__(
+        self,
+        *,
+        limit_bytes: _builtins.int = ...,
+        used_bytes: _builtins.int = ...,
+        namespaces: _abc.Iterable[Global___TierNamespaceInfo] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["limit_bytes", b"limit_bytes", "namespaces", b"namespaces", "used_bytes", b"used_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListTierResponse: _TypeAlias = ListTierResponse  # noqa: Y015
+
+@_typing.final
+class TierNamespaceInfo(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAMESPACE_FIELD_NUMBER: _builtins.int
+    LABEL_FIELD_NUMBER: _builtins.int
+    CHUNKS_FIELD_NUMBER: _builtins.int
+    BYTES_FIELD_NUMBER: _builtins.int
+    HITS_FIELD_NUMBER: _builtins.int
+    MISSES_FIELD_NUMBER: _builtins.int
+    EVICTIONS_FIELD_NUMBER: _builtins.int
+    namespace: _builtins.str
+    label: _builtins.str
+    """model, dtype and tokens per block, for people."""
+    chunks: _builtins.int
+    bytes: _builtins.int
+    hits: _builtins.int
+    """Keys looked up (or loaded) that were stored, and that were not."""
+    misses: _builtins.int
+    evictions: _builtins.int
+    def __init__(
+        self,
+        *,
+        namespace: _builtins.str = ...,
+        label: _builtins.str = ...,
+        chunks: _builtins.int = ...,
+        bytes: _builtins.int = ...,
+        hits: _builtins.int = ...,
+        misses: _builtins.int = ...,
+        evictions: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "chunks", b"chunks", "evictions", b"evictions", "hits", b"hits", "label", b"label", "misses", b"misses", "namespace", b"namespace"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TierNamespaceInfo: _TypeAlias = TierNamespaceInfo  # noqa: Y015
+
+@_typing.final
 class StatusRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -70,6 +70,11 @@ class AdminServiceStub:
                 request_serializer=kvxfer_dot_v1_dot_admin__pb2.DrainRequest.SerializeToString,
                 response_deserializer=kvxfer_dot_v1_dot_admin__pb2.DrainResponse.FromString,
                 _registered_method=True)
+        self.ListTier = channel.unary_unary(
+                '/kvxfer.v1.AdminService/ListTier',
+                request_serializer=kvxfer_dot_v1_dot_admin__pb2.ListTierRequest.SerializeToString,
+                response_deserializer=kvxfer_dot_v1_dot_admin__pb2.ListTierResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServiceServicer:
@@ -117,6 +122,13 @@ class AdminServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListTier(self, request, context):
+        """The node's KV tier: use, hits and evictions per namespace.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -154,6 +166,11 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=kvxfer_dot_v1_dot_admin__pb2.DrainRequest.FromString,
                     response_serializer=kvxfer_dot_v1_dot_admin__pb2.DrainResponse.SerializeToString,
+            ),
+            'ListTier': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListTier,
+                    request_deserializer=kvxfer_dot_v1_dot_admin__pb2.ListTierRequest.FromString,
+                    response_serializer=kvxfer_dot_v1_dot_admin__pb2.ListTierResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -345,6 +362,33 @@ class AdminService:
             '/kvxfer.v1.AdminService/Drain',
             kvxfer_dot_v1_dot_admin__pb2.DrainRequest.SerializeToString,
             kvxfer_dot_v1_dot_admin__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListTier(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvxfer.v1.AdminService/ListTier',
+            kvxfer_dot_v1_dot_admin__pb2.ListTierRequest.SerializeToString,
+            kvxfer_dot_v1_dot_admin__pb2.ListTierResponse.FromString,
             options,
             channel_credentials,
             insecure,

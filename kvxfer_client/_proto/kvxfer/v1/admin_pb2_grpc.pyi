@@ -41,6 +41,8 @@ class AdminServiceStub:
     ListPeers: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ListPeersRequest, _admin_pb2.ListPeersResponse]
     Cancel: _grpc.UnaryUnaryMultiCallable[_admin_pb2.AdminCancelRequest, _admin_pb2.AdminCancelResponse]
     Drain: _grpc.UnaryUnaryMultiCallable[_admin_pb2.DrainRequest, _admin_pb2.DrainResponse]
+    ListTier: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ListTierRequest, _admin_pb2.ListTierResponse]
+    """The node's KV tier: use, hits and evictions per namespace."""
 
 @_typing.type_check_only
 class AdminServiceAsyncStub(AdminServiceStub):
@@ -52,6 +54,8 @@ class AdminServiceAsyncStub(AdminServiceStub):
     ListPeers: _aio.UnaryUnaryMultiCallable[_admin_pb2.ListPeersRequest, _admin_pb2.ListPeersResponse]  # type: ignore[assignment]
     Cancel: _aio.UnaryUnaryMultiCallable[_admin_pb2.AdminCancelRequest, _admin_pb2.AdminCancelResponse]  # type: ignore[assignment]
     Drain: _aio.UnaryUnaryMultiCallable[_admin_pb2.DrainRequest, _admin_pb2.DrainResponse]  # type: ignore[assignment]
+    ListTier: _aio.UnaryUnaryMultiCallable[_admin_pb2.ListTierRequest, _admin_pb2.ListTierResponse]  # type: ignore[assignment]
+    """The node's KV tier: use, hits and evictions per namespace."""
 
 class AdminServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -102,5 +106,13 @@ class AdminServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _admin_pb2.DrainRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_admin_pb2.DrainResponse, _abc.Awaitable[_admin_pb2.DrainResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def ListTier(
+        self,
+        request: _admin_pb2.ListTierRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.ListTierResponse, _abc.Awaitable[_admin_pb2.ListTierResponse]]:
+        """The node's KV tier: use, hits and evictions per namespace."""
 
 def add_AdminServiceServicer_to_server(servicer: AdminServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

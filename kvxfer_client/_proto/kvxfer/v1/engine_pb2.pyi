@@ -21,6 +21,165 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
+class TierStoreRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    POOL_ID_FIELD_NUMBER: _builtins.int
+    BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    KEYS_FIELD_NUMBER: _builtins.int
+    SALT_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    pool_id: _builtins.str
+    salt: _builtins.bytes
+    """Up to 64 bytes, part of the namespace: keys under another salt never match."""
+    @_builtins.property
+    def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """One per block, 1..64 bytes each, no key twice."""
+
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+        pool_id: _builtins.str = ...,
+        block_ids: _abc.Iterable[_builtins.int] | None = ...,
+        keys: _abc.Iterable[_builtins.bytes] | None = ...,
+        salt: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "keys", b"keys", "pool_id", b"pool_id", "salt", b"salt", "session_id", b"session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TierStoreRequest: _TypeAlias = TierStoreRequest  # noqa: Y015
+
+@_typing.final
+class TierStoreResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STORED_FIELD_NUMBER: _builtins.int
+    SKIPPED_FIELD_NUMBER: _builtins.int
+    stored: _builtins.int
+    skipped: _builtins.int
+    """Already stored, or no room (the tier keeps within tier_host_bytes)."""
+    def __init__(
+        self,
+        *,
+        stored: _builtins.int = ...,
+        skipped: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["skipped", b"skipped", "stored", b"stored"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TierStoreResponse: _TypeAlias = TierStoreResponse  # noqa: Y015
+
+@_typing.final
+class TierLookupRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    POOL_ID_FIELD_NUMBER: _builtins.int
+    KEYS_FIELD_NUMBER: _builtins.int
+    SALT_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    pool_id: _builtins.str
+    salt: _builtins.bytes
+    @_builtins.property
+    def keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+        pool_id: _builtins.str = ...,
+        keys: _abc.Iterable[_builtins.bytes] | None = ...,
+        salt: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys", "pool_id", b"pool_id", "salt", b"salt", "session_id", b"session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TierLookupRequest: _TypeAlias = TierLookupRequest  # noqa: Y015
+
+@_typing.final
+class TierLookupResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HITS_FIELD_NUMBER: _builtins.int
+    hits: _builtins.int
+    def __init__(
+        self,
+        *,
+        hits: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hits", b"hits"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TierLookupResponse: _TypeAlias = TierLookupResponse  # noqa: Y015
+
+@_typing.final
+class TierLoadRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    POOL_ID_FIELD_NUMBER: _builtins.int
+    BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    KEYS_FIELD_NUMBER: _builtins.int
+    SALT_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    pool_id: _builtins.str
+    salt: _builtins.bytes
+    @_builtins.property
+    def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+        pool_id: _builtins.str = ...,
+        block_ids: _abc.Iterable[_builtins.int] | None = ...,
+        keys: _abc.Iterable[_builtins.bytes] | None = ...,
+        salt: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "keys", b"keys", "pool_id", b"pool_id", "salt", b"salt", "session_id", b"session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TierLoadRequest: _TypeAlias = TierLoadRequest  # noqa: Y015
+
+@_typing.final
+class TierLoadResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LOADED_FIELD_NUMBER: _builtins.int
+    loaded: _builtins.int
+    def __init__(
+        self,
+        *,
+        loaded: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["loaded", b"loaded"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TierLoadResponse: _TypeAlias = TierLoadResponse  # noqa: Y015
+
+@_typing.final
 class CallRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

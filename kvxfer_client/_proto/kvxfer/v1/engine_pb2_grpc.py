@@ -95,6 +95,21 @@ class EngineServiceStub:
                 request_serializer=kvxfer_dot_v1_dot_engine__pb2.LayersReadyRequest.SerializeToString,
                 response_deserializer=kvxfer_dot_v1_dot_engine__pb2.LayersReadyResponse.FromString,
                 _registered_method=True)
+        self.TierStore = channel.unary_unary(
+                '/kvxfer.v1.EngineService/TierStore',
+                request_serializer=kvxfer_dot_v1_dot_engine__pb2.TierStoreRequest.SerializeToString,
+                response_deserializer=kvxfer_dot_v1_dot_engine__pb2.TierStoreResponse.FromString,
+                _registered_method=True)
+        self.TierLookup = channel.unary_unary(
+                '/kvxfer.v1.EngineService/TierLookup',
+                request_serializer=kvxfer_dot_v1_dot_engine__pb2.TierLookupRequest.SerializeToString,
+                response_deserializer=kvxfer_dot_v1_dot_engine__pb2.TierLookupResponse.FromString,
+                _registered_method=True)
+        self.TierLoad = channel.unary_unary(
+                '/kvxfer.v1.EngineService/TierLoad',
+                request_serializer=kvxfer_dot_v1_dot_engine__pb2.TierLoadRequest.SerializeToString,
+                response_deserializer=kvxfer_dot_v1_dot_engine__pb2.TierLoadResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServiceServicer:
@@ -200,6 +215,36 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def TierStore(self, request, context):
+        """The node's KV tier (kvxferd/tier/): blocks kept in the daemon's memory by key, for any
+        engine of the node (tier_host_bytes; off when 0). Keys are the engine's, one per block
+        (e.g. a chained hash of the block's tokens and its predecessor's key); the namespace they
+        live in is the daemon's: model, dtype, tokens per block, KV heads, head size, layers,
+        in-block format, and the request's salt. A tensor-parallel rank stores and loads its heads.
+
+        TierStore copies blocks into the tier and answers once they are copied (the engine may
+        then reuse them). Keys already stored are left out; so is every key from the first one
+        that finds no room.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def TierLookup(self, request, context):
+        """How many keys, from the first, are stored (every head of them), for this pool's namespace.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def TierLoad(self, request, context):
+        """Copies the longest stored prefix of the keys into the blocks (block_ids[j] takes keys[j])
+        and says how many: the engine computes the rest. A chunk being loaded is never evicted.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -262,6 +307,21 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.LayersReady,
                     request_deserializer=kvxfer_dot_v1_dot_engine__pb2.LayersReadyRequest.FromString,
                     response_serializer=kvxfer_dot_v1_dot_engine__pb2.LayersReadyResponse.SerializeToString,
+            ),
+            'TierStore': grpc.unary_unary_rpc_method_handler(
+                    servicer.TierStore,
+                    request_deserializer=kvxfer_dot_v1_dot_engine__pb2.TierStoreRequest.FromString,
+                    response_serializer=kvxfer_dot_v1_dot_engine__pb2.TierStoreResponse.SerializeToString,
+            ),
+            'TierLookup': grpc.unary_unary_rpc_method_handler(
+                    servicer.TierLookup,
+                    request_deserializer=kvxfer_dot_v1_dot_engine__pb2.TierLookupRequest.FromString,
+                    response_serializer=kvxfer_dot_v1_dot_engine__pb2.TierLookupResponse.SerializeToString,
+            ),
+            'TierLoad': grpc.unary_unary_rpc_method_handler(
+                    servicer.TierLoad,
+                    request_deserializer=kvxfer_dot_v1_dot_engine__pb2.TierLoadRequest.FromString,
+                    response_serializer=kvxfer_dot_v1_dot_engine__pb2.TierLoadResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -588,6 +648,87 @@ class EngineService:
             '/kvxfer.v1.EngineService/LayersReady',
             kvxfer_dot_v1_dot_engine__pb2.LayersReadyRequest.SerializeToString,
             kvxfer_dot_v1_dot_engine__pb2.LayersReadyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TierStore(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvxfer.v1.EngineService/TierStore',
+            kvxfer_dot_v1_dot_engine__pb2.TierStoreRequest.SerializeToString,
+            kvxfer_dot_v1_dot_engine__pb2.TierStoreResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TierLookup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvxfer.v1.EngineService/TierLookup',
+            kvxfer_dot_v1_dot_engine__pb2.TierLookupRequest.SerializeToString,
+            kvxfer_dot_v1_dot_engine__pb2.TierLookupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TierLoad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvxfer.v1.EngineService/TierLoad',
+            kvxfer_dot_v1_dot_engine__pb2.TierLoadRequest.SerializeToString,
+            kvxfer_dot_v1_dot_engine__pb2.TierLoadResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -78,6 +78,23 @@ class EngineServiceStub:
     it is (coalesced to the daemon's layerwise_batch_bytes) and commits only when every layer
     has landed. Idempotent and monotone: a lower count than already said changes nothing.
     """
+    TierStore: _grpc.UnaryUnaryMultiCallable[_engine_pb2.TierStoreRequest, _engine_pb2.TierStoreResponse]
+    """The node's KV tier (kvxferd/tier/): blocks kept in the daemon's memory by key, for any
+    engine of the node (tier_host_bytes; off when 0). Keys are the engine's, one per block
+    (e.g. a chained hash of the block's tokens and its predecessor's key); the namespace they
+    live in is the daemon's: model, dtype, tokens per block, KV heads, head size, layers,
+    in-block format, and the request's salt. A tensor-parallel rank stores and loads its heads.
+
+    TierStore copies blocks into the tier and answers once they are copied (the engine may
+    then reuse them). Keys already stored are left out; so is every key from the first one
+    that finds no room.
+    """
+    TierLookup: _grpc.UnaryUnaryMultiCallable[_engine_pb2.TierLookupRequest, _engine_pb2.TierLookupResponse]
+    """How many keys, from the first, are stored (every head of them), for this pool's namespace."""
+    TierLoad: _grpc.UnaryUnaryMultiCallable[_engine_pb2.TierLoadRequest, _engine_pb2.TierLoadResponse]
+    """Copies the longest stored prefix of the keys into the blocks (block_ids[j] takes keys[j])
+    and says how many: the engine computes the rest. A chunk being loaded is never evicted.
+    """
 
 @_typing.type_check_only
 class EngineServiceAsyncStub(EngineServiceStub):
@@ -127,6 +144,23 @@ class EngineServiceAsyncStub(EngineServiceStub):
     of their layers (in order) are now written; each transfer sends what is written as soon as
     it is (coalesced to the daemon's layerwise_batch_bytes) and commits only when every layer
     has landed. Idempotent and monotone: a lower count than already said changes nothing.
+    """
+    TierStore: _aio.UnaryUnaryMultiCallable[_engine_pb2.TierStoreRequest, _engine_pb2.TierStoreResponse]  # type: ignore[assignment]
+    """The node's KV tier (kvxferd/tier/): blocks kept in the daemon's memory by key, for any
+    engine of the node (tier_host_bytes; off when 0). Keys are the engine's, one per block
+    (e.g. a chained hash of the block's tokens and its predecessor's key); the namespace they
+    live in is the daemon's: model, dtype, tokens per block, KV heads, head size, layers,
+    in-block format, and the request's salt. A tensor-parallel rank stores and loads its heads.
+
+    TierStore copies blocks into the tier and answers once they are copied (the engine may
+    then reuse them). Keys already stored are left out; so is every key from the first one
+    that finds no room.
+    """
+    TierLookup: _aio.UnaryUnaryMultiCallable[_engine_pb2.TierLookupRequest, _engine_pb2.TierLookupResponse]  # type: ignore[assignment]
+    """How many keys, from the first, are stored (every head of them), for this pool's namespace."""
+    TierLoad: _aio.UnaryUnaryMultiCallable[_engine_pb2.TierLoadRequest, _engine_pb2.TierLoadResponse]  # type: ignore[assignment]
+    """Copies the longest stored prefix of the keys into the blocks (block_ids[j] takes keys[j])
+    and says how many: the engine computes the rest. A chunk being loaded is never evicted.
     """
 
 class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -246,6 +280,41 @@ class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
         of their layers (in order) are now written; each transfer sends what is written as soon as
         it is (coalesced to the daemon's layerwise_batch_bytes) and commits only when every layer
         has landed. Idempotent and monotone: a lower count than already said changes nothing.
+        """
+
+    @_abc_1.abstractmethod
+    def TierStore(
+        self,
+        request: _engine_pb2.TierStoreRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_engine_pb2.TierStoreResponse, _abc.Awaitable[_engine_pb2.TierStoreResponse]]:
+        """The node's KV tier (kvxferd/tier/): blocks kept in the daemon's memory by key, for any
+        engine of the node (tier_host_bytes; off when 0). Keys are the engine's, one per block
+        (e.g. a chained hash of the block's tokens and its predecessor's key); the namespace they
+        live in is the daemon's: model, dtype, tokens per block, KV heads, head size, layers,
+        in-block format, and the request's salt. A tensor-parallel rank stores and loads its heads.
+
+        TierStore copies blocks into the tier and answers once they are copied (the engine may
+        then reuse them). Keys already stored are left out; so is every key from the first one
+        that finds no room.
+        """
+
+    @_abc_1.abstractmethod
+    def TierLookup(
+        self,
+        request: _engine_pb2.TierLookupRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_engine_pb2.TierLookupResponse, _abc.Awaitable[_engine_pb2.TierLookupResponse]]:
+        """How many keys, from the first, are stored (every head of them), for this pool's namespace."""
+
+    @_abc_1.abstractmethod
+    def TierLoad(
+        self,
+        request: _engine_pb2.TierLoadRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_engine_pb2.TierLoadResponse, _abc.Awaitable[_engine_pb2.TierLoadResponse]]:
+        """Copies the longest stored prefix of the keys into the blocks (block_ids[j] takes keys[j])
+        and says how many: the engine computes the rest. A chunk being loaded is never evicted.
         """
 
 def add_EngineServiceServicer_to_server(servicer: EngineServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,78 @@
+"""The node's KV tier, as an engine calls it (:class:`TierCalls`, part of the clients).
+
+Blocks are stored under the engine's own keys, one per block: a chained hash of the block's
+tokens and its predecessor's key, so equal keys mean equal prefixes. The daemon keeps them in
+its memory, in a layout independent of the engine's tensor parallelism, for every engine of
+the node (also after the storing engine exits), within ``tier_host_bytes``.
+
+>>> def chained(tokens, block_tokens=16, seed=b"model-a"):
+...     import hashlib
+...     keys, prev = [], seed
+...     for i in range(0, len(tokens) - len(tokens) % block_tokens, block_tokens):
+...         prev = hashlib.sha256(prev + repr(tokens[i : i + block_tokens]).encode()).digest()
+...         keys.append(prev)
+...     return keys
+>>> len(chained(list(range(40))))   # two full blocks; the partial one is not stored
+2
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from ._proto import engine_pb2
+from ._results import Pool
+
+__all__ = ["TierCalls"]
+
+
+class _Client(Protocol):
+    @property
+    def session_id(self) -> str: ...
+    @property
+    def _engine(self) -> Any: ...
+    async def _call(self, method: Any, request: Any, timeout_s: float | None = None) -> Any: ...
+
+
+class TierCalls:
+    """Store, look up and load blocks of the node's KV tier (mixed into the clients)."""
+
+    async def tier_store(
+        self: _Client, pool: Pool | str, block_ids: Sequence[int], keys: Sequence[bytes], *, salt: bytes = b""
+    ) -> tuple[int, int]:
+        """Copy blocks into the tier under ``keys`` (one per block); returns (stored, skipped:
+        already stored or no room). The blocks may be reused once this returns."""
+        req = engine_pb2.TierStoreRequest(
+            session_id=self.session_id,
+            pool_id=pool.pool_id if isinstance(pool, Pool) else pool,
+            block_ids=list(block_ids),
+            keys=list(keys),
+            salt=salt,
+        )
+        resp = await self._call(self._engine.TierStore, req)
+        return int(resp.stored), int(resp.skipped)
+
+    async def tier_lookup(self: _Client, pool: Pool | str, keys: Sequence[bytes], *, salt: bytes = b"") -> int:
+        """How many of ``keys``, from the first, the tier holds for this pool's namespace."""
+        req = engine_pb2.TierLookupRequest(
+            session_id=self.session_id,
+            pool_id=pool.pool_id if isinstance(pool, Pool) else pool,
+            keys=list(keys),
+            salt=salt,
+        )
+        return int((await self._call(self._engine.TierLookup, req)).hits)
+
+    async def tier_load(
+        self: _Client, pool: Pool | str, block_ids: Sequence[int], keys: Sequence[bytes], *, salt: bytes = b""
+    ) -> int:
+        """Copy the longest stored prefix of ``keys`` into ``block_ids`` (``block_ids[j]`` takes
+        ``keys[j]``); returns how many blocks were loaded: compute the rest."""
+        req = engine_pb2.TierLoadRequest(
+            session_id=self.session_id,
+            pool_id=pool.pool_id if isinstance(pool, Pool) else pool,
+            block_ids=list(block_ids),
+            keys=list(keys),
+            salt=salt,
+        )
+        return int((await self._call(self._engine.TierLoad, req)).loaded)

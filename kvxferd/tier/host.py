@@ -1,0 +1,282 @@
+"""The host tier: KV blocks kept in the daemon's own memory, by key, for any engine of the node.
+
+An engine stores blocks under keys it computes (a chained hash of each block's tokens and its
+predecessor's key), looks up how long a prefix of keys is stored, and loads those blocks back
+into its pool, perhaps another engine's pool, perhaps after the storing engine has exited.
+What the daemon stores is the block's KV in a **canonical layout** that does not depend on the
+storing engine's tensor parallelism or head order: every layer's K and V, each with every KV
+head, heads-major (``HND``), all regions of a chunk back to back. A rank of a TP engine stores
+its heads into the chunk (the remap planner of :mod:`..dataplane.remap` places them), and
+the chunk becomes visible once every head is in; a load takes the heads the loading pool
+holds. Pools that declare no :class:`~kvxfer_client.KvGeometry` store their blocks as they
+are, in a namespace of their own layout.
+
+**Namespaces** keep unrelated KV apart: the model, dtype, tokens per block, KV heads, head
+bytes, layers, in-block format (``kv_format``) and the engine's ``salt`` (e.g. one per tenant)
+are hashed into the namespace of a pool's keys. Two engines share chunks exactly when all of
+those agree; nothing an engine sends names memory.
+
+**Memory**: one anonymous mapping per namespace, reserved (not committed) at the tier's
+limit, cut into page-aligned slots; the index (:mod:`.index`) keeps the bytes of all slots
+in use within ``tier_host_bytes`` and evicts least recently used chunks past the high
+watermark. An evicted slot's pages go back to the kernel (``MADV_DONTNEED``) before the slot
+is written again, so the daemon's resident memory follows what the tier holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import mmap
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from kvxfer_client._errors import IncompatibleError, InvalidRequestError
+from kvxfer_client._geometry import KvGeometry, rank_heads
+from kvxfer_client._layout import Layout, ModelInfo, Region
+from kvxfer_client._proto import common_pb2
+
+from .._snapshot import TierView
+from ..dataplane.plan import RegionTable
+from ..dataplane.remap import remap_plans
+from ..handoff.local import LocalHandoff
+from ..memory.pools import Pool
+from .index import Chunk, Namespace, TierIndex
+
+__all__ = ["MAX_KEY_BYTES", "MAX_SALT_BYTES", "HostTier", "TierNamespace"]
+
+I64 = npt.NDArray[np.int64]
+MAX_KEY_BYTES = 64
+MAX_SALT_BYTES = 64
+#: Namespaces one daemon keeps at once (each reserves address space, not memory).
+MAX_NAMESPACES = 64
+_PAGE = mmap.PAGESIZE
+
+
+@dataclass
+class TierNamespace:
+    """A namespace's memory, and its chunks' layout as a pool of slots the copy code moves."""
+
+    ns: Namespace
+    label: str
+    view: Pool
+    #: The geometry of its chunks (None: blocks kept as their pool lays them out).
+    geometry: KvGeometry | None
+    memory: mmap.mmap
+
+
+class HostTier:
+    def __init__(
+        self,
+        limit_bytes: int,
+        high: float,
+        low: float,
+        local: LocalHandoff,
+        count: Callable[[str, int, int, float], None] = lambda op, blocks, nbytes, seconds: None,
+    ) -> None:
+        self.index = TierIndex(limit_bytes, high, low)
+        self.local = local
+        self._count = count
+        self._spaces: dict[str, TierNamespace] = {}
+
+    # -- the three calls ------------------------------------------------------------------
+
+    async def store(self, pool: Pool, ids: I64, keys: list[bytes], salt: bytes) -> tuple[int, int]:
+        """Copy blocks ``ids`` of ``pool`` into the tier under ``keys`` (one per block). Returns
+        (blocks copied, blocks left out: already there or no room). The blocks are free for
+        the engine once this returns."""
+        _check(keys, salt, len(ids))
+        space, heads = self._space(pool, salt, create=True)
+        assert space is not None
+        started = time.perf_counter()
+        reserved = self.index.reserve(space.ns, keys, heads)
+        self._release(space)  # before anything is copied into a slot that was given back
+        if not reserved:
+            return 0, len(keys)
+        where = {key: i for i, key in enumerate(keys)}
+        src_ids = ids[[where[c.key] for c in reserved]]
+        ok = False
+        try:
+            await self._copy(pool, src_ids, space.view, _slots(reserved), space)
+            ok = True
+        finally:
+            self.index.finish(space.ns, [c.key for c in reserved], heads, ok)
+            self._release(space)
+        nbytes = len(reserved) * pool.layout.bytes_per_block
+        self._count("store", len(reserved), nbytes, time.perf_counter() - started)
+        return len(reserved), len(keys) - len(reserved)
+
+    def lookup(self, pool: Pool, keys: list[bytes], salt: bytes) -> int:
+        """How many of ``keys``, from the first, the tier holds for ``pool``'s namespace."""
+        _check(keys, salt, len(keys))
+        space, _ = self._space(pool, salt, create=False)
+        return 0 if space is None else self.index.lookup(space.ns, keys)
+
+    async def load(self, pool: Pool, ids: I64, keys: list[bytes], salt: bytes) -> int:
+        """Copy the chunks of the longest stored prefix of ``keys`` into blocks ``ids`` of
+        ``pool`` (``ids[j]`` takes ``keys[j]``); returns how many were loaded (the engine
+        computes the rest). A loaded chunk cannot be evicted while it is copied out."""
+        _check(keys, salt, len(ids))
+        space, _ = self._space(pool, salt, create=False)
+        if space is None:
+            return 0
+        chunks: list[Chunk] = []
+        for key in keys:
+            chunk = self.index.get(space.ns, key)
+            if chunk is None or not chunk.complete:
+                break
+            chunks.append(chunk)
+        if not chunks:
+            return 0
+        started = time.perf_counter()
+        self.index.lookup(space.ns, [c.key for c in chunks])  # used now: last to be evicted
+        self.index.pin(chunks)
+        try:
+            await self._copy(space.view, _slots(chunks), pool, ids[: len(chunks)], space)
+        finally:
+            self.index.unpin(chunks)
+        nbytes = len(chunks) * pool.layout.bytes_per_block
+        self._count("load", len(chunks), nbytes, time.perf_counter() - started)
+        return len(chunks)
+
+    def views(self) -> tuple[TierView, ...]:
+        return tuple(
+            TierView(name, s.label, s.ns.chunks, s.ns.chunks * s.ns.chunk_bytes, s.ns.hits, s.ns.misses, s.ns.evictions)
+            for name, s in self._spaces.items()
+        )
+
+    def close(self) -> None:
+        for space in self._spaces.values():
+            space.view.close()
+            space.memory.close()
+        self._spaces.clear()
+
+    # -- namespaces and memory ------------------------------------------------------------
+
+    def _space(self, pool: Pool, salt: bytes, create: bool) -> tuple[TierNamespace | None, int]:
+        """The namespace of ``pool``'s keys (made on first store), and the heads it holds."""
+        if pool.on_gpu:
+            raise IncompatibleError(
+                "the host tier stores and loads host pools only (GPU pools: not built yet); stage GPU blocks "
+                "through a host pool"
+            )
+        layout, geometry = canonical(pool.layout)
+        name, label = _namespace_name(pool.layout, layout, salt)
+        space = self._spaces.get(name)
+        heads = 1
+        if geometry is not None:
+            rank = rank_heads(geometry.total_kv_heads, max(1, pool.layout.model.tp_size), pool.layout.model.tp_rank)
+            heads = ((1 << rank.count) - 1) << rank.first
+        if space is None and create:
+            space = self._make_space(name, label, layout, geometry)
+        return space, heads
+
+    def _make_space(self, name: str, label: str, layout: Layout, geometry: KvGeometry | None) -> TierNamespace:
+        if len(self._spaces) >= MAX_NAMESPACES:
+            raise InvalidRequestError(f"the tier holds {MAX_NAMESPACES} namespaces already (models x salts)")
+        stride = -(-layout.bytes_per_block // _PAGE) * _PAGE
+        slots = self.index.limit_bytes // stride
+        if slots < 1:
+            raise InvalidRequestError(
+                f"one block of this pool ({layout.bytes_per_block} bytes) is larger than the tier "
+                f"({self.index.limit_bytes} bytes, tier_host_bytes)"
+            )
+        memory = mmap.mmap(-1, slots * stride, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        array = np.frombuffer(memory, dtype=np.uint8)
+        slotted = Layout(
+            slots, tuple(Region(0, r.offset, stride, r.block_bytes) for r in layout.regions), layout.model, geometry
+        )
+        view = Pool(
+            pool_id=f"tier:{name}",
+            name=f"tier {label}",
+            session_id="",
+            layout=slotted,
+            kind=common_pb2.MEMORY_KIND_HOST_SHM,
+            arrays=[array],
+            regions=RegionTable.from_regions([(0, r.offset, stride, r.block_bytes) for r in slotted.regions]),
+            fingerprint=name,
+            nbytes=slots * stride,
+            base=np.array([array.ctypes.data], dtype=np.int64),
+        )
+        ns = self.index.namespace(name, stride, _all_heads(geometry))
+        space = self._spaces[name] = TierNamespace(ns, label, view, geometry, memory)
+        return space
+
+    def _release(self, space: TierNamespace) -> None:
+        """Give the pages of dropped chunks' slots back to the kernel."""
+        for chunk in self.index.take_dropped():
+            owner = self._spaces.get(chunk.namespace.name)
+            if owner is not None:
+                stride = chunk.namespace.chunk_bytes
+                owner.memory.madvise(mmap.MADV_DONTNEED, chunk.slot * stride, stride)
+
+    async def _copy(self, src: Pool, src_ids: I64, dst: Pool, dst_ids: I64, space: TierNamespace) -> None:
+        with src.in_use(), dst.in_use():
+            plans = None
+            if space.geometry is not None:  # heads placed by the remap planner (off the loop)
+                chunk = self.local.chunk_bytes
+                plans = await asyncio.to_thread(remap_plans, src, src_ids, dst, dst_ids, chunk)
+            await self.local.copy_blocks(src, src_ids, dst, dst_ids, plans)
+
+
+def canonical(layout: Layout) -> tuple[Layout, KvGeometry | None]:
+    """The layout of a tier chunk of ``layout``'s blocks (one block, regions back to back),
+    and its geometry: every KV head, heads-major, for a pool that declares a geometry.
+
+    >>> from kvxfer_client import KvGeometry, Layout, ModelInfo
+    >>> rank = Layout.paged_kv(num_layers=2, num_blocks=8, block_bytes=16 * 2 * 128,
+    ...     model=ModelInfo("m", "bf16", 16, tp_size=4, tp_rank=1), geometry=KvGeometry(16, 8, 128, "NHD"))
+    >>> chunk, g = canonical(rank)
+    >>> [r.block_bytes for r in chunk.regions], g.order, chunk.model.tp_size
+    ([16384, 16384, 16384, 16384], 'HND', 1)
+    """
+    g = layout.geometry
+    if g is None:
+        sizes = [r.block_bytes for r in layout.regions]
+        geometry = None
+    else:
+        sizes = [g.block_tokens * g.total_kv_heads * g.head_bytes] * len(layout.regions)
+        geometry = KvGeometry(g.block_tokens, g.total_kv_heads, g.head_bytes, "HND")
+    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).tolist()
+    regions = tuple(Region(0, int(o), sum(sizes), n) for o, n in zip(offsets, sizes, strict=True))
+    m = layout.model
+    model = ModelInfo(m.model, m.dtype, m.block_tokens, 1, 0, m.kv_format) if g is not None else m
+    return Layout(1, regions, model, geometry), geometry
+
+
+def _namespace_name(pool_layout: Layout, chunk: Layout, salt: bytes) -> tuple[str, str]:
+    """What keys mean: everything about a chunk's bytes, and the engine's salt. Pools without
+    a geometry add their whole signature (TP rank included): their blocks are kept as they are."""
+    described = chunk.model.to_proto().SerializeToString(deterministic=True)
+    parts = [described, repr([r.block_bytes for r in chunk.regions]).encode()]
+    if chunk.geometry is not None:
+        parts.append(chunk.geometry.to_proto().SerializeToString(deterministic=True))
+    else:
+        parts.append(pool_layout.signature().SerializeToString(deterministic=True))
+    digest = hashlib.sha256(b"\0".join([*parts, salt])).hexdigest()[:16]
+    m = chunk.model
+    return digest, f"{m.model or '?'} {m.dtype or '?'} x{m.block_tokens or '?'}"
+
+
+def _all_heads(geometry: KvGeometry | None) -> int:
+    return 1 if geometry is None else (1 << geometry.total_kv_heads) - 1
+
+
+def _slots(chunks: list[Chunk]) -> I64:
+    return np.array([c.slot for c in chunks], dtype=np.int64)
+
+
+def _check(keys: list[bytes], salt: bytes, blocks: int) -> None:
+    """An engine's keys and salt: one key per block, each 1..64 bytes, no key twice."""
+    if len(keys) != blocks:
+        raise InvalidRequestError(f"{len(keys)} keys for {blocks} blocks: one key per block")
+    if len(salt) > MAX_SALT_BYTES:
+        raise InvalidRequestError(f"salt longer than {MAX_SALT_BYTES} bytes")
+    if any(not 0 < len(k) <= MAX_KEY_BYTES for k in keys):
+        raise InvalidRequestError(f"each key must be 1..{MAX_KEY_BYTES} bytes")
+    if len(set(keys)) != len(keys):
+        raise InvalidRequestError("a key appears twice in one call")

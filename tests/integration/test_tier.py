@@ -1,0 +1,288 @@
+"""The node's KV tier (kvxferd/tier/) with a real daemon and engines: store, lookup and load
+byte-exact; prefixes; tensor-parallel ranks filling one chunk that an engine of another TP
+and head order loads; eviction under 10x oversubscription within the memory limit; stores
+and loads of the same keys at once; a killed engine's blocks still served; a restarted daemon
+starting clean; hostile calls refused typed."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from bench.cluster import ROOT, Cluster, Daemon
+from bench.heads import HEAD_BYTES, LAYERS, POOL_BLOCKS, logical_kv
+from bench.heads import Pool as HeadsPool
+from kvxfer_client import (
+    AsyncKvxferClient,
+    HostBuffer,
+    InvalidRequestError,
+    KvGeometry,
+    Layout,
+    ModelInfo,
+    PermissionDeniedError,
+    UnavailableError,
+)
+from kvxfer_client._geometry import rank_heads
+from kvxfer_client._proto import admin_pb2, admin_pb2_grpc
+
+LAYOUT = Layout.paged_kv(num_layers=4, num_blocks=64, block_bytes=16 << 10, model=ModelInfo("m", "bf16", 16))
+BLOCK = LAYOUT.bytes_per_block  # 128 KiB
+
+
+def keys(n: int, seed: bytes = b"conversation") -> list[bytes]:
+    """Chained keys: each names its block's tokens and every block before it."""
+    out, prev = [], seed
+    for i in range(n):
+        prev = hashlib.sha256(prev + i.to_bytes(4, "little")).digest()
+        out.append(prev)
+    return out
+
+
+def filled(layout: Layout, seed: int) -> list[HostBuffer]:
+    buffers = [HostBuffer.create(s) for s in layout.buffer_sizes()]
+    for i, buf in enumerate(buffers):
+        buf.array()[:] = np.random.default_rng(seed * 100 + i).integers(0, 256, buf.size, dtype=np.uint8)
+    return buffers
+
+
+def blocks(layout: Layout, buffers: list[HostBuffer], ids: list[int]) -> list[bytes]:
+    out = []
+    for r in layout.regions:
+        arr = buffers[r.buffer_index].array()
+        out += [bytes(arr[r.offset + b * r.block_stride :][: r.block_bytes]) for b in ids]
+    return out
+
+
+def tier_of(daemon: Daemon) -> admin_pb2.ListTierResponse:
+    with grpc.insecure_channel("unix:" + daemon.socket) as channel:
+        return admin_pb2_grpc.AdminServiceStub(channel).ListTier(admin_pb2.ListTierRequest(), timeout=5)
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as fh:
+        line = next(line for line in fh if line.startswith("VmRSS:"))
+    return int(line.split()[1]) * 1024
+
+
+async def test_blocks_stored_by_one_engine_load_byte_exact_into_another(cluster: Cluster) -> None:
+    a = cluster.daemon("a", "--tier-host-bytes", str(64 << 20))
+    async with (
+        AsyncKvxferClient(a.socket, engine_name="first") as e1,
+        AsyncKvxferClient(a.socket, engine_name="second") as e2,
+    ):
+        src_bufs = filled(LAYOUT, 1)
+        src = await e1.register_pool(src_bufs, LAYOUT)
+        k = keys(6)
+        assert await e1.tier_store(src, [3, 7, 9, 11], k[:4]) == (4, 0)
+        assert await e1.tier_store(src, [3, 7, 9, 11, 12], k[:5]) == (1, 4)  # four were there
+        assert await e2.tier_lookup(await e2.register_pool(filled(LAYOUT, 9), LAYOUT), k) == 5
+        dst_bufs = [HostBuffer.create(s) for s in LAYOUT.buffer_sizes()]
+        dst = await e2.register_pool(dst_bufs, LAYOUT)
+        assert await e2.tier_lookup(dst, [k[0], k[1], b"another prompt", k[3]]) == 2  # a prefix
+        assert await e2.tier_lookup(dst, k[:3], salt=b"tenant-b") == 0  # another namespace
+        assert await e2.tier_load(dst, [0, 1, 2, 3, 4, 5], k) == 5  # the sixth is computed
+        assert blocks(LAYOUT, dst_bufs, [0, 1, 2, 3, 4]) == blocks(LAYOUT, src_bufs, [3, 7, 9, 11, 12])
+        other = Layout.paged_kv(num_layers=4, num_blocks=64, block_bytes=16 << 10, model=ModelInfo("other", "bf16", 16))
+        assert await e2.tier_lookup(await e2.register_pool(filled(other, 2), other), k) == 0  # another model
+        t = tier_of(a)
+        assert (t.limit_bytes, t.used_bytes) == (64 << 20, 5 * BLOCK)
+        [ns] = [n for n in t.namespaces if n.chunks]
+        assert (ns.chunks, ns.label) == (5, "m bf16 x16")
+        assert ns.hits >= 5 + 2 + 5 and ns.misses >= 1
+
+
+def _rank_pool_layout(heads: int, tp: int, rank: int, order: str, block_tokens: int) -> Layout:
+    share = rank_heads(heads, tp, rank).count
+    model = ModelInfo("tp-model", "bf16", block_tokens, tp_size=tp, tp_rank=rank)
+    return Layout.paged_kv(
+        num_layers=LAYERS,
+        num_blocks=POOL_BLOCKS,
+        block_bytes=block_tokens * share * HEAD_BYTES,
+        model=model,
+        geometry=KvGeometry(block_tokens, heads, HEAD_BYTES, order),  # type: ignore[arg-type]
+    )
+
+
+async def test_tensor_parallel_ranks_fill_one_chunk_that_another_tp_and_head_order_loads(cluster: Cluster) -> None:
+    """Two TP-2 ranks (heads-major) store their heads under the same keys; the chunks appear
+    only once both did; a TP-1 tokens-major engine loads them and holds the model's KV."""
+    a = cluster.daemon("a", "--tier-host-bytes", str(64 << 20))
+    heads, tokens, block_tokens = 8, 64, 16
+    logical = logical_kv(heads, tokens, seed=5)
+    ids = [5, 1, 20, 9]
+    k = keys(tokens // block_tokens, seed=b"tp")
+    async with AsyncKvxferClient(a.socket, engine_name="prefill-tp2") as e:
+        rank_pools = []
+        for rank in range(2):
+            ref = HeadsPool.empty(rank_heads(heads, 2, rank), block_tokens, "HND")
+            ref.fill(logical, ids)
+            layout = _rank_pool_layout(heads, 2, rank, "HND", block_tokens)
+            bufs = [HostBuffer.create(s) for s in layout.buffer_sizes()]
+            for buf, arr in zip(bufs, ref.buffers, strict=True):
+                buf.array()[:] = arr
+            rank_pools.append(await e.register_pool(bufs, layout))
+        assert await e.tier_store(rank_pools[0], ids, k) == (4, 0)
+        assert await e.tier_lookup(rank_pools[0], k) == 0  # rank 1's heads are not in yet
+        assert await e.tier_store(rank_pools[1], ids, k) == (4, 0)
+        assert await e.tier_lookup(rank_pools[1], k) == 4
+    async with AsyncKvxferClient(a.socket, engine_name="decode-tp1") as d:
+        layout = _rank_pool_layout(heads, 1, 0, "NHD", block_tokens)
+        bufs = [HostBuffer.create(s) for s in layout.buffer_sizes()]
+        pool = await d.register_pool(bufs, layout)
+        dst_ids = [0, 2, 4, 6]
+        assert await d.tier_load(pool, dst_ids, k) == 4
+        ref = HeadsPool.empty(rank_heads(heads, 1, 0), block_tokens, "NHD")
+        expected = ref.expected(logical, dst_ids, ref.heads, tokens)
+        for buf, want in zip(bufs, expected, strict=True):
+            np.testing.assert_array_equal(buf.array(), want)
+
+
+async def test_ten_times_more_than_fits_evicts_oldest_first_and_stays_within_memory(cluster: Cluster) -> None:
+    """A 16 MiB tier takes 160 MiB of stores: it never holds more than its limit, the latest
+    conversation stays, the oldest is gone; a second namespace then takes the memory over and
+    the daemon's resident memory stays where the full tier had it (evicted pages go back;
+    without that it would grow by the limit)."""
+    limit = 16 << 20
+    a = cluster.daemon("a", "--tier-host-bytes", str(limit), "--tier-low-watermark", "0.75")
+    assert a.proc is not None
+    async with AsyncKvxferClient(a.socket, engine_name="engine") as e:
+        pool = await e.register_pool(filled(LAYOUT, 3), LAYOUT)
+        stored, rss_full = 0, 0
+        for turn in range(40):  # 40 conversations of 32 blocks (4 MiB): 10x the tier
+            k = keys(32, seed=f"turn-{turn}".encode())
+            done, _ = await e.tier_store(pool, list(range(32)), k)
+            stored += done
+            assert tier_of(a).used_bytes <= limit
+            if turn == 4:  # the tier is full (and the copy threads' scratch made)
+                rss_full = rss_bytes(a.proc.pid)
+        assert stored == 40 * 32  # evictions made room every time
+        assert await e.tier_lookup(pool, keys(32, seed=b"turn-39")) == 32
+        assert await e.tier_lookup(pool, keys(32, seed=b"turn-0")) == 0
+        assert tier_of(a).namespaces[0].evictions > 0
+        for turn in range(8):  # another namespace (salt) evicts everything of the first
+            await e.tier_store(pool, list(range(32)), keys(32, seed=f"b-{turn}".encode()), salt=b"b")
+        t = tier_of(a)
+        assert t.used_bytes <= limit and sum(n.chunks for n in t.namespaces) * BLOCK == t.used_bytes
+        grown = rss_bytes(a.proc.pid) - rss_full  # a second namespace's slots, less the first's given back
+        assert grown < limit / 2, f"resident memory grew by {grown >> 20} MiB past a full {limit >> 20} MiB tier"
+
+
+async def test_stores_and_loads_of_the_same_keys_at_once_never_show_a_chunk_half_written(cluster: Cluster) -> None:
+    a = cluster.daemon("a", "--tier-host-bytes", str(64 << 20))
+    async with (
+        AsyncKvxferClient(a.socket, engine_name="writer") as w,
+        AsyncKvxferClient(a.socket, engine_name="other-writer") as w2,
+        AsyncKvxferClient(a.socket, engine_name="reader") as r,
+    ):
+        src_bufs = filled(LAYOUT, 4)
+        src = await w.register_pool(src_bufs, LAYOUT)
+        src2 = await w2.register_pool(filled(LAYOUT, 4), LAYOUT)  # the same KV, another engine
+        dst_bufs = [HostBuffer.create(s) for s in LAYOUT.buffer_sizes()]
+        dst = await r.register_pool(dst_bufs, LAYOUT)
+        k = keys(48, seed=b"shared")
+        ids = list(range(48))
+        results = await asyncio.gather(
+            w.tier_store(src, ids, k),
+            w2.tier_store(src2, ids, k),
+            *(r.tier_load(dst, ids, k) for _ in range(5)),
+        )
+        (s1, _), (s2, _), *loads = results
+        assert s1 + s2 == 48  # each key stored once
+        for n in loads:  # whatever a load saw complete is complete and exact
+            assert blocks(LAYOUT, dst_bufs, ids[:n]) == blocks(LAYOUT, src_bufs, ids[:n])
+        assert await r.tier_load(dst, ids, k) == 48
+        assert blocks(LAYOUT, dst_bufs, ids) == blocks(LAYOUT, src_bufs, ids)
+
+
+STORE_AND_WAIT = """
+import sys, time, numpy as np
+from kvxfer_client import HostBuffer, KvxferClient, Layout, ModelInfo
+sys.path.insert(0, {root!r})
+from tests.integration.test_tier import LAYOUT, filled, keys
+with KvxferClient({socket!r}, engine_name="short-lived") as c:
+    pool = c.register_pool(filled(LAYOUT, 7), LAYOUT)
+    print(c.tier_store(pool, [1, 2, 3], keys(3, seed=b"gone")), flush=True)
+    time.sleep(60)
+"""
+
+
+async def test_a_killed_engines_stored_blocks_are_still_served(cluster: Cluster) -> None:
+    a = cluster.daemon("a", "--tier-host-bytes", str(64 << 20))
+    script = STORE_AND_WAIT.format(root=ROOT, socket=a.socket)
+    # An engine process of its own, to be killed: nothing else of this test runs meanwhile.
+    proc = subprocess.Popen(  # noqa: ASYNC220
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, cwd=ROOT, text=True
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "(3, 0)"
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    async with AsyncKvxferClient(a.socket, engine_name="survivor") as e:
+        dst_bufs = [HostBuffer.create(s) for s in LAYOUT.buffer_sizes()]
+        dst = await e.register_pool(dst_bufs, LAYOUT)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and _pools_of(a) > 1:  # noqa: ASYNC110 - another process's state
+            await asyncio.sleep(0.05)  # the killed engine's session ends, its pool goes
+        assert _pools_of(a) == 1
+        assert await e.tier_load(dst, [10, 11, 12], keys(3, seed=b"gone")) == 3
+        assert blocks(LAYOUT, dst_bufs, [10, 11, 12]) == blocks(LAYOUT, filled(LAYOUT, 7), [1, 2, 3])
+
+
+def _pools_of(daemon: Daemon) -> int:
+    with grpc.insecure_channel("unix:" + daemon.socket) as channel:
+        return len(admin_pb2_grpc.AdminServiceStub(channel).ListPools(admin_pb2.ListPoolsRequest(), timeout=5).pools)
+
+
+async def test_a_restarted_daemon_starts_with_an_empty_tier(cluster: Cluster) -> None:
+    """The host tier is memory only: a daemon that restarts has nothing stored (and says so)."""
+    a = cluster.daemon("a", "--tier-host-bytes", str(64 << 20))
+    async with AsyncKvxferClient(a.socket, engine_name="engine") as e:
+        pool = await e.register_pool(filled(LAYOUT, 8), LAYOUT)
+        assert await e.tier_store(pool, [1, 2], keys(2)) == (2, 0)
+    assert a.terminate() == 0
+    a.start()
+    async with AsyncKvxferClient(a.socket, engine_name="engine") as e:
+        pool = await e.register_pool(filled(LAYOUT, 8), LAYOUT)
+        assert await e.tier_lookup(pool, keys(2)) == 0
+        assert tier_of(a).used_bytes == 0
+
+
+async def test_hostile_tier_calls_are_refused_typed_and_the_tier_serves_on(cluster: Cluster) -> None:
+    off = cluster.daemon("off")
+    async with AsyncKvxferClient(off.socket, engine_name="engine") as e:
+        pool = await e.register_pool(filled(LAYOUT, 1), LAYOUT)
+        with pytest.raises(UnavailableError, match="tier_host_bytes"):
+            await e.tier_lookup(pool, keys(1))
+    a = cluster.daemon("a", "--tier-host-bytes", str(64 << 20))
+    async with (
+        AsyncKvxferClient(a.socket, engine_name="engine") as e,
+        AsyncKvxferClient(a.socket, engine_name="stranger") as s,
+    ):
+        pool = await e.register_pool(filled(LAYOUT, 1), LAYOUT)
+        k = keys(3)
+        for call, error in (
+            (e.tier_store(pool, [1, 2], k), InvalidRequestError),  # keys and blocks differ in count
+            (e.tier_store(pool, [1, 2], [k[0], k[0]]), InvalidRequestError),  # a key twice
+            (e.tier_store(pool, [1], [b"x" * 65]), InvalidRequestError),  # a key too long
+            (e.tier_store(pool, [1], [b""]), InvalidRequestError),
+            (e.tier_store(pool, [1], [k[0]], salt=b"s" * 65), InvalidRequestError),
+            (e.tier_store(pool, [64], [k[0]]), InvalidRequestError),  # outside the pool
+            (e.tier_load(pool, [1, 1], k[:2]), InvalidRequestError),  # one block twice
+            (e.tier_lookup(pool, [k[0]] * 2 + [b""]), InvalidRequestError),
+            (s.tier_store(pool.pool_id, [1], [k[0]]), PermissionDeniedError),  # not its pool
+            (s.tier_load(pool.pool_id, [1], [k[0]]), PermissionDeniedError),
+        ):
+            with pytest.raises(error):
+                await call
+        assert await e.tier_store(pool, [1, 2, 3], k) == (3, 0)
+        assert a.proc is not None and a.proc.poll() is None
