@@ -18,9 +18,10 @@ those agree; nothing an engine sends names memory.
 
 **Memory**: one anonymous mapping per namespace, reserved (not committed) at the tier's
 limit, cut into page-aligned slots; the index (:mod:`.index`) keeps the bytes of all slots
-in use within ``tier_host_bytes`` and evicts least recently used chunks past the high
-watermark. An evicted slot's pages go back to the kernel (``MADV_DONTNEED``) before the slot
-is written again, so the daemon's resident memory follows what the tier holds.
+in use within ``tier_host_bytes``, evicts least recently used chunks past the high
+watermark, and keeps the committed pages (slots held, or free and not given back) within the
+limit too: another namespace's free slots go back to the kernel (``MADV_DONTNEED``) before a
+slot needs new pages. The daemon's resident memory for the tier stays within the limit.
 """
 
 from __future__ import annotations
@@ -207,12 +208,11 @@ class HostTier:
         return space
 
     def _release(self, space: TierNamespace) -> None:
-        """Give the pages of dropped chunks' slots back to the kernel."""
-        for chunk in self.index.take_dropped():
-            owner = self._spaces.get(chunk.namespace.name)
+        """Give the pages of the slots the index released back to the kernel."""
+        for ns, slot in self.index.take_released():
+            owner = self._spaces.get(ns.name)
             if owner is not None:
-                stride = chunk.namespace.chunk_bytes
-                owner.memory.madvise(mmap.MADV_DONTNEED, chunk.slot * stride, stride)
+                owner.memory.madvise(mmap.MADV_DONTNEED, slot * ns.chunk_bytes, ns.chunk_bytes)
 
     async def _copy(self, src: Pool, src_ids: I64, dst: Pool, dst_ids: I64, space: TierNamespace) -> None:
         with src.in_use(), dst.in_use():

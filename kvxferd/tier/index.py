@@ -16,6 +16,11 @@ each namespace's, are what the daemon promised to stay within. When a reservatio
 the tier past its high watermark, chunks are evicted until it fits under the low one, so
 eviction runs in batches, not at every store.
 
+Memory: a slot freed by eviction keeps its pages (committed) and is the first its namespace
+reuses, so a namespace that churns does not fault its pages in again. Committed slots, held or
+free, never exceed the limit: a slot that needs new pages first has other free slots' pages
+given back (:meth:`take_released` says which; the owner releases them before any copy).
+
 >>> index = TierIndex(limit_bytes=4096, high=1.0, low=0.5)
 >>> ns = index.namespace("llama", chunk_bytes=1024, all_heads=0b1)
 >>> [c.slot for c in index.reserve(ns, [b"a", b"b", b"c", b"d"], 0b1)]
@@ -25,8 +30,8 @@ eviction runs in batches, not at every store.
 2
 >>> [c.key for c in index.reserve(ns, [b"e"], 0b1)]  # past the high watermark: evict to the low one
 [b'e']
->>> [c.key for c in index.take_dropped()]  # least recently used first (a and b were looked up)
-[b'c', b'd', b'a']
+>>> sorted(index.namespaces["llama"].free)  # c, d and a went (least recently used first); e took slot 0
+[2, 3]
 """
 
 from __future__ import annotations
@@ -64,8 +69,10 @@ class Namespace:
     name: str
     chunk_bytes: int
     all_heads: int
-    #: Slots freed by eviction, lowest first (memory is reused from the bottom up).
+    #: Free slots whose pages are still committed, lowest first (reused first).
     free: list[int] = field(default_factory=list)
+    #: Free slots whose pages were given back.
+    released: list[int] = field(default_factory=list)
     #: Slots ever handed out (the next new one).
     made: int = 0
     chunks: int = 0
@@ -81,12 +88,13 @@ class TierIndex:
         self.limit_bytes = limit_bytes
         self.high_bytes, self.low_bytes = int(limit_bytes * high), int(limit_bytes * low)
         self.used_bytes = 0
+        #: Bytes of slots whose pages are committed: held ones and free ones not given back.
+        self.committed_bytes = 0
         self.namespaces: dict[str, Namespace] = {}
         #: Every chunk, least recently used first.
         self._lru: OrderedDict[tuple[str, bytes], Chunk] = OrderedDict()
-        #: Chunks dropped (evicted, or a failed store's) since the owner last took them: their
-        #: slots' memory is to be released before anything is copied into a slot again.
-        self.dropped: list[Chunk] = []
+        #: Free slots whose pages are to be given back, since the owner last took them.
+        self.released: list[tuple[Namespace, int]] = []
 
     def namespace(self, name: str, chunk_bytes: int, all_heads: int) -> Namespace:
         ns = self.namespaces.get(name)
@@ -154,8 +162,8 @@ class TierIndex:
         for chunk in chunks:
             chunk.pins -= 1
 
-    def take_dropped(self) -> list[Chunk]:
-        out, self.dropped = self.dropped, []
+    def take_released(self) -> list[tuple[Namespace, int]]:
+        out, self.released = self.released, []
         return out
 
     def _slot(self, ns: Namespace) -> int | None:
@@ -167,9 +175,23 @@ class TierIndex:
             return None
         self.used_bytes += ns.chunk_bytes
         if ns.free:
-            return heapq.heappop(ns.free)
+            return heapq.heappop(ns.free)  # its pages are still there
+        self._reclaim(ns.chunk_bytes)
+        self.committed_bytes += ns.chunk_bytes
+        if ns.released:
+            return heapq.heappop(ns.released)
         ns.made += 1
         return ns.made - 1
+
+    def _reclaim(self, need: int) -> None:
+        """Give back free slots' pages until ``need`` more bytes fit within the limit (there
+        are enough: every byte committed and not held is a free slot's)."""
+        for ns in self.namespaces.values():
+            while ns.free and self.committed_bytes + need > self.limit_bytes:
+                slot = heapq.heappop(ns.free)
+                heapq.heappush(ns.released, slot)
+                self.committed_bytes -= ns.chunk_bytes
+                self.released.append((ns, slot))
 
     def _evict_until(self, target_bytes: int) -> None:
         for chunk in list(self._lru.values()):
@@ -185,4 +207,3 @@ class TierIndex:
         heapq.heappush(ns.free, chunk.slot)
         ns.chunks -= 1
         self.used_bytes -= ns.chunk_bytes
-        self.dropped.append(chunk)
