@@ -110,9 +110,27 @@ def handoff(cluster: Cluster, a: Daemon, b: Daemon, name: str, blocks: int, time
     return result
 
 
-def test_bytes_cross_the_veth_over_ucx_tcp(netcluster: tuple[Cluster, Daemon, Daemon]) -> None:
+def test_bytes_cross_the_veth_over_tcp_lanes(netcluster: tuple[Cluster, Daemon, Daemon]) -> None:
+    """UCX has only TCP between the two namespaces: host blocks take the TCP lanes (the
+    default, tcp_lanes: auto), which connect to the address the decode daemon dialled."""
     cluster, a, b = netcluster
     result = handoff(cluster, a, b, "plain", 16, DEADLINE_S)
+    assert result["ok"] and result["verified"], result
+    assert result["transport"] == "tcp-lanes:4"
+    assert "transport.tcp_lanes" in b.log()
+
+
+def test_bytes_cross_the_veth_over_ucx_tcp(veth: Veth, netcluster: tuple[Cluster, Daemon, Daemon]) -> None:
+    """With the lanes off, UCX's own TCP transport carries them."""
+    cluster, _, b = netcluster
+    a = cluster.daemon(
+        "a-no-lanes",
+        *("--ucx-error-handling", "on", "--peer-timeout-s", "2"),
+        *("--tcp-lanes", "off", "--peer-listen", f"{veth.addr['a']}:0"),
+        env=UCX_TCP,
+        prefix=veth.prefix("a"),
+    )
+    result = handoff(cluster, a, b, "plain-ucx", 16, DEADLINE_S)
     assert result["ok"] and result["verified"], result
     assert result["transport"] == "ucx:tcp"
 
