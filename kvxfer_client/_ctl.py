@@ -156,6 +156,11 @@ class Ctl:
                 "misses": t.misses,
                 "hit_rate": round(t.hits / (t.hits + t.misses), 3) if t.hits + t.misses else None,
                 "evictions": t.evictions,
+                "disk_chunks": t.disk_chunks,
+                "disk_bytes": t.disk_bytes,
+                "disk_hits": t.disk_hits,
+                "disk_evictions": t.disk_evictions,
+                "disk_failures": t.disk_failures,
             }
             for t in resp.namespaces
         ]
@@ -250,11 +255,13 @@ def run(args: argparse.Namespace, ctl: Ctl) -> int:
     elif args.command == "tier":
         resp, rows = ctl.tier()
         if args.json:
-            print(json.dumps({"limit_bytes": resp.limit_bytes, "used_bytes": resp.used_bytes, "namespaces": rows}))
+            print(json.dumps({**_fields(resp), "namespaces": rows}))
         elif not resp.limit_bytes:
             print("the KV tier is off (tier_host_bytes is 0)")
         else:
             title = f"host tier: {_bytes(resp.used_bytes)} of {_bytes(resp.limit_bytes)}"
+            if resp.disk_limit_bytes:
+                title += f"; disk: {_bytes(resp.disk_used_bytes)} of {_bytes(resp.disk_limit_bytes)}"
             _print(args, title, rows, TIER_COLUMNS)
     elif args.command == "transfers" and args.watch:
         return _watch(args, ctl)
@@ -322,7 +329,19 @@ def _watch(args: argparse.Namespace, ctl: Ctl) -> int:
 POOL_COLUMNS = ("pool", "engine", "memory", "device", "blocks", "regions", "bytes", "offers", "fingerprint")
 OFFER_COLUMNS = ("offer", "pool", "blocks", "bytes", "state", "lease_left_s")
 PEER_COLUMNS = ("peer", "address", "host", "state", "version", "transports", "hello_age_s")
-TIER_COLUMNS = ("namespace", "label", "chunks", "bytes", "hits", "misses", "hit_rate", "evictions")
+TIER_COLUMNS = (
+    "namespace",
+    "label",
+    "chunks",
+    "bytes",
+    "hits",
+    "misses",
+    "hit_rate",
+    "evictions",
+    "disk_chunks",
+    "disk_hits",
+    "disk_failures",
+)
 TRANSFER_COLUMNS = (
     "transfer",
     "role",

@@ -125,6 +125,10 @@ class Settings:
     tier_host_bytes: int = _setting(
         0, "Host memory of the node's KV tier (TierStore/TierLookup/TierLoad); 0: the tier is off."
     )
+    tier_disk_dir: str = _setting(
+        "", "Directory of the KV tier's disk below host memory (NVMe); empty: chunks evicted from memory are dropped."
+    )
+    tier_disk_bytes: int = _setting(0, "Bytes the KV tier may keep in tier_disk_dir (needed with tier_disk_dir).")
     tier_high_watermark: float = _setting(
         0.95, "A store that would fill the tier past this share of tier_host_bytes evicts first."
     )
@@ -192,6 +196,8 @@ class Settings:
             raise ValueError("tcp_lanes must be auto, always or off")
         if self.tier_host_bytes < 0 or not 0 < self.tier_low_watermark <= self.tier_high_watermark <= 1:
             raise ValueError("tier_host_bytes must be >= 0 and 0 < tier_low_watermark <= tier_high_watermark <= 1")
+        if bool(self.tier_disk_dir) != (self.tier_disk_bytes > 0) or (self.tier_disk_dir and not self.tier_host_bytes):
+            raise ValueError("tier_disk_dir and tier_disk_bytes go together, and with tier_host_bytes")
         if not 1 <= self.tcp_lane_count <= 16:
             raise ValueError("tcp_lane_count must be in 1..16")
 

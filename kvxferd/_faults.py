@@ -19,7 +19,9 @@ Points (where the daemon calls :meth:`Faults.hit`):
   so a test sees whether the daemon makes a new one;
 * ``before_check`` — pulling side (remote or local), every byte landed, before the block
   checksums are checked: with ``corrupt``, one bit of the first landed block is flipped, as a
-  fault on the way would.
+  fault on the way would;
+* ``tier_disk_write`` — the KV tier, before a chunk evicted from host memory is written to
+  disk: a failing hit is a failed write (the chunk is dropped and counted, never served).
 
 Actions: ``pause:S`` (sleep S seconds, the event loop keeps running), ``fail`` (raise
 :class:`~kvxfer_client.UnavailableError`, as a broken data plane would), ``fail:K`` (fail
@@ -57,6 +59,7 @@ POINTS = (
     "before_local_copy",
     "endpoint_broken",
     "peer_endpoint",
+    "tier_disk_write",
 )
 _CHUNK_POINT = re.compile(r"^after_chunk_sent:(\d{1,9})$")
 _ACTION = re.compile(r"^(pause:(\d+(\.\d+)?)|(fail|corrupt)(:(\d{1,9}))?)$")

@@ -91,19 +91,30 @@ class _StateCollector(Collector):
         yield cap
         tier_used = GaugeMetricFamily("kvxfer_tier_bytes", "Bytes of chunks the KV tier holds", labels=["tier"])
         tier_used.add_metric(["host"], s.tier_used_bytes)
+        tier_used.add_metric(["disk"], s.tier_disk_used_bytes)
         yield tier_used
         tier_limit = GaugeMetricFamily("kvxfer_tier_limit_bytes", "Bytes the KV tier may hold", labels=["tier"])
         tier_limit.add_metric(["host"], s.tier_limit_bytes)
+        tier_limit.add_metric(["disk"], s.tier_disk_limit_bytes)
         yield tier_limit
         lookups = CounterMetricFamily(
-            "kvxfer_tier_lookup_blocks", "Keys looked up or loaded: stored (hit) or not (miss)", labels=["result"]
+            "kvxfer_tier_lookup_blocks",
+            "Keys looked up or loaded: stored (hit, by the tier that held it) or not (miss)",
+            labels=["result", "tier"],
         )
-        lookups.add_metric(["hit"], sum(t.hits for t in s.tier))
-        lookups.add_metric(["miss"], sum(t.misses for t in s.tier))
+        lookups.add_metric(["hit", "host"], sum(t.hits - t.disk_hits for t in s.tier))
+        lookups.add_metric(["hit", "disk"], sum(t.disk_hits for t in s.tier))
+        lookups.add_metric(["miss", "none"], sum(t.misses for t in s.tier))
         yield lookups
         evicted = CounterMetricFamily("kvxfer_tier_evictions", "Chunks evicted to make room", labels=["tier"])
         evicted.add_metric(["host"], sum(t.evictions for t in s.tier))
+        evicted.add_metric(["disk"], sum(t.disk_evictions for t in s.tier))
         yield evicted
+        yield CounterMetricFamily(
+            "kvxfer_tier_disk_failures",
+            "Chunks dropped because their disk write or read failed (or read back other bytes)",
+            value=sum(t.disk_failures for t in s.tier),
+        )
         yield GaugeMetricFamily("kvxfer_serving", "1 while accepting work, 0 while draining", value=not s.draining)
         info = InfoMetricFamily("kvxfer_build", "Version of this daemon")
         info.add_metric([], {"version": __version__, "protocol_version": str(PROTOCOL_VERSION)})

@@ -52,6 +52,7 @@ from .handoff.remote import RemotePlane
 from .handoff.remote_pull import RemotePull
 from .handoff.serve import OffererStream, ServeRequest, TransferServer
 from .memory.pools import Pool, PoolRegistry, check_block_ids
+from .tier.disk import DiskStore
 from .tier.host import HostTier
 
 __all__ = ["CancelOutcome", "Node"]
@@ -127,6 +128,9 @@ class Node:
                 settings.tier_low_watermark,
                 local,
                 self.metrics.tier_op_finished,
+                DiskStore(settings.tier_disk_dir, self.executor) if settings.tier_disk_dir else None,
+                settings.tier_disk_bytes,
+                self.faults,
             )
             if settings.tier_host_bytes
             else None
@@ -414,6 +418,8 @@ class Node:
             lanes_address=self.lanes_address,
             tier_limit_bytes=self.tier.index.limit_bytes if self.tier else 0,
             tier_used_bytes=self.tier.index.used_bytes if self.tier else 0,
+            tier_disk_limit_bytes=self.tier.index.disk_limit_bytes if self.tier else 0,
+            tier_disk_used_bytes=self.tier.index.disk_used_bytes if self.tier else 0,
             tier=self.tier.views() if self.tier else (),
             ucx_transports=tuple(self.ucx.transports) if self.ucx else (),
             sessions=len(self.sessions),

@@ -118,6 +118,11 @@ class TierView:
     hits: int
     misses: int
     evictions: int
+    disk_chunks: int = 0
+    disk_bytes: int = 0
+    disk_hits: int = 0
+    disk_evictions: int = 0
+    disk_failures: int = 0
 
 
 @dataclass(frozen=True)
@@ -132,6 +137,8 @@ class NodeSnapshot:
     lanes_address: str = ""
     tier_limit_bytes: int = 0
     tier_used_bytes: int = 0
+    tier_disk_limit_bytes: int = 0
+    tier_disk_used_bytes: int = 0
     tier: tuple[TierView, ...] = ()
     ucx_transports: tuple[str, ...] = ()
     sessions: int = 0

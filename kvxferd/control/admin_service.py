@@ -114,6 +114,8 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
         return admin_pb2.ListTierResponse(
             limit_bytes=s.tier_limit_bytes,
             used_bytes=s.tier_used_bytes,
+            disk_limit_bytes=s.tier_disk_limit_bytes,
+            disk_used_bytes=s.tier_disk_used_bytes,
             namespaces=[
                 admin_pb2.TierNamespaceInfo(
                     namespace=t.namespace,
@@ -123,6 +125,11 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
                     hits=t.hits,
                     misses=t.misses,
                     evictions=t.evictions,
+                    disk_chunks=t.disk_chunks,
+                    disk_bytes=t.disk_bytes,
+                    disk_hits=t.disk_hits,
+                    disk_evictions=t.disk_evictions,
+                    disk_failures=t.disk_failures,
                 )
                 for t in s.tier
             ],

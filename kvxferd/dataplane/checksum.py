@@ -36,7 +36,7 @@ import numpy.typing as npt
 from .hostmem import HostMemory
 from .plan import RegionTable, SidePlan, build_plan, plan_segments, window_pieces
 
-__all__ = ["SCRATCH_BYTES", "block_sums", "segment_sums", "window_sums"]
+__all__ = ["SCRATCH_BYTES", "block_sums", "bytes_sum", "segment_sums", "window_sums"]
 
 U64 = npt.NDArray[np.uint64]
 #: The most bytes gathered at once to be summed (the rest waits its turn).
@@ -140,6 +140,18 @@ def window_sums(memory: HostMemory, plan: SidePlan, window_bytes: int, windows: 
         memory.gather(plan_segments(buf, off, length, end - start).chunks[0], scratch)
         out[j] = _segment_sums(scratch[: end - start].reshape(1, end - start))[0]
     return out
+
+
+def bytes_sum(data: npt.NDArray[np.uint8]) -> int:
+    """The sum of one contiguous range of bytes, as one segment (a tier chunk on disk).
+
+    >>> data = np.arange(4096, dtype=np.uint8)
+    >>> before = bytes_sum(data)
+    >>> data[100] ^= 4
+    >>> bytes_sum(data) != before
+    True
+    """
+    return int(_segment_sums(np.asarray(data, dtype=np.uint8).reshape(1, -1))[0])
 
 
 def _segment_sums(rows: npt.NDArray[np.uint8]) -> U64:

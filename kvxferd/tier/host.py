@@ -28,24 +28,29 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import mmap
 import time
 from collections.abc import Callable
+from concurrent.futures import Executor
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
-from kvxfer_client._errors import IncompatibleError, InvalidRequestError
+from kvxfer_client._errors import IncompatibleError, InvalidRequestError, KvxferError
 from kvxfer_client._geometry import KvGeometry, rank_heads
 from kvxfer_client._layout import Layout, ModelInfo, Region
 from kvxfer_client._proto import common_pb2
 
+from .._faults import Faults
+from .._log import log_event
 from .._snapshot import TierView
 from ..dataplane.plan import RegionTable
 from ..dataplane.remap import remap_plans
 from ..handoff.local import LocalHandoff
 from ..memory.pools import Pool
+from .disk import DiskStore
 from .index import Chunk, Namespace, TierIndex
 
 __all__ = ["MAX_KEY_BYTES", "MAX_SALT_BYTES", "HostTier", "TierNamespace"]
@@ -68,6 +73,11 @@ class TierNamespace:
     #: The geometry of its chunks (None: blocks kept as their pool lays them out).
     geometry: KvGeometry | None
     memory: mmap.mmap
+    array: npt.NDArray[np.uint8]
+
+    def slot_bytes(self, slot: int) -> npt.NDArray[np.uint8]:
+        stride = self.ns.chunk_bytes
+        return self.array[slot * stride : (slot + 1) * stride]
 
 
 class HostTier:
@@ -78,9 +88,15 @@ class HostTier:
         low: float,
         local: LocalHandoff,
         count: Callable[[str, int, int, float], None] = lambda op, blocks, nbytes, seconds: None,
+        disk: DiskStore | None = None,
+        disk_limit_bytes: int = 0,
+        faults: Faults | None = None,
     ) -> None:
-        self.index = TierIndex(limit_bytes, high, low)
+        self.index = TierIndex(limit_bytes, high, low, disk_limit_bytes if disk is not None else 0)
         self.local = local
+        self.disk = disk
+        self.executor: Executor = local.executor
+        self.faults = faults or Faults()
         self._count = count
         self._spaces: dict[str, TierNamespace] = {}
 
@@ -94,6 +110,7 @@ class HostTier:
         space, heads = self._space(pool, salt, create=True)
         assert space is not None
         started = time.perf_counter()
+        await self._make_room(space.ns, len(keys))
         reserved = self.index.reserve(space.ns, keys, heads)
         self._release(space)  # before anything is copied into a slot that was given back
         if not reserved:
@@ -128,7 +145,7 @@ class HostTier:
         chunks: list[Chunk] = []
         for key in keys:
             chunk = self.index.get(space.ns, key)
-            if chunk is None or not chunk.complete:
+            if chunk is None or not chunk.complete or chunk.promoting:
                 break
             chunks.append(chunk)
         if not chunks:
@@ -137,7 +154,13 @@ class HostTier:
         self.index.lookup(space.ns, [c.key for c in chunks])  # used now: last to be evicted
         self.index.pin(chunks)
         try:
-            await self._copy(space.view, _slots(chunks), pool, ids[: len(chunks)], space)
+            on_disk = [c for c in chunks if c.slot is None]
+            if on_disk:
+                back = await self._promote(space, on_disk)
+                if back < len(on_disk):  # the prefix ends where a chunk did not come back
+                    chunks = chunks[: chunks.index(on_disk[back])]
+            if chunks:
+                await self._copy(space.view, _slots(chunks), pool, ids[: len(chunks)], space)
         finally:
             self.index.unpin(chunks)
         nbytes = len(chunks) * pool.layout.bytes_per_block
@@ -146,15 +169,91 @@ class HostTier:
 
     def views(self) -> tuple[TierView, ...]:
         return tuple(
-            TierView(name, s.label, s.ns.chunks, s.ns.chunks * s.ns.chunk_bytes, s.ns.hits, s.ns.misses, s.ns.evictions)
+            TierView(
+                namespace=name,
+                label=s.label,
+                chunks=s.ns.chunks,
+                bytes=s.ns.chunks * s.ns.chunk_bytes,
+                hits=s.ns.hits,
+                misses=s.ns.misses,
+                evictions=s.ns.evictions,
+                disk_chunks=s.ns.disk_chunks,
+                disk_bytes=s.ns.disk_chunks * s.ns.chunk_bytes,
+                disk_hits=s.ns.disk_hits,
+                disk_evictions=s.ns.disk_evictions,
+                disk_failures=s.ns.disk_failures,
+            )
             for name, s in self._spaces.items()
         )
 
     def close(self) -> None:
         for space in self._spaces.values():
             space.view.close()
-            space.memory.close()
+            del space.array
+            try:
+                space.memory.close()
+            except BufferError:  # a copy thread still holds a view: the process is exiting anyway
+                pass
         self._spaces.clear()
+        if self.disk is not None:
+            self.disk.close()
+
+    # -- the disk below -------------------------------------------------------------------
+
+    async def _make_room(self, ns: Namespace, count: int) -> None:
+        """Room for ``count`` more chunks: evicted ones spilled to disk first (if there is one)."""
+        spills = self.index.make_room(ns, count)
+        for chunk in spills:
+            await self._spill(chunk)
+
+    async def _spill(self, chunk: Chunk) -> None:
+        """Write an evicted chunk's host slot to disk, then let the slot go (or drop the chunk)."""
+        assert self.disk is not None and chunk.slot is not None
+        space = self._spaces[chunk.namespace.name]
+        ok = failed = False
+        try:
+            await self.faults.hit("tier_disk_write")
+            slot = self.index.disk_slot(chunk)
+            if slot is not None:
+                view = space.slot_bytes(chunk.slot)
+                loop = asyncio.get_running_loop()
+                chunk.disk_sum = await loop.run_in_executor(self.executor, self.disk.write, space.ns.name, slot, view)
+                ok = True
+        except (OSError, KvxferError) as exc:
+            failed = True
+            log_event("tier.disk_write_failed", logging.WARNING, namespace=space.ns.name, error=repr(exc))
+        finally:
+            self.index.spilled(chunk, ok, failed)
+
+    async def _promote(self, space: TierNamespace, chunks: list[Chunk]) -> int:
+        """Read disk-only chunks back into host slots (making room first); returns how many,
+        from the first, came back whole."""
+        assert self.disk is not None
+        await self._make_room(space.ns, len(chunks))
+        self._release(space)
+        slots = []
+        for chunk in chunks:
+            slot = self.index.promote(chunk)
+            if slot is None:
+                break
+            slots.append(slot)
+        self._release(space)  # slots whose pages went back to the kernel for these
+        disk, name = self.disk, space.ns.name
+
+        def read_all() -> list[bool]:
+            return [
+                disk.read(name, c.disk if c.disk is not None else -1, space.slot_bytes(s), c.disk_sum)
+                for c, s in zip(chunks, slots, strict=False)
+            ]
+
+        loop = asyncio.get_running_loop()
+        results = await loop.run_in_executor(self.executor, read_all)
+        back, whole = 0, True
+        for chunk, ok in zip(chunks, results, strict=False):
+            self.index.promoted(chunk, ok)
+            whole = whole and ok
+            back += whole
+        return back
 
     # -- namespaces and memory ------------------------------------------------------------
 
@@ -187,7 +286,7 @@ class HostTier:
                 f"({self.index.limit_bytes} bytes, tier_host_bytes)"
             )
         memory = mmap.mmap(-1, slots * stride, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        array = np.frombuffer(memory, dtype=np.uint8)
+        array = np.frombuffer(memory, dtype=np.uint8)  # page-aligned: slots suit O_DIRECT
         slotted = Layout(
             slots, tuple(Region(0, r.offset, stride, r.block_bytes) for r in layout.regions), layout.model, geometry
         )
@@ -204,7 +303,7 @@ class HostTier:
             base=np.array([array.ctypes.data], dtype=np.int64),
         )
         ns = self.index.namespace(name, stride, _all_heads(geometry))
-        space = self._spaces[name] = TierNamespace(ns, label, view, geometry, memory)
+        space = self._spaces[name] = TierNamespace(ns, label, view, geometry, memory, array)
         return space
 
     def _release(self, space: TierNamespace) -> None:

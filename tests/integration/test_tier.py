@@ -286,3 +286,61 @@ async def test_hostile_tier_calls_are_refused_typed_and_the_tier_serves_on(clust
                 await call
         assert await e.tier_store(pool, [1, 2, 3], k) == (3, 0)
         assert a.proc is not None and a.proc.poll() is None
+
+
+def _disk_tier(cluster: Cluster, directory: str, *extra: str) -> Daemon:
+    host, disk = 4 << 20, 64 << 20  # 32 blocks in memory, 512 on disk
+    return cluster.daemon(
+        "a", "--tier-host-bytes", str(host), "--tier-disk-dir", directory, "--tier-disk-bytes", str(disk), *extra
+    )
+
+
+async def test_chunks_evicted_from_memory_spill_to_disk_and_load_back_byte_exact(cluster: Cluster, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    stale = tmp_path / "old.kvtier"
+    stale.write_bytes(b"an earlier run's chunks")
+    a = _disk_tier(cluster, str(tmp_path))
+    assert not stale.exists()  # the tier starts clean
+    async with AsyncKvxferClient(a.socket, engine_name="engine") as e:
+        bufs = filled(LAYOUT, 11)
+        pool = await e.register_pool(bufs, LAYOUT)
+        conversations = [keys(32, seed=f"c{i}".encode()) for i in range(3)]
+        for k in conversations:  # 12 MiB through 4 MiB of memory
+            assert await e.tier_store(pool, list(range(32)), k) == (32, 0)
+        t = tier_of(a)
+        [ns] = t.namespaces
+        assert t.used_bytes <= 4 << 20 and ns.disk_chunks >= 64 and ns.evictions >= 64
+        assert await e.tier_lookup(pool, conversations[0]) == 32  # on disk, still stored
+        dst_bufs = [HostBuffer.create(s) for s in LAYOUT.buffer_sizes()]
+        dst = await e.register_pool(dst_bufs, LAYOUT)
+        assert await e.tier_load(dst, list(range(32, 64)), conversations[0]) == 32
+        assert blocks(LAYOUT, dst_bufs, list(range(32, 64))) == blocks(LAYOUT, bufs, list(range(32)))
+        t = tier_of(a)
+        assert t.namespaces[0].disk_hits >= 32 and t.used_bytes <= 4 << 20
+        assert t.disk_used_bytes <= t.disk_limit_bytes and t.namespaces[0].disk_failures == 0
+
+
+async def test_what_the_disk_fails_to_keep_is_dropped_counted_and_never_served(cluster: Cluster, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Three spills fail (fault point); a chunk's bytes on disk are then overwritten: a load
+    stops before it, what it loaded is exact, and both kinds are counted."""
+    a = _disk_tier(cluster, str(tmp_path), "--fault-injection", "--faults", "tier_disk_write=fail:3")
+    async with AsyncKvxferClient(a.socket, engine_name="engine") as e:
+        bufs = filled(LAYOUT, 12)
+        pool = await e.register_pool(bufs, LAYOUT)
+        first, second = keys(32, seed=b"first"), keys(32, seed=b"second")
+        await e.tier_store(pool, list(range(16, 32)), first[16:])  # these leave memory first
+        await e.tier_store(pool, list(range(16)), first[:16])
+        await e.tier_store(pool, list(range(32)), second)  # first goes to disk: 3 writes fail
+        [ns] = tier_of(a).namespaces
+        assert ns.disk_failures == 3
+        assert await e.tier_lookup(pool, first) == 16  # the prefix ends at the first dropped chunk
+        [path] = list(tmp_path.glob("*.kvtier"))
+        with open(path, "r+b") as fh:  # the disk now returns other bytes for every chunk there
+            fh.write(b"\xff" * path.stat().st_size)
+        dst_bufs = [HostBuffer.create(s) for s in LAYOUT.buffer_sizes()]
+        dst = await e.register_pool(dst_bufs, LAYOUT)
+        assert await e.tier_load(dst, list(range(16)), first[:16]) == 0  # nothing of it is served
+        assert not any(b.array().any() for b in dst_bufs)
+        assert await e.tier_lookup(pool, first) == 0  # dropped
+        assert tier_of(a).namespaces[0].disk_failures == 3 + 16  # each chunk read back is checked
+        assert await e.tier_load(dst, list(range(32)), second) == 32  # memory still serves
+        assert blocks(LAYOUT, dst_bufs, list(range(32))) == blocks(LAYOUT, bufs, list(range(32)))

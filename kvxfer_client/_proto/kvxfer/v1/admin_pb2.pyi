@@ -44,9 +44,14 @@ class ListTierResponse(_message.Message):
     LIMIT_BYTES_FIELD_NUMBER: _builtins.int
     USED_BYTES_FIELD_NUMBER: _builtins.int
     NAMESPACES_FIELD_NUMBER: _builtins.int
+    DISK_LIMIT_BYTES_FIELD_NUMBER: _builtins.int
+    DISK_USED_BYTES_FIELD_NUMBER: _builtins.int
     limit_bytes: _builtins.int
     """tier_host_bytes (0: the tier is off) and the bytes of the chunks held now."""
     used_bytes: _builtins.int
+    disk_limit_bytes: _builtins.int
+    """The disk below (tier_disk_bytes; 0: none)."""
+    disk_used_bytes: _builtins.int
     @_builtins.property
     def namespaces(self) -> _containers.RepeatedCompositeFieldContainer[Global___TierNamespaceInfo]: ...
     def __init__(
@@ -55,10 +60,12 @@ class ListTierResponse(_message.Message):
         limit_bytes: _builtins.int = ...,
         used_bytes: _builtins.int = ...,
         namespaces: _abc.Iterable[Global___TierNamespaceInfo] | None = ...,
+        disk_limit_bytes: _builtins.int = ...,
+        disk_used_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["limit_bytes", b"limit_bytes", "namespaces", b"namespaces", "used_bytes", b"used_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["disk_limit_bytes", b"disk_limit_bytes", "disk_used_bytes", b"disk_used_bytes", "limit_bytes", b"limit_bytes", "namespaces", b"namespaces", "used_bytes", b"used_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -75,6 +82,11 @@ class TierNamespaceInfo(_message.Message):
     HITS_FIELD_NUMBER: _builtins.int
     MISSES_FIELD_NUMBER: _builtins.int
     EVICTIONS_FIELD_NUMBER: _builtins.int
+    DISK_CHUNKS_FIELD_NUMBER: _builtins.int
+    DISK_BYTES_FIELD_NUMBER: _builtins.int
+    DISK_HITS_FIELD_NUMBER: _builtins.int
+    DISK_EVICTIONS_FIELD_NUMBER: _builtins.int
+    DISK_FAILURES_FIELD_NUMBER: _builtins.int
     namespace: _builtins.str
     label: _builtins.str
     """model, dtype and tokens per block, for people."""
@@ -84,6 +96,14 @@ class TierNamespaceInfo(_message.Message):
     """Keys looked up (or loaded) that were stored, and that were not."""
     misses: _builtins.int
     evictions: _builtins.int
+    disk_chunks: _builtins.int
+    """Chunks on disk only, hits served from disk, disk evictions, and chunks dropped because
+    their disk write or read failed (never served).
+    """
+    disk_bytes: _builtins.int
+    disk_hits: _builtins.int
+    disk_evictions: _builtins.int
+    disk_failures: _builtins.int
     def __init__(
         self,
         *,
@@ -94,10 +114,15 @@ class TierNamespaceInfo(_message.Message):
         hits: _builtins.int = ...,
         misses: _builtins.int = ...,
         evictions: _builtins.int = ...,
+        disk_chunks: _builtins.int = ...,
+        disk_bytes: _builtins.int = ...,
+        disk_hits: _builtins.int = ...,
+        disk_evictions: _builtins.int = ...,
+        disk_failures: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "chunks", b"chunks", "evictions", b"evictions", "hits", b"hits", "label", b"label", "misses", b"misses", "namespace", b"namespace"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "chunks", b"chunks", "disk_bytes", b"disk_bytes", "disk_chunks", b"disk_chunks", "disk_evictions", b"disk_evictions", "disk_failures", b"disk_failures", "disk_hits", b"disk_hits", "evictions", b"evictions", "hits", b"hits", "label", b"label", "misses", b"misses", "namespace", b"namespace"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
