@@ -8,11 +8,18 @@ the rest (writes each new block's key into it, standing in for the forward pass)
 the new blocks. The conversations' KV ends up several times what the engine holds and more
 than the tier holds, so the tier evicts. Every loaded block is checked to carry its key.
 
-Reports: hit rate over the keys looked up, prompt tokens not recomputed, store and load
-GB/s (engine calls, Llama-3-8B-shaped 2 MiB blocks) and each over the same run's
-single-thread memcpy of 512 MiB (numpy ``copyto``, median of 5).
+With ``--disk-dir`` a disk tier sits below host memory (``--disk-gib``): chunks evicted from
+memory spill there and come back on load. The same run then also times sequential 2 MiB
+writes and reads of a 1 GiB file in that directory (``O_DIRECT`` where allowed), the disk's
+ceiling.
 
-Run: ``python -m bench.tier [--conversations 8] [--turns 6] [--tier-gib 2]``; one JSON line.
+Reports: hit rate over the keys looked up (and the share served from disk), prompt tokens not
+recomputed, store and load GB/s (engine calls, Llama-3-8B-shaped 2 MiB blocks; with a disk,
+spills and read-backs included) and each over the same run's single-thread memcpy of 512 MiB
+(numpy ``copyto``, median of 5).
+
+Run: ``python -m bench.tier [--conversations 8] [--turns 6] [--tier-gib 2] [--disk-dir D
+--disk-gib 4]``; one JSON line.
 """
 
 from __future__ import annotations
@@ -47,6 +54,35 @@ def memcpy_gbps(nbytes: int = 512 << 20, rounds: int = 5) -> float:
     return nbytes / statistics.median(times) / 1e9
 
 
+def disk_gbps(directory: str, nbytes: int = 1 << 30, piece: int = 2 << 20) -> tuple[float, float]:
+    """Sequential write and read of one file in ``directory`` (O_DIRECT where allowed)."""
+    import mmap
+    import os
+
+    path = os.path.join(directory, "bench-ceiling.bin")
+    buf = mmap.mmap(-1, piece)
+    buf.write(os.urandom(piece))
+    flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC
+    try:
+        fd = os.open(path, flags | getattr(os, "O_DIRECT", 0), 0o600)
+    except OSError:
+        fd = os.open(path, flags, 0o600)
+    try:
+        t0 = time.perf_counter()
+        for off in range(0, nbytes, piece):
+            os.pwrite(fd, buf, off)
+        os.fsync(fd)
+        write_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for off in range(0, nbytes, piece):
+            os.preadv(fd, [buf], off)
+        read_s = time.perf_counter() - t0
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    return nbytes / write_s / 1e9, nbytes / read_s / 1e9
+
+
 def _keys(conversation: int, blocks: int) -> list[bytes]:
     out, prev = [], f"conversation-{conversation}".encode()
     for i in range(blocks):
@@ -55,14 +91,22 @@ def _keys(conversation: int, blocks: int) -> list[bytes]:
     return out
 
 
-async def run_async(conversations: int, turns: int, tier_bytes: int, emit: Callable[[dict[str, Any]], None]) -> None:
+async def run_async(
+    conversations: int,
+    turns: int,
+    tier_bytes: int,
+    emit: Callable[[dict[str, Any]], None],
+    disk_dir: str = "",
+    disk_bytes: int = 0,
+) -> None:
     layout = Layout.paged_kv(
         num_layers=LAYERS, num_blocks=POOL_BLOCKS, block_bytes=REGION_BYTES, model=ModelInfo("llama-3-8b", "bf16", 16)
     )
     per_turn = TURN_TOKENS // BLOCK_TOKENS
     ceiling = memcpy_gbps()
+    disk_args = ("--tier-disk-dir", disk_dir, "--tier-disk-bytes", str(disk_bytes)) if disk_dir else ()
     with Cluster() as cluster:
-        daemon = cluster.daemon("tier", "--tier-host-bytes", str(tier_bytes))
+        daemon = cluster.daemon("tier", "--tier-host-bytes", str(tier_bytes), *disk_args)
         async with AsyncKvxferClient(daemon.socket, engine_name="engine") as engine:
             buffers = [HostBuffer.create(s) for s in layout.buffer_sizes()]
             arrays = [b.array() for b in buffers]
@@ -94,6 +138,16 @@ async def run_async(conversations: int, turns: int, tier_bytes: int, emit: Calla
                     load_bytes += loaded * layout.bytes_per_block
                     store_bytes += stored * layout.bytes_per_block
             tier = await _tier(daemon.socket)
+    disk: dict[str, Any] = {}
+    if disk_dir:
+        write, read = disk_gbps(disk_dir)
+        disk = {
+            "disk_gib": round(disk_bytes / 2**30, 2),
+            "hits_from_disk": tier["disk_hits"],
+            "disk_failures": tier["disk_failures"],
+            "disk_write_gbps": round(write, 2),
+            "disk_read_gbps": round(read, 2),
+        }
     load_gbps = load_bytes / load_s / 1e9 if load_s else 0.0
     store_gbps = store_bytes / store_s / 1e9 if store_s else 0.0
     emit(
@@ -114,6 +168,7 @@ async def run_async(conversations: int, turns: int, tier_bytes: int, emit: Calla
             "store_gbps": round(store_gbps, 2),
             "load_vs_memcpy": round(load_gbps / ceiling, 2),
             "store_vs_memcpy": round(store_gbps / ceiling, 2),
+            **disk,
         }
     )
 
@@ -125,7 +180,12 @@ async def _tier(socket_path: str) -> dict[str, int]:
 
     async with grpc.aio.insecure_channel("unix:" + socket_path) as channel:
         resp = await admin_pb2_grpc.AdminServiceStub(channel).ListTier(admin_pb2.ListTierRequest(), timeout=5)
-    return {"evictions": sum(n.evictions for n in resp.namespaces), "used_bytes": resp.used_bytes}
+    return {
+        "evictions": sum(n.evictions for n in resp.namespaces),
+        "disk_hits": sum(n.disk_hits for n in resp.namespaces),
+        "disk_failures": sum(n.disk_failures for n in resp.namespaces),
+        "used_bytes": resp.used_bytes,
+    }
 
 
 def main() -> None:
@@ -133,9 +193,12 @@ def main() -> None:
     parser.add_argument("--conversations", type=int, default=8)
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--tier-gib", type=float, default=2.0)
+    parser.add_argument("--disk-dir", default="", help="a disk tier in this directory")
+    parser.add_argument("--disk-gib", type=float, default=4.0)
     args = parser.parse_args()
     emit = lambda row: print(json.dumps(row), flush=True)  # noqa: E731
-    asyncio.run(run_async(args.conversations, args.turns, int(args.tier_gib * 2**30), emit))
+    disk = int(args.disk_gib * 2**30) if args.disk_dir else 0
+    asyncio.run(run_async(args.conversations, args.turns, int(args.tier_gib * 2**30), emit, args.disk_dir, disk))
 
 
 if __name__ == "__main__":
