@@ -250,6 +250,17 @@ class KvxferClient:
     ) -> tuple[int, int]:
         return self._run(self._async.tier_store(pool, block_ids, keys, salt=salt))
 
+    def tier_offer(
+        self,
+        pool: Pool | str,
+        keys: Sequence[bytes],
+        *,
+        salt: bytes = b"",
+        lease_s: float = 0.0,
+        readers: int = 1,
+    ) -> Ticket:
+        return self._run(self._async.tier_offer(pool, keys, salt=salt, lease_s=lease_s, readers=readers))
+
     def tier_lookup(self, pool: Pool | str, keys: Sequence[bytes], *, salt: bytes = b"") -> int:
         return self._run(self._async.tier_lookup(pool, keys, salt=salt))
 

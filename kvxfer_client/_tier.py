@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 from ._proto import engine_pb2
 from ._results import Pool
+from ._ticket import Ticket
 
 __all__ = ["TierCalls"]
 
@@ -52,6 +53,28 @@ class TierCalls:
         )
         resp = await self._call(self._engine.TierStore, req)
         return int(resp.stored), int(resp.skipped)
+
+    async def tier_offer(
+        self: _Client,
+        pool: Pool | str,
+        keys: Sequence[bytes],
+        *,
+        salt: bytes = b"",
+        lease_s: float = 0.0,
+        readers: int = 1,
+    ) -> Ticket:
+        """Offer the chunks stored under ``keys`` (all of them stored) as one ticket, pulled
+        like any other; the pool's blocks are not held by it (store them first, then reuse
+        them at once). ``lease_s`` 0: the daemon's default lease."""
+        req = engine_pb2.TierOfferRequest(
+            session_id=self.session_id,
+            pool_id=pool.pool_id if isinstance(pool, Pool) else pool,
+            keys=list(keys),
+            salt=salt,
+            lease_s=lease_s,
+            readers=readers,
+        )
+        return Ticket.from_proto((await self._call(self._engine.TierOffer, req)).ticket)
 
     async def tier_lookup(self: _Client, pool: Pool | str, keys: Sequence[bytes], *, salt: bytes = b"") -> int:
         """How many of ``keys``, from the first, the tier holds for this pool's namespace."""

@@ -283,16 +283,7 @@ class Node:
         ids = check_block_ids(block_ids, pool.layout.num_blocks, "offer")
         offer = self.offers.create(pool, ids, lease_s, chosen, readers, layers)
         self.integrity.take_digest(offer)
-        ticket = Ticket(
-            daemon_id=self.daemon_id,
-            peer_address=self.peer_address,
-            offer_id=offer.offer_id,
-            token=offer.token,
-            num_blocks=len(ids),
-            fingerprint=pool.fingerprint,
-            total_bytes=offer.nbytes,
-            readers=readers,
-        )
+        ticket = self._ticket(offer, readers)
         log_event(  # debug: one info line per handoff is transfer.done (a line costs ~5% of one)
             "offer.create",
             logging.DEBUG,
@@ -303,6 +294,38 @@ class Node:
             readers=readers,
         )
         return offer, ticket
+
+    async def tier_offer(
+        self, session_id: str, pool_id: str, keys: list[bytes], salt: bytes, lease_s: float, readers: int = 1
+    ) -> tuple[Offer, Ticket]:
+        """Offer chunks of the node's KV tier (stored under ``keys`` in ``pool``'s namespace):
+        pinned in the tier until the offer ends, pulled like any offer; the engine's own
+        blocks are not held (it may reuse them once they are stored)."""
+        if self.draining:
+            raise UnavailableError("kvxferd is draining: no new offers")
+        pool = self.owned_pool(pool_id, session_id)
+        view, slots, unpin = await self.host_tier().hold(pool, keys, salt)
+        try:
+            offer = self.offers.create(view, slots, lease_s, None, readers)
+        except BaseException:
+            unpin()
+            raise
+        offer.owner, offer.on_end = session_id, unpin
+        self.integrity.take_digest(offer)
+        log_event("offer.create", logging.DEBUG, offer_id=offer.offer_id, pool_id=view.pool_id, blocks=len(slots))
+        return offer, self._ticket(offer, readers)
+
+    def _ticket(self, offer: Offer, readers: int) -> Ticket:
+        return Ticket(
+            daemon_id=self.daemon_id,
+            peer_address=self.peer_address,
+            offer_id=offer.offer_id,
+            token=offer.token,
+            num_blocks=len(offer.block_ids),
+            fingerprint=offer.pool.fingerprint,
+            total_bytes=offer.nbytes,
+            readers=readers,
+        )
 
     def layers_ready(self, session_id: str, offer_ids: Sequence[str], layers: int, offer_key: bytes = b"") -> None:
         """The engine wrote the first ``layers`` layers of these layer-wise offers. Offers that

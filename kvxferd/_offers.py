@@ -82,6 +82,17 @@ class Offer:
     #: none are taken.
     digest: asyncio.Future[Any] | None = field(default=None, repr=False)
     integrity_off: str = ""
+    #: The engine session the offer belongs to, when it is not its pool's (an offer of chunks
+    #: of the node's KV tier, :mod:`.tier`); it hears of the release.
+    owner: str = ""
+    #: Called once when the offer ends, whatever the reason (the tier unpins its chunks).
+    on_end: Callable[[], None] | None = field(default=None, repr=False)
+
+    @property
+    def session_id(self) -> str:
+        """The session that owns the offer."""
+        return self.owner or self.pool.session_id
+
     _advanced: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
 
     @property
@@ -287,6 +298,8 @@ class OfferTable:
         if offer.timer is not None:
             offer.timer.cancel()
         offer.pool.offers.discard(offer.offer_id)
+        if offer.on_end is not None:
+            offer.on_end()
         name = _REASON_NAMES.get(reason, "unknown")
         self._ended[offer.offer_id] = (name, offer.token)
         if len(self._ended) > ENDED_MEMORY:
@@ -312,7 +325,7 @@ class OfferTable:
         if offer is None:
             raise NotFoundError(f"no offer {offer_id!r}")
         if owner is not None:
-            check_owner(offer.pool.session_id, owner, f"offer {offer_id!r}")
+            check_owner(offer.session_id, owner, f"offer {offer_id!r}")
         if offer.state != OFFERED:
             raise IncompatibleError(f"offer {offer_id!r} is being pulled; cancel the transfer instead")
         self.release(offer, reason, detail)

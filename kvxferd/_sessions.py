@@ -114,7 +114,7 @@ class SessionTable:
         self, offer: Any, reason: common_pb2.ReleaseReason.ValueType, detail: str, transfer_id: str
     ) -> None:
         """An offer ended: tell the engine whose pool it was (the offer table's release sink)."""
-        session = self.sessions.get(offer.pool.session_id)
+        session = self.sessions.get(offer.session_id)
         if session is not None:
             released = engine_pb2.OfferReleased(
                 offer_id=offer.offer_id,

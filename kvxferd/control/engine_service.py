@@ -187,6 +187,25 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
     ) -> engine_pb2.TierLoadResponse:
         return await self._timed("tier_load", self._tier_load(request))
 
+    @rpc_method
+    async def TierOffer(self, request: engine_pb2.TierOfferRequest, context: Ctx) -> engine_pb2.OfferResponse:  # noqa: N802
+        return await self._timed("tier_offer", self._tier_offer(request))
+
+    async def _tier_offer(self, request: engine_pb2.TierOfferRequest) -> engine_pb2.OfferResponse:
+        s = self.node.settings
+        if len(request.keys) > MAX_BLOCKS:
+            raise InvalidRequestError(f"more than {MAX_BLOCKS} keys")
+        lease = wire.lease_s(request.lease_s, s.default_lease_s, s.max_lease_s)
+        offer, ticket = await self.node.tier_offer(
+            request.session_id,
+            request.pool_id,
+            list(request.keys),
+            bytes(request.salt),
+            lease,
+            wire.readers(request.readers),
+        )
+        return engine_pb2.OfferResponse(ticket=ticket.to_proto(), lease_deadline_unix=offer.deadline)
+
     async def _tier_store(self, request: engine_pb2.TierStoreRequest) -> engine_pb2.TierStoreResponse:
         tier = self.node.host_tier()
         pool = self.node.owned_pool(request.pool_id, request.session_id)

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from kvxfer_client._errors import IncompatibleError, InvalidRequestError, KvxferError
+from kvxfer_client._errors import IncompatibleError, InvalidRequestError, KvxferError, NotFoundError
 from kvxfer_client._geometry import KvGeometry, rank_heads
 from kvxfer_client._layout import Layout, ModelInfo, Region
 from kvxfer_client._proto import common_pb2
@@ -166,6 +166,37 @@ class HostTier:
         nbytes = len(chunks) * pool.layout.bytes_per_block
         self._count("load", len(chunks), nbytes, time.perf_counter() - started)
         return len(chunks)
+
+    async def hold(self, pool: Pool, keys: list[bytes], salt: bytes) -> tuple[Pool, I64, Callable[[], None]]:
+        """The chunks stored under ``keys`` (every one, read back from disk where needed),
+        pinned until the returned callable is called: the tier's memory and slots, to be
+        offered like a pool's blocks. NotFoundError when not all of them are stored."""
+        _check(keys, salt, len(keys))
+        space, _ = self._space(pool, salt, create=False)
+        chunks = [self.index.get(space.ns, k) for k in keys] if space is not None else []
+        held = [c for c in chunks if c is not None and c.complete and not c.promoting]
+        if space is None or len(held) != len(keys):
+            raise NotFoundError(
+                f"{len(held)} of the {len(keys)} keys are stored in this pool's namespace: store them first"
+            )
+        self.index.lookup(space.ns, keys)
+        self.index.pin(held)
+        try:
+            on_disk = [c for c in held if c.slot is None]
+            if on_disk and await self._promote(space, on_disk) < len(on_disk):
+                raise NotFoundError("chunks to offer could not be read back from the tier's disk")
+        except BaseException:
+            self.index.unpin(held)
+            raise
+        unpinned = False
+
+        def unpin() -> None:
+            nonlocal unpinned
+            if not unpinned:
+                unpinned = True
+                self.index.unpin(held)
+
+        return space.view, _slots(held), unpin
 
     def views(self) -> tuple[TierView, ...]:
         return tuple(
@@ -298,7 +329,7 @@ class HostTier:
             kind=common_pb2.MEMORY_KIND_HOST_SHM,
             arrays=[array],
             regions=RegionTable.from_regions([(0, r.offset, stride, r.block_bytes) for r in slotted.regions]),
-            fingerprint=name,
+            fingerprint=slotted.fingerprint(),  # as a pool of this layout: tickets of its chunks fit
             nbytes=slots * stride,
             base=np.array([array.ctypes.data], dtype=np.int64),
         )

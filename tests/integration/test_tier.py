@@ -28,6 +28,7 @@ from kvxfer_client import (
     KvGeometry,
     Layout,
     ModelInfo,
+    NotFoundError,
     PermissionDeniedError,
     UnavailableError,
 )
@@ -344,3 +345,63 @@ async def test_what_the_disk_fails_to_keep_is_dropped_counted_and_never_served(c
         assert tier_of(a).namespaces[0].disk_failures == 3 + 16  # each chunk read back is checked
         assert await e.tier_load(dst, list(range(32)), second) == 32  # memory still serves
         assert blocks(LAYOUT, dst_bufs, list(range(32))) == blocks(LAYOUT, bufs, list(range(32)))
+
+
+@pytest.mark.parametrize("path", ["local", "ucx"])
+async def test_an_offer_backed_by_the_tier_frees_the_engines_blocks_and_is_pulled_like_any(
+    cluster: Cluster, path: str
+) -> None:
+    """The prefill engine stores its blocks, offers them from the tier, overwrites its blocks
+    and exits; the decode engine (same daemon, or another over UCX) pulls the ticket and gets
+    the KV as it was. The chunks stay pinned while offered: a tier of four chunks, all offered,
+    takes no other store until the pull released them."""
+    a = cluster.daemon("a", "--tier-host-bytes", str(4 * BLOCK), env={"KVXFERD_SAME_HOST_DIRECT_READ": "false"})
+    b = a if path == "local" else cluster.daemon("b", env={"KVXFERD_SAME_HOST_DIRECT_READ": "false"})
+    k = keys(4, seed=b"offered")
+    async with AsyncKvxferClient(a.socket, engine_name="prefill") as p:
+        src_bufs = filled(LAYOUT, 21)
+        expected = blocks(LAYOUT, src_bufs, [2, 4, 6, 8])
+        src = await p.register_pool(src_bufs, LAYOUT)
+        assert await p.tier_store(src, [2, 4, 6, 8], k) == (4, 0)
+        ticket = await p.tier_offer(src, k, lease_s=60)
+        for buf in src_bufs:  # the engine reuses its blocks at once
+            buf.array()[:] = 0
+        assert await p.tier_store(src, [10], keys(1, seed=b"other")) == (0, 1)  # every chunk is pinned
+        with pytest.raises(NotFoundError, match="1 of the 2 keys"):
+            await p.tier_offer(src, [k[0], b"never stored"])
+    async with AsyncKvxferClient(b.socket, engine_name="decode") as d:  # the prefill engine is gone
+        dst_bufs = [HostBuffer.create(s) for s in LAYOUT.buffer_sizes()]
+        dst = await d.register_pool(dst_bufs, LAYOUT)
+        result = await d.pull(ticket, dst, [30, 31, 32, 33])
+        assert blocks(LAYOUT, dst_bufs, [30, 31, 32, 33]) == expected
+        assert (result.transport == "local-copy") == (path == "local"), result.transport
+    async with AsyncKvxferClient(a.socket, engine_name="prefill-again") as p:
+        src = await p.register_pool(filled(LAYOUT, 22), LAYOUT)
+        assert await p.tier_store(src, [10], keys(1, seed=b"other")) == (1, 0)  # unpinned: room again
+
+
+async def test_a_tier_offer_of_canonical_chunks_serves_each_rank_of_another_tp_its_heads(cluster: Cluster) -> None:
+    a = cluster.daemon("a", "--tier-host-bytes", str(64 << 20))
+    heads, tokens, block_tokens = 8, 48, 16
+    logical = logical_kv(heads, tokens, seed=9)
+    ids, k = [3, 8, 13], keys(3, seed=b"tp-offer")
+    async with AsyncKvxferClient(a.socket, engine_name="prefill") as p:
+        ref = HeadsPool.empty(rank_heads(heads, 1, 0), block_tokens, "NHD")
+        ref.fill(logical, ids)
+        layout = _rank_pool_layout(heads, 1, 0, "NHD", block_tokens)
+        bufs = [HostBuffer.create(s) for s in layout.buffer_sizes()]
+        for buf, arr in zip(bufs, ref.buffers, strict=True):
+            buf.array()[:] = arr
+        pool = await p.register_pool(bufs, layout)
+        await p.tier_store(pool, ids, k)
+        ticket = await p.tier_offer(pool, k, readers=2)
+        for rank in range(2):
+            async with AsyncKvxferClient(a.socket, engine_name=f"decode-{rank}") as d:
+                layout = _rank_pool_layout(heads, 2, rank, "HND", block_tokens)
+                rank_bufs = [HostBuffer.create(s) for s in layout.buffer_sizes()]
+                await d.pull(ticket, await d.register_pool(rank_bufs, layout), [1, 2, 0])
+                want = HeadsPool.empty(rank_heads(heads, 2, rank), block_tokens, "HND")
+                for got, expected in zip(rank_bufs, want.expected(logical, [1, 2, 0], want.heads, tokens), strict=True):
+                    np.testing.assert_array_equal(got.array(), expected)
+        released = await p.wait_released(ticket.offer_id, 10)
+        assert released.reason.name == "PULLED"

@@ -21,6 +21,42 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
+class TierOfferRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    POOL_ID_FIELD_NUMBER: _builtins.int
+    KEYS_FIELD_NUMBER: _builtins.int
+    SALT_FIELD_NUMBER: _builtins.int
+    LEASE_S_FIELD_NUMBER: _builtins.int
+    READERS_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    pool_id: _builtins.str
+    salt: _builtins.bytes
+    lease_s: _builtins.float
+    readers: _builtins.int
+    """Pulls the offer serves before it is released as pulled (OfferRequest.readers)."""
+    @_builtins.property
+    def keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+        pool_id: _builtins.str = ...,
+        keys: _abc.Iterable[_builtins.bytes] | None = ...,
+        salt: _builtins.bytes = ...,
+        lease_s: _builtins.float = ...,
+        readers: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys", "lease_s", b"lease_s", "pool_id", b"pool_id", "readers", b"readers", "salt", b"salt", "session_id", b"session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TierOfferRequest: _TypeAlias = TierOfferRequest  # noqa: Y015
+
+@_typing.final
 class TierStoreRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

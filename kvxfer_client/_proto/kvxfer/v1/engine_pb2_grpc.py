@@ -110,6 +110,11 @@ class EngineServiceStub:
                 request_serializer=kvxfer_dot_v1_dot_engine__pb2.TierLoadRequest.SerializeToString,
                 response_deserializer=kvxfer_dot_v1_dot_engine__pb2.TierLoadResponse.FromString,
                 _registered_method=True)
+        self.TierOffer = channel.unary_unary(
+                '/kvxfer.v1.EngineService/TierOffer',
+                request_serializer=kvxfer_dot_v1_dot_engine__pb2.TierOfferRequest.SerializeToString,
+                response_deserializer=kvxfer_dot_v1_dot_engine__pb2.OfferResponse.FromString,
+                _registered_method=True)
 
 
 class EngineServiceServicer:
@@ -245,6 +250,18 @@ class EngineServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def TierOffer(self, request, context):
+        """Offers the chunks stored under the keys (every one stored, in this pool's namespace) as one
+        offer, answered like Offer and pulled like any offer (locally, or by another daemon), the
+        chunks pinned in the tier until it ends. The pool's blocks are not held: an engine that
+        stored its blocks (TierStore) and offers them from the tier may reuse them at once. The
+        offer outlives the engine's session (its lease bounds it); the session hears of its
+        release while it lasts.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -322,6 +339,11 @@ def add_EngineServiceServicer_to_server(servicer, server):
                     servicer.TierLoad,
                     request_deserializer=kvxfer_dot_v1_dot_engine__pb2.TierLoadRequest.FromString,
                     response_serializer=kvxfer_dot_v1_dot_engine__pb2.TierLoadResponse.SerializeToString,
+            ),
+            'TierOffer': grpc.unary_unary_rpc_method_handler(
+                    servicer.TierOffer,
+                    request_deserializer=kvxfer_dot_v1_dot_engine__pb2.TierOfferRequest.FromString,
+                    response_serializer=kvxfer_dot_v1_dot_engine__pb2.OfferResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -729,6 +751,33 @@ class EngineService:
             '/kvxfer.v1.EngineService/TierLoad',
             kvxfer_dot_v1_dot_engine__pb2.TierLoadRequest.SerializeToString,
             kvxfer_dot_v1_dot_engine__pb2.TierLoadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TierOffer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvxfer.v1.EngineService/TierOffer',
+            kvxfer_dot_v1_dot_engine__pb2.TierOfferRequest.SerializeToString,
+            kvxfer_dot_v1_dot_engine__pb2.OfferResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -95,6 +95,14 @@ class EngineServiceStub:
     """Copies the longest stored prefix of the keys into the blocks (block_ids[j] takes keys[j])
     and says how many: the engine computes the rest. A chunk being loaded is never evicted.
     """
+    TierOffer: _grpc.UnaryUnaryMultiCallable[_engine_pb2.TierOfferRequest, _engine_pb2.OfferResponse]
+    """Offers the chunks stored under the keys (every one stored, in this pool's namespace) as one
+    offer, answered like Offer and pulled like any offer (locally, or by another daemon), the
+    chunks pinned in the tier until it ends. The pool's blocks are not held: an engine that
+    stored its blocks (TierStore) and offers them from the tier may reuse them at once. The
+    offer outlives the engine's session (its lease bounds it); the session hears of its
+    release while it lasts.
+    """
 
 @_typing.type_check_only
 class EngineServiceAsyncStub(EngineServiceStub):
@@ -161,6 +169,14 @@ class EngineServiceAsyncStub(EngineServiceStub):
     TierLoad: _aio.UnaryUnaryMultiCallable[_engine_pb2.TierLoadRequest, _engine_pb2.TierLoadResponse]  # type: ignore[assignment]
     """Copies the longest stored prefix of the keys into the blocks (block_ids[j] takes keys[j])
     and says how many: the engine computes the rest. A chunk being loaded is never evicted.
+    """
+    TierOffer: _aio.UnaryUnaryMultiCallable[_engine_pb2.TierOfferRequest, _engine_pb2.OfferResponse]  # type: ignore[assignment]
+    """Offers the chunks stored under the keys (every one stored, in this pool's namespace) as one
+    offer, answered like Offer and pulled like any offer (locally, or by another daemon), the
+    chunks pinned in the tier until it ends. The pool's blocks are not held: an engine that
+    stored its blocks (TierStore) and offers them from the tier may reuse them at once. The
+    offer outlives the engine's session (its lease bounds it); the session hears of its
+    release while it lasts.
     """
 
 class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -315,6 +331,20 @@ class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_engine_pb2.TierLoadResponse, _abc.Awaitable[_engine_pb2.TierLoadResponse]]:
         """Copies the longest stored prefix of the keys into the blocks (block_ids[j] takes keys[j])
         and says how many: the engine computes the rest. A chunk being loaded is never evicted.
+        """
+
+    @_abc_1.abstractmethod
+    def TierOffer(
+        self,
+        request: _engine_pb2.TierOfferRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_engine_pb2.OfferResponse, _abc.Awaitable[_engine_pb2.OfferResponse]]:
+        """Offers the chunks stored under the keys (every one stored, in this pool's namespace) as one
+        offer, answered like Offer and pulled like any offer (locally, or by another daemon), the
+        chunks pinned in the tier until it ends. The pool's blocks are not held: an engine that
+        stored its blocks (TierStore) and offers them from the tier may reuse them at once. The
+        offer outlives the engine's session (its lease bounds it); the session hears of its
+        release while it lasts.
         """
 
 def add_EngineServiceServicer_to_server(servicer: EngineServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
