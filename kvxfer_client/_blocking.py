@@ -261,11 +261,22 @@ class KvxferClient:
     ) -> Ticket:
         return self._run(self._async.tier_offer(pool, keys, salt=salt, lease_s=lease_s, readers=readers))
 
-    def tier_lookup(self, pool: Pool | str, keys: Sequence[bytes], *, salt: bytes = b"") -> int:
-        return self._run(self._async.tier_lookup(pool, keys, salt=salt))
+    def tier_lookup(self, pool: Pool | str, keys: Sequence[bytes], *, salt: bytes = b"", from_peer: str = "") -> int:
+        return self._run(self._async.tier_lookup(pool, keys, salt=salt, from_peer=from_peer))
 
-    def tier_load(self, pool: Pool | str, block_ids: Sequence[int], keys: Sequence[bytes], *, salt: bytes = b"") -> int:
-        return self._run(self._async.tier_load(pool, block_ids, keys, salt=salt))
+    def tier_load(
+        self,
+        pool: Pool | str,
+        block_ids: Sequence[int],
+        keys: Sequence[bytes],
+        *,
+        salt: bytes = b"",
+        from_peer: str = "",
+        timeout_s: float = 0.0,
+    ) -> int:
+        return self._run(
+            self._async.tier_load(pool, block_ids, keys, salt=salt, from_peer=from_peer, timeout_s=timeout_s)
+        )
 
     def start_cancel(self, transfer_id: str) -> concurrent.futures.Future[CancelResult]:
         """:meth:`cancel`, returning at once with a future of its answer."""

@@ -76,26 +76,42 @@ class TierCalls:
         )
         return Ticket.from_proto((await self._call(self._engine.TierOffer, req)).ticket)
 
-    async def tier_lookup(self: _Client, pool: Pool | str, keys: Sequence[bytes], *, salt: bytes = b"") -> int:
-        """How many of ``keys``, from the first, the tier holds for this pool's namespace."""
+    async def tier_lookup(
+        self: _Client, pool: Pool | str, keys: Sequence[bytes], *, salt: bytes = b"", from_peer: str = ""
+    ) -> int:
+        """How many of ``keys``, from the first, the tier holds for this pool's namespace
+        (``from_peer``: another node's kvxferd, ``host:port``, whose tier to ask)."""
         req = engine_pb2.TierLookupRequest(
             session_id=self.session_id,
             pool_id=pool.pool_id if isinstance(pool, Pool) else pool,
             keys=list(keys),
             salt=salt,
+            from_peer=from_peer,
         )
         return int((await self._call(self._engine.TierLookup, req)).hits)
 
     async def tier_load(
-        self: _Client, pool: Pool | str, block_ids: Sequence[int], keys: Sequence[bytes], *, salt: bytes = b""
+        self: _Client,
+        pool: Pool | str,
+        block_ids: Sequence[int],
+        keys: Sequence[bytes],
+        *,
+        salt: bytes = b"",
+        from_peer: str = "",
+        timeout_s: float = 0.0,
     ) -> int:
         """Copy the longest stored prefix of ``keys`` into ``block_ids`` (``block_ids[j]`` takes
-        ``keys[j]``); returns how many blocks were loaded: compute the rest."""
+        ``keys[j]``); returns how many blocks were loaded: compute the rest. ``from_peer``:
+        load from another node's tier (``host:port`` of its kvxferd), over the data plane,
+        within ``timeout_s`` (0: the daemon's pull timeout)."""
         req = engine_pb2.TierLoadRequest(
             session_id=self.session_id,
             pool_id=pool.pool_id if isinstance(pool, Pool) else pool,
             block_ids=list(block_ids),
             keys=list(keys),
             salt=salt,
+            from_peer=from_peer,
+            timeout_s=timeout_s,
         )
-        return int((await self._call(self._engine.TierLoad, req)).loaded)
+        timeout = (timeout_s or 60.0) + 5.0 if from_peer else None
+        return int((await self._call(self._engine.TierLoad, req, timeout)).loaded)

@@ -25,7 +25,7 @@ import grpc
 import numpy as np
 import numpy.typing as npt
 
-from kvxfer_client._errors import NotFoundError, PermissionDeniedError, UnavailableError
+from kvxfer_client._errors import InvalidRequestError, NotFoundError, PermissionDeniedError, UnavailableError
 from kvxfer_client._proto import common_pb2, peer_pb2
 from kvxfer_client._ticket import Ticket
 from kvxfer_client._version import PROTOCOL_VERSION, __version__
@@ -54,6 +54,7 @@ from .handoff.serve import OffererStream, ServeRequest, TransferServer
 from .memory.pools import Pool, PoolRegistry, check_block_ids
 from .tier.disk import DiskStore
 from .tier.host import HostTier
+from .tier.remote import TierPeers, load_from_peer
 
 __all__ = ["CancelOutcome", "Node"]
 
@@ -134,6 +135,10 @@ class Node:
             )
             if settings.tier_host_bytes
             else None
+        )
+        #: Other nodes reading this node's tier, and this node reading theirs.
+        self.tier_peers = TierPeers(
+            self.daemon_id, self.host_tier, self.offers, self._tier_ticket, 4 * settings.peer_timeout_s
         )
         self.pulls = Pulls(
             self.daemon_id, self.transfers, local, None, lambda pool, tid, n: tell_landed(self.sessions, pool, tid, n)
@@ -314,6 +319,39 @@ class Node:
         self.integrity.take_digest(offer)
         log_event("offer.create", logging.DEBUG, offer_id=offer.offer_id, pool_id=view.pool_id, blocks=len(slots))
         return offer, self._ticket(offer, readers)
+
+    async def tier_from_peer(
+        self,
+        session_id: str,
+        pool_id: str,
+        address: str,
+        keys: list[bytes],
+        salt: bytes,
+        block_ids: Sequence[int] | None = None,
+        timeout_s: float = 0.0,
+    ) -> int:
+        """Another node's tier (:mod:`.tier.remote`): the stored prefix of ``keys`` there, and
+        given ``block_ids``, that prefix pulled into them; returns its length."""
+        pool = self.owned_pool(pool_id, session_id)
+        if self.peers is None or self.remote is None:
+            raise UnavailableError("another node's tier is read over the data plane: UCX is not loaded here")
+        ids = check_block_ids(block_ids, pool.layout.num_blocks, "tier load") if block_ids is not None else None
+        if ids is not None and len(ids) != len(keys):
+            raise InvalidRequestError(f"{len(keys)} keys for {len(ids)} blocks: one key per block")
+        timeout = timeout_s or self.settings.pull_timeout_s
+
+        async def pull(ticket: Ticket, into: npt.NDArray[np.int64]) -> TransferRecord:
+            return await self.pull(session_id, pool_id, ticket, into.tolist(), timeout)
+
+        peers = self.peers
+        return await load_from_peer(
+            self.tier_peers, peers.dial, pull, address, pool, ids, keys, salt, self.settings.peer_timeout_s
+        )
+
+    def _tier_ticket(self, offer: Offer) -> Ticket:
+        """A peer's tier read was offered chunks: checksummed like any offer, for one pull."""
+        self.integrity.take_digest(offer)
+        return self._ticket(offer, 1)
 
     def _ticket(self, offer: Offer, readers: int) -> Ticket:
         return Ticket(

@@ -175,11 +175,15 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
     async def TierLookup(  # noqa: N802
         self, request: engine_pb2.TierLookupRequest, context: Ctx
     ) -> engine_pb2.TierLookupResponse:
-        tier = self.node.host_tier()
-        pool = self.node.owned_pool(request.pool_id, request.session_id)
         if len(request.keys) > MAX_BLOCKS:
             raise InvalidRequestError(f"more than {MAX_BLOCKS} keys")
-        return engine_pb2.TierLookupResponse(hits=tier.lookup(pool, list(request.keys), bytes(request.salt)))
+        keys, salt = list(request.keys), bytes(request.salt)
+        if request.from_peer:
+            hits = await self.node.tier_from_peer(request.session_id, request.pool_id, request.from_peer, keys, salt)
+            return engine_pb2.TierLookupResponse(hits=hits)
+        tier = self.node.host_tier()
+        pool = self.node.owned_pool(request.pool_id, request.session_id)
+        return engine_pb2.TierLookupResponse(hits=tier.lookup(pool, keys, salt))
 
     @rpc_method
     async def TierLoad(  # noqa: N802
@@ -214,6 +218,18 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
         return engine_pb2.TierStoreResponse(stored=stored, skipped=skipped)
 
     async def _tier_load(self, request: engine_pb2.TierLoadRequest) -> engine_pb2.TierLoadResponse:
+        if request.from_peer:
+            timeout = wire.pull_timeout_s(request.timeout_s, self.node.settings.pull_timeout_s)
+            loaded = await self.node.tier_from_peer(
+                request.session_id,
+                request.pool_id,
+                request.from_peer,
+                list(request.keys),
+                bytes(request.salt),
+                request.block_ids,
+                timeout,
+            )
+            return engine_pb2.TierLoadResponse(loaded=loaded)
         tier = self.node.host_tier()
         pool = self.node.owned_pool(request.pool_id, request.session_id)
         ids = check_block_ids(request.block_ids, pool.layout.num_blocks, "tier load")

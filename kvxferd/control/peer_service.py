@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvxfer_client._errors import UnavailableError
 from kvxfer_client._proto import peer_pb2, peer_pb2_grpc
 
 from .._log import log_event
@@ -42,6 +43,15 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
     # interleave per transfer (peer_transfers).
     async def Transfers(self, request_iterator: Any, context: Ctx) -> None:  # type: ignore[override]  # noqa: N802
         await serve_transfers(context, self.node)
+
+    @rpc_method
+    async def TierOffer(  # noqa: N802
+        self, request: peer_pb2.PeerTierOfferRequest, context: Ctx
+    ) -> peer_pb2.PeerTierOfferResponse:
+        if self.node.peers is None:
+            raise UnavailableError("this daemon takes no peers")
+        self.node.peers.known(request.daemon_id)  # a peer that said Hello
+        return await self.node.tier_peers.serve(request)
 
     @rpc_method
     async def Announce(self, request: peer_pb2.PushAnnouncement, context: Ctx) -> peer_pb2.PushAnnounced:  # noqa: N802

@@ -91,6 +91,17 @@ class Peer:
             raise peer_error(exc, self.address) from None
         return bool(answer.matched)
 
+    async def tier_offer(
+        self, request: peer_pb2.PeerTierOfferRequest, timeout_s: float
+    ) -> peer_pb2.PeerTierOfferResponse:
+        """Ask the peer's KV tier for the stored prefix of keys (and its offer)."""
+        assert self.stub is not None, "only dialled peers are asked"
+        try:
+            resp: peer_pb2.PeerTierOfferResponse = await self.stub.TierOffer(request, timeout=timeout_s)
+        except grpc.RpcError as exc:
+            raise peer_error(exc, self.address) from None
+        return resp
+
     async def extend_lease(self, offer_id: str, token: bytes, lease_s: float, timeout_s: float) -> float:
         """Extend an offer of this peer's; returns its seconds left."""
         assert self.stub is not None, "only dialled peers are asked"

@@ -167,7 +167,14 @@ class HostTier:
         self._count("load", len(chunks), nbytes, time.perf_counter() - started)
         return len(chunks)
 
-    async def hold(self, pool: Pool, keys: list[bytes], salt: bytes) -> tuple[Pool, I64, Callable[[], None]]:
+    def prefix(self, layout: Layout, keys: list[bytes], salt: bytes) -> int:
+        """A peer's lookup: how many of ``keys``, from the first, are stored in the namespace
+        ``layout`` (its pool's, as it described it) and ``salt`` make here. Never makes one."""
+        _check(keys, salt, len(keys))
+        space, _ = self._space(layout, salt, create=False)
+        return 0 if space is None else self.index.lookup(space.ns, keys)
+
+    async def hold(self, pool: Pool | Layout, keys: list[bytes], salt: bytes) -> tuple[Pool, I64, Callable[[], None]]:
         """The chunks stored under ``keys`` (every one, read back from disk where needed),
         pinned until the returned callable is called: the tier's memory and slots, to be
         offered like a pool's blocks. NotFoundError when not all of them are stored."""
@@ -288,19 +295,22 @@ class HostTier:
 
     # -- namespaces and memory ------------------------------------------------------------
 
-    def _space(self, pool: Pool, salt: bytes, create: bool) -> tuple[TierNamespace | None, int]:
-        """The namespace of ``pool``'s keys (made on first store), and the heads it holds."""
-        if pool.on_gpu:
+    def _space(self, pool: Pool | Layout, salt: bytes, create: bool) -> tuple[TierNamespace | None, int]:
+        """The namespace of the keys of a pool (or of a layout a peer described), made on the
+        first store, and the heads the pool holds."""
+        if isinstance(pool, Pool) and pool.on_gpu:
             raise IncompatibleError(
                 "the host tier stores and loads host pools only (GPU pools: not built yet); stage GPU blocks "
                 "through a host pool"
             )
-        layout, geometry = canonical(pool.layout)
-        name, label = _namespace_name(pool.layout, layout, salt)
+        pool_layout = pool.layout if isinstance(pool, Pool) else pool
+        layout, geometry = canonical(pool_layout)
+        name, label = _namespace_name(pool_layout, layout, salt)
         space = self._spaces.get(name)
         heads = 1
         if geometry is not None:
-            rank = rank_heads(geometry.total_kv_heads, max(1, pool.layout.model.tp_size), pool.layout.model.tp_rank)
+            model = pool_layout.model
+            rank = rank_heads(geometry.total_kv_heads, max(1, model.tp_size), model.tp_rank)
             heads = ((1 << rank.count) - 1) << rank.first
         if space is None and create:
             space = self._make_space(name, label, layout, geometry)

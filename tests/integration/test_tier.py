@@ -33,7 +33,7 @@ from kvxfer_client import (
     UnavailableError,
 )
 from kvxfer_client._geometry import rank_heads
-from kvxfer_client._proto import admin_pb2, admin_pb2_grpc
+from kvxfer_client._proto import admin_pb2, admin_pb2_grpc, common_pb2, peer_pb2, peer_pb2_grpc
 
 LAYOUT = Layout.paged_kv(num_layers=4, num_blocks=64, block_bytes=16 << 10, model=ModelInfo("m", "bf16", 16))
 BLOCK = LAYOUT.bytes_per_block  # 128 KiB
@@ -405,3 +405,38 @@ async def test_a_tier_offer_of_canonical_chunks_serves_each_rank_of_another_tp_i
                     np.testing.assert_array_equal(got.array(), expected)
         released = await p.wait_released(ticket.offer_id, 10)
         assert released.reason.name == "PULLED"
+
+
+async def test_another_nodes_tier_is_looked_up_and_loaded_over_the_data_plane(cluster: Cluster) -> None:
+    """Node b's engine asks node a's tier (a hint: a checks): the stored prefix is counted,
+    offered and pulled over UCX into b's pool, byte-exact; b's own tier is not needed; a
+    prefix a does not hold is a miss; a peer's hostile pool description is refused typed."""
+    no_direct = {"KVXFERD_SAME_HOST_DIRECT_READ": "false"}
+    a = cluster.daemon("a", "--tier-host-bytes", str(64 << 20), env=no_direct)
+    b = cluster.daemon("b", env=no_direct)
+    k = keys(6, seed=b"shared prefix")
+    async with AsyncKvxferClient(a.socket, engine_name="node-a") as e:
+        src_bufs = filled(LAYOUT, 31)
+        src = await e.register_pool(src_bufs, LAYOUT)
+        assert await e.tier_store(src, [1, 2, 3, 4], k[:4]) == (4, 0)
+        expected = blocks(LAYOUT, src_bufs, [1, 2, 3, 4])
+    async with AsyncKvxferClient(b.socket, engine_name="node-b") as d:
+        dst_bufs = [HostBuffer.create(s) for s in LAYOUT.buffer_sizes()]
+        dst = await d.register_pool(dst_bufs, LAYOUT)
+        assert await d.tier_lookup(dst, k, from_peer=a.info["peer_address"]) == 4
+        assert await d.tier_lookup(dst, k, from_peer=a.info["peer_address"], salt=b"other tenant") == 0
+        assert await d.tier_load(dst, [10, 11, 12, 13, 14, 15], k, from_peer=a.info["peer_address"]) == 4
+        assert blocks(LAYOUT, dst_bufs, [10, 11, 12, 13]) == expected
+        with pytest.raises(UnavailableError, match="tier_host_bytes"):
+            await d.tier_lookup(dst, k)  # b has no tier of its own
+    with grpc.insecure_channel(a.info["peer_address"]) as channel:
+        stub = peer_pb2_grpc.PeerServiceStub(channel)
+        for bad in (
+            peer_pb2.PeerTierOfferRequest(daemon_id="b", keys=k),  # no pool described
+            peer_pb2.PeerTierOfferRequest(daemon_id="b", signature=common_pb2.LayoutSignature(block_bytes=[0]), keys=k),
+            peer_pb2.PeerTierOfferRequest(daemon_id="stranger", signature=LAYOUT.signature(), keys=k),
+        ):
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.TierOffer(bad, timeout=5)
+            assert refused.value.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
+    assert a.proc is not None and a.proc.poll() is None

@@ -123,9 +123,12 @@ class TierLookupRequest(_message.Message):
     POOL_ID_FIELD_NUMBER: _builtins.int
     KEYS_FIELD_NUMBER: _builtins.int
     SALT_FIELD_NUMBER: _builtins.int
+    FROM_PEER_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     pool_id: _builtins.str
     salt: _builtins.bytes
+    from_peer: _builtins.str
+    """host:port of another node's kvxferd whose tier to ask instead (a hint: that daemon checks)."""
     @_builtins.property
     def keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
     def __init__(
@@ -135,10 +138,11 @@ class TierLookupRequest(_message.Message):
         pool_id: _builtins.str = ...,
         keys: _abc.Iterable[_builtins.bytes] | None = ...,
         salt: _builtins.bytes = ...,
+        from_peer: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys", "pool_id", b"pool_id", "salt", b"salt", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["from_peer", b"from_peer", "keys", b"keys", "pool_id", b"pool_id", "salt", b"salt", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -172,9 +176,17 @@ class TierLoadRequest(_message.Message):
     BLOCK_IDS_FIELD_NUMBER: _builtins.int
     KEYS_FIELD_NUMBER: _builtins.int
     SALT_FIELD_NUMBER: _builtins.int
+    FROM_PEER_FIELD_NUMBER: _builtins.int
+    TIMEOUT_S_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     pool_id: _builtins.str
     salt: _builtins.bytes
+    from_peer: _builtins.str
+    """host:port of another node's kvxferd to load from (its chunks offered and pulled over the
+    data plane, one hop); empty: this node's tier.
+    """
+    timeout_s: _builtins.float
+    """With from_peer: the pull's deadline (0: pull_timeout_s)."""
     @_builtins.property
     def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -187,10 +199,12 @@ class TierLoadRequest(_message.Message):
         block_ids: _abc.Iterable[_builtins.int] | None = ...,
         keys: _abc.Iterable[_builtins.bytes] | None = ...,
         salt: _builtins.bytes = ...,
+        from_peer: _builtins.str = ...,
+        timeout_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "keys", b"keys", "pool_id", b"pool_id", "salt", b"salt", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "from_peer", b"from_peer", "keys", b"keys", "pool_id", b"pool_id", "salt", b"salt", "session_id", b"session_id", "timeout_s", b"timeout_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

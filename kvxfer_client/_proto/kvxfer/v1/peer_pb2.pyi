@@ -24,6 +24,67 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
+class PeerTierOfferRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DAEMON_ID_FIELD_NUMBER: _builtins.int
+    SIGNATURE_FIELD_NUMBER: _builtins.int
+    KEYS_FIELD_NUMBER: _builtins.int
+    SALT_FIELD_NUMBER: _builtins.int
+    OFFER_FIELD_NUMBER: _builtins.int
+    daemon_id: _builtins.str
+    """The caller, which must have said Hello."""
+    salt: _builtins.bytes
+    offer: _builtins.bool
+    @_builtins.property
+    def signature(self) -> _common_pb2.LayoutSignature:
+        """The caller's pool: the namespace is derived from it, as for the caller's own engines."""
+
+    @_builtins.property
+    def keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
+    def __init__(
+        self,
+        *,
+        daemon_id: _builtins.str = ...,
+        signature: _common_pb2.LayoutSignature | None = ...,
+        keys: _abc.Iterable[_builtins.bytes] | None = ...,
+        salt: _builtins.bytes = ...,
+        offer: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["signature", b"signature"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["daemon_id", b"daemon_id", "keys", b"keys", "offer", b"offer", "salt", b"salt", "signature", b"signature"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PeerTierOfferRequest: _TypeAlias = PeerTierOfferRequest  # noqa: Y015
+
+@_typing.final
+class PeerTierOfferResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HITS_FIELD_NUMBER: _builtins.int
+    TICKET_FIELD_NUMBER: _builtins.int
+    hits: _builtins.int
+    @_builtins.property
+    def ticket(self) -> _common_pb2.Ticket:
+        """With offer and hits > 0: the offer of the first hits chunks."""
+
+    def __init__(
+        self,
+        *,
+        hits: _builtins.int = ...,
+        ticket: _common_pb2.Ticket | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ticket", b"ticket"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hits", b"hits", "ticket", b"ticket"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PeerTierOfferResponse: _TypeAlias = PeerTierOfferResponse  # noqa: Y015
+
+@_typing.final
 class PushAnnouncement(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

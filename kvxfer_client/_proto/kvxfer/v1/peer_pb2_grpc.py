@@ -60,6 +60,11 @@ class PeerServiceStub:
                 request_serializer=kvxfer_dot_v1_dot_peer__pb2.PushAnnouncement.SerializeToString,
                 response_deserializer=kvxfer_dot_v1_dot_peer__pb2.PushAnnounced.FromString,
                 _registered_method=True)
+        self.TierOffer = channel.unary_unary(
+                '/kvxfer.v1.PeerService/TierOffer',
+                request_serializer=kvxfer_dot_v1_dot_peer__pb2.PeerTierOfferRequest.SerializeToString,
+                response_deserializer=kvxfer_dot_v1_dot_peer__pb2.PeerTierOfferResponse.FromString,
+                _registered_method=True)
 
 
 class PeerServiceServicer:
@@ -133,6 +138,16 @@ class PeerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def TierOffer(self, request, context):
+        """The node's KV tier, read by another node (one hop, read-only): how many of the keys, from
+        the first, are stored in the namespace the caller's pool signature and salt make here;
+        with offer, those chunks offered for one pull (pinned until it ends or offer_lease_s
+        passes). Where a prefix lives is the caller's hint; this daemon is the one that knows.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PeerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -160,6 +175,11 @@ def add_PeerServiceServicer_to_server(servicer, server):
                     servicer.Announce,
                     request_deserializer=kvxfer_dot_v1_dot_peer__pb2.PushAnnouncement.FromString,
                     response_serializer=kvxfer_dot_v1_dot_peer__pb2.PushAnnounced.SerializeToString,
+            ),
+            'TierOffer': grpc.unary_unary_rpc_method_handler(
+                    servicer.TierOffer,
+                    request_deserializer=kvxfer_dot_v1_dot_peer__pb2.PeerTierOfferRequest.FromString,
+                    response_serializer=kvxfer_dot_v1_dot_peer__pb2.PeerTierOfferResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -297,6 +317,33 @@ class PeerService:
             '/kvxfer.v1.PeerService/Announce',
             kvxfer_dot_v1_dot_peer__pb2.PushAnnouncement.SerializeToString,
             kvxfer_dot_v1_dot_peer__pb2.PushAnnounced.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TierOffer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvxfer.v1.PeerService/TierOffer',
+            kvxfer_dot_v1_dot_peer__pb2.PeerTierOfferRequest.SerializeToString,
+            kvxfer_dot_v1_dot_peer__pb2.PeerTierOfferResponse.FromString,
             options,
             channel_credentials,
             insecure,

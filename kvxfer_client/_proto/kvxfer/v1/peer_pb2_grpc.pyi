@@ -81,6 +81,12 @@ class PeerServiceStub:
     engines expects that id (Receive), at once if one already does; until then it holds the
     announcement, at most lease_s.
     """
+    TierOffer: _grpc.UnaryUnaryMultiCallable[_peer_pb2.PeerTierOfferRequest, _peer_pb2.PeerTierOfferResponse]
+    """The node's KV tier, read by another node (one hop, read-only): how many of the keys, from
+    the first, are stored in the namespace the caller's pool signature and salt make here;
+    with offer, those chunks offered for one pull (pinned until it ends or offer_lease_s
+    passes). Where a prefix lives is the caller's hint; this daemon is the one that knows.
+    """
 
 @_typing.type_check_only
 class PeerServiceAsyncStub(PeerServiceStub):
@@ -130,6 +136,12 @@ class PeerServiceAsyncStub(PeerServiceStub):
     daemon under a transfer id. The called daemon pulls the offer as soon as one of its
     engines expects that id (Receive), at once if one already does; until then it holds the
     announcement, at most lease_s.
+    """
+    TierOffer: _aio.UnaryUnaryMultiCallable[_peer_pb2.PeerTierOfferRequest, _peer_pb2.PeerTierOfferResponse]  # type: ignore[assignment]
+    """The node's KV tier, read by another node (one hop, read-only): how many of the keys, from
+    the first, are stored in the namespace the caller's pool signature and salt make here;
+    with offer, those chunks offered for one pull (pinned until it ends or offer_lease_s
+    passes). Where a prefix lives is the caller's hint; this daemon is the one that knows.
     """
 
 class PeerServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -207,6 +219,18 @@ class PeerServiceServicer(metaclass=_abc_1.ABCMeta):
         daemon under a transfer id. The called daemon pulls the offer as soon as one of its
         engines expects that id (Receive), at once if one already does; until then it holds the
         announcement, at most lease_s.
+        """
+
+    @_abc_1.abstractmethod
+    def TierOffer(
+        self,
+        request: _peer_pb2.PeerTierOfferRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_peer_pb2.PeerTierOfferResponse, _abc.Awaitable[_peer_pb2.PeerTierOfferResponse]]:
+        """The node's KV tier, read by another node (one hop, read-only): how many of the keys, from
+        the first, are stored in the namespace the caller's pool signature and salt make here;
+        with offer, those chunks offered for one pull (pinned until it ends or offer_lease_s
+        passes). Where a prefix lives is the caller's hint; this daemon is the one that knows.
         """
 
 def add_PeerServiceServicer_to_server(servicer: PeerServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,0 +1,122 @@
+"""Another node's tier, one hop away: lookups and loads over the peer protocol and data plane.
+
+The calling daemon sends its pool's layout signature, the keys and the salt
+(``PeerService.TierOffer``); the owning daemon derives the namespace from them exactly as for
+its own engines, counts the stored prefix and, for a load, offers those chunks for one pull
+(pinned until it ends). The caller then pulls the ticket like any other, into its engine's
+blocks: UCX, TCP lanes or a direct read, integrity checks included. Which node holds which
+prefix is only the caller's hint: the owner answers from its own index, never creates a
+namespace for a peer, and serves chunks read-only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Awaitable, Callable
+
+import numpy as np
+import numpy.typing as npt
+
+from kvxfer_client._errors import IncompatibleError, InvalidRequestError
+from kvxfer_client._geometry import KvGeometry
+from kvxfer_client._layout import MAX_BLOCKS, MAX_REGIONS, Layout, ModelInfo, Region
+from kvxfer_client._proto import common_pb2, peer_pb2
+from kvxfer_client._ticket import Ticket
+
+from .._offers import Offer, OfferTable
+from ..handoff.peers import Peer
+from ..memory.pools import Pool
+from .host import HostTier
+
+__all__ = ["TierPeers", "peer_layout"]
+
+#: Largest block one region of a peer's described pool may have.
+MAX_REGION_BYTES = 1 << 30
+
+
+def peer_layout(sig: common_pb2.LayoutSignature) -> Layout:
+    """A peer's pool as its signature describes it, checked (a typed refusal, never a crash)."""
+    sizes = list(sig.block_bytes)
+    if not 1 <= len(sizes) <= MAX_REGIONS or not all(0 < n <= MAX_REGION_BYTES for n in sizes):
+        raise InvalidRequestError("a tier request's pool signature has no regions, too many, or absurd sizes")
+    model = ModelInfo.from_proto(sig.model)
+    if not 1 <= model.tp_size <= 4096 or not 0 <= model.tp_rank < model.tp_size:
+        raise InvalidRequestError("a tier request's pool signature has an impossible TP size or rank")
+    geometry = KvGeometry.from_proto(sig.geometry)
+    if geometry is not None:
+        for n in set(sizes):
+            geometry.check(model.tp_size, model.tp_rank, n)
+    return Layout(1, tuple(Region(0, 0, n, n) for n in sizes), model, geometry)
+
+
+class TierPeers:
+    def __init__(
+        self,
+        daemon_id: str,
+        tier: Callable[[], HostTier],
+        offers: OfferTable,
+        new_offer: Callable[[Offer], Ticket],
+        lease_s: float,
+    ) -> None:
+        self.daemon_id = daemon_id
+        self._tier = tier
+        self.offers = offers
+        self._new_offer = new_offer
+        self.lease_s = lease_s
+
+    async def serve(self, request: peer_pb2.PeerTierOfferRequest) -> peer_pb2.PeerTierOfferResponse:
+        """The owning side: count (and, asked to, offer) the stored prefix of the keys."""
+        if len(request.keys) > MAX_BLOCKS:
+            raise InvalidRequestError(f"more than {MAX_BLOCKS} keys")
+        tier, layout = self._tier(), peer_layout(request.signature)
+        keys, salt = list(request.keys), bytes(request.salt)
+        hits = tier.prefix(layout, keys, salt)
+        if not request.offer or not hits:
+            return peer_pb2.PeerTierOfferResponse(hits=hits)
+        view, slots, unpin = await tier.hold(layout, keys[:hits], salt)
+        try:
+            offer = self.offers.create(view, slots, self.lease_s)
+        except BaseException:
+            unpin()
+            raise
+        offer.on_end = unpin
+        return peer_pb2.PeerTierOfferResponse(hits=hits, ticket=self._new_offer(offer).to_proto())
+
+    async def ask(
+        self, peer: Peer, address: str, pool: Pool, keys: list[bytes], salt: bytes, offer: bool, timeout_s: float
+    ) -> tuple[int, Ticket | None]:
+        """The calling side: the stored prefix at ``peer`` and, with ``offer``, its ticket
+        (checked: it names that daemon, and is pulled from the address dialled)."""
+        req = peer_pb2.PeerTierOfferRequest(
+            daemon_id=self.daemon_id, signature=pool.layout.signature(), keys=keys, salt=salt, offer=offer
+        )
+        resp = await peer.tier_offer(req, timeout_s)
+        hits = int(resp.hits)
+        if hits > len(keys):
+            raise IncompatibleError(f"peer {peer.daemon_id} says {hits} of {len(keys)} keys are stored")
+        if not offer or not hits:
+            return hits, None
+        ticket = Ticket.from_proto(resp.ticket)
+        if ticket.daemon_id != peer.daemon_id or ticket.num_blocks != hits:
+            raise IncompatibleError(f"peer {peer.daemon_id} offered its tier's chunks under another ticket")
+        return hits, dataclasses.replace(ticket, peer_address=address)
+
+
+async def load_from_peer(
+    peers: TierPeers,
+    dial: Callable[[str], Awaitable[Peer]],
+    pull: Callable[[Ticket, npt.NDArray[np.int64]], Awaitable[object]],
+    address: str,
+    pool: Pool,
+    ids: npt.NDArray[np.int64] | None,
+    keys: list[bytes],
+    salt: bytes,
+    timeout_s: float,
+) -> int:
+    """Ask the daemon at ``address`` for the stored prefix of ``keys`` and, given block ids,
+    pull it into them; returns the prefix's length (the blocks loaded)."""
+    peer = await dial(address)
+    hits, ticket = await peers.ask(peer, address, pool, keys, salt, ids is not None, timeout_s)
+    if ticket is not None and ids is not None:
+        await pull(ticket, ids[:hits])
+    return hits
