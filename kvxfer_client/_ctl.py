@@ -252,6 +252,11 @@ def run(args: argparse.Namespace, ctl: Ctl) -> int:
         _print(args, "", ctl.offers(), OFFER_COLUMNS)
     elif args.command == "peers":
         _print(args, "", ctl.peers(), PEER_COLUMNS)
+    elif args.command == "tier" and args.events:
+        for n, batch in enumerate(ctl.stub.WatchTier(admin_pb2.WatchTierRequest()), 1):
+            print(json.dumps(_tier_batch(batch)), flush=True)
+            if n == args.count:
+                break
     elif args.command == "tier":
         resp, rows = ctl.tier()
         if args.json:
@@ -277,6 +282,15 @@ def run(args: argparse.Namespace, ctl: Ctl) -> int:
         ctl.call("Drain", admin_pb2.DrainRequest())
         print(json.dumps({"draining": True}) if args.json else "draining")
     return EXIT_OK
+
+
+def _tier_batch(batch: admin_pb2.TierEventBatch) -> dict[str, Any]:
+    """A tier event batch as JSON: keys in hex, by namespace."""
+    return {
+        "stored": {t.namespace: [k.hex() for k in t.keys] for t in batch.stored},
+        "removed": {t.namespace: [k.hex() for k in t.keys] for t in batch.removed},
+        "overflowed": batch.overflowed,
+    }
 
 
 def _health(args: argparse.Namespace, ctl: Ctl) -> int:
@@ -393,9 +407,15 @@ def build_parser() -> argparse.ArgumentParser:
         ("pools", "registered pools"),
         ("offers", "live offers"),
         ("peers", "peer daemons"),
-        ("tier", "the node's KV tier: use, hit rate and evictions per namespace"),
     ):
         sub.add_parser(name, help=help_text, parents=[json_anywhere])
+    tier = sub.add_parser(
+        "tier", help="the node's KV tier: use, hit rate and evictions per namespace", parents=[json_anywhere]
+    )
+    tier.add_argument(
+        "--events", action="store_true", help="follow keys stored and removed, one JSON line per batch (Ctrl-C stops)"
+    )
+    tier.add_argument("--count", type=int, default=0, help="with --events: stop after this many batches")
     t = sub.add_parser("transfers", help="running transfers", parents=[json_anywhere])
     t.add_argument("--all", action="store_true", help="include recently finished transfers")
     t.add_argument("--watch", action="store_true", help="keep refreshing (Ctrl-C stops)")

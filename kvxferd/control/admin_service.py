@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import AsyncIterator
 from typing import Any
 
 from kvxfer_client._errors import NotFoundError, PermissionDeniedError
@@ -134,6 +135,13 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
                 for t in s.tier
             ],
         )
+
+    @rpc_method
+    async def WatchTier(  # noqa: N802
+        self, request: admin_pb2.WatchTierRequest, context: Ctx
+    ) -> AsyncIterator[admin_pb2.TierEventBatch]:
+        async for batch in self.node.host_tier().events.subscribe():
+            yield batch
 
     @rpc_method
     async def ListPeers(self, request: admin_pb2.ListPeersRequest, context: Ctx) -> admin_pb2.ListPeersResponse:  # noqa: N802

@@ -51,6 +51,7 @@ from ..dataplane.remap import remap_plans
 from ..handoff.local import LocalHandoff
 from ..memory.pools import Pool
 from .disk import DiskStore
+from .events import TierEvents
 from .index import Chunk, Namespace, TierIndex
 
 __all__ = ["MAX_KEY_BYTES", "MAX_SALT_BYTES", "HostTier", "TierNamespace"]
@@ -92,7 +93,9 @@ class HostTier:
         disk_limit_bytes: int = 0,
         faults: Faults | None = None,
     ) -> None:
-        self.index = TierIndex(limit_bytes, high, low, disk_limit_bytes if disk is not None else 0)
+        #: Keys stored and removed, for routers (``AdminService.WatchTier``).
+        self.events = TierEvents()
+        self.index = TierIndex(limit_bytes, high, low, disk_limit_bytes if disk is not None else 0, self._changed)
         self.local = local
         self.disk = disk
         self.executor: Executor = local.executor
@@ -224,7 +227,11 @@ class HostTier:
             for name, s in self._spaces.items()
         )
 
+    def _changed(self, what: str, ns: Namespace, key: bytes) -> None:
+        (self.events.stored if what == "stored" else self.events.removed)(ns.name, key)
+
     def close(self) -> None:
+        self.events.close()
         for space in self._spaces.values():
             space.view.close()
             del space.array

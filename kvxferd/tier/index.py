@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 __all__ = ["Chunk", "Namespace", "TierIndex"]
@@ -107,7 +108,14 @@ class Namespace:
 
 
 class TierIndex:
-    def __init__(self, limit_bytes: int, high: float = 1.0, low: float = 0.9, disk_limit_bytes: int = 0) -> None:
+    def __init__(
+        self,
+        limit_bytes: int,
+        high: float = 1.0,
+        low: float = 0.9,
+        disk_limit_bytes: int = 0,
+        on_change: Callable[[str, Namespace, bytes], None] = lambda what, ns, key: None,
+    ) -> None:
         if not 0 < low <= high <= 1:
             raise ValueError("tier watermarks: need 0 < low <= high <= 1")
         self.limit_bytes = limit_bytes
@@ -124,6 +132,9 @@ class TierIndex:
         self._disk: OrderedDict[tuple[str, bytes], Chunk] = OrderedDict()
         #: Free host slots whose pages are to be given back, since the owner last took them.
         self.released: list[tuple[Namespace, int]] = []
+        #: Hears ``("stored", ns, key)`` when a chunk became complete, ``("removed", ...)``
+        #: when a complete chunk left the node.
+        self._on_change = on_change
 
     @property
     def has_disk(self) -> bool:
@@ -249,7 +260,10 @@ class TierIndex:
                 continue
             chunk.writing -= 1
             if ok:
+                was = chunk.heads == ns.all_heads
                 chunk.heads |= heads
+                if chunk.complete and not was:
+                    self._on_change("stored", ns, key)
             elif not chunk.heads:
                 self._drop(chunk)
 
@@ -339,6 +353,8 @@ class TierIndex:
     def _drop(self, chunk: Chunk) -> None:
         ns = chunk.namespace
         del self._all[(ns.name, chunk.key)]
+        if chunk.heads == ns.all_heads:
+            self._on_change("removed", ns, chunk.key)
         if chunk.disk is not None:
             self._leave_disk(chunk)
         if chunk.slot is not None:

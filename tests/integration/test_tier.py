@@ -13,6 +13,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import grpc
 import numpy as np
@@ -30,6 +32,7 @@ from kvxfer_client import (
     ModelInfo,
     NotFoundError,
     PermissionDeniedError,
+    Pool,
     UnavailableError,
 )
 from kvxfer_client._geometry import rank_heads
@@ -440,3 +443,50 @@ async def test_another_nodes_tier_is_looked_up_and_loaded_over_the_data_plane(cl
                 stub.TierOffer(bad, timeout=5)
             assert refused.value.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
     assert a.proc is not None and a.proc.poll() is None
+
+
+async def test_routers_hear_of_keys_stored_and_removed_in_batches(cluster: Cluster) -> None:
+    """WatchTier: a store of 32 blocks arrives as one batch naming every key; keys evicted
+    from the node come as removed; kvxferctl tier --events prints the same."""
+    a = cluster.daemon("a", "--tier-host-bytes", str(40 * BLOCK), "--tier-low-watermark", "0.5")
+    async with (
+        grpc.aio.insecure_channel("unix:" + a.socket) as channel,
+        AsyncKvxferClient(a.socket, engine_name="engine") as e,
+    ):
+        pool = await e.register_pool(filled(LAYOUT, 41), LAYOUT)
+        watch = admin_pb2_grpc.AdminServiceStub(channel).WatchTier(admin_pb2.WatchTierRequest())
+        probes = await _until_heard(e, pool, lambda: watch.read(), "probe")
+        first = keys(32, seed=b"first")
+        await e.tier_store(pool, list(range(32)), first)
+        batch = await asyncio.wait_for(watch.read(), 10)
+        [stored] = batch.stored
+        assert list(stored.keys) == first and not batch.removed
+        await e.tier_store(pool, list(range(16)), keys(16, seed=b"second"))  # the oldest go
+        removed: list[bytes] = []
+        while len(removed) < probes + 16:
+            batch = await asyncio.wait_for(watch.read(), 10)
+            removed += [k for t in batch.removed for k in t.keys]
+        assert [k for k in removed if k in first] == first[: len(removed) - probes]
+        watch.cancel()
+        cmd = [sys.executable, "-m", "kvxfer_client._ctl", "--socket", a.socket, "tier", "--events", "--count", "1"]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, cwd=ROOT)  # noqa: ASYNC220
+        try:
+            assert proc.stdout is not None
+            line = proc.stdout.readline
+            await _until_heard(e, pool, lambda: asyncio.to_thread(line), "ctl")
+            assert proc.wait(10) == 0
+        finally:
+            proc.kill()
+
+
+async def _until_heard(e: AsyncKvxferClient, pool: Pool, heard: Callable[[], Awaitable[Any]], tag: str) -> int:
+    """Store fresh keys until the subscriber hears of one (it subscribed); returns how many."""
+    pending: asyncio.Future[Any] = asyncio.ensure_future(heard())
+    for n in range(1, 100):
+        await e.tier_store(pool, [63], [f"{tag}-{n}".encode()])
+        done, _ = await asyncio.wait({pending}, timeout=0.2)
+        if done:
+            got = pending.result()
+            assert got and ("stored" in str(got)), got
+            return n
+    raise AssertionError("the subscriber never heard of a stored key")

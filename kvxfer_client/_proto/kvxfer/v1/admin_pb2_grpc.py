@@ -75,6 +75,11 @@ class AdminServiceStub:
                 request_serializer=kvxfer_dot_v1_dot_admin__pb2.ListTierRequest.SerializeToString,
                 response_deserializer=kvxfer_dot_v1_dot_admin__pb2.ListTierResponse.FromString,
                 _registered_method=True)
+        self.WatchTier = channel.unary_stream(
+                '/kvxfer.v1.AdminService/WatchTier',
+                request_serializer=kvxfer_dot_v1_dot_admin__pb2.WatchTierRequest.SerializeToString,
+                response_deserializer=kvxfer_dot_v1_dot_admin__pb2.TierEventBatch.FromString,
+                _registered_method=True)
 
 
 class AdminServiceServicer:
@@ -129,6 +134,15 @@ class AdminServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchTier(self, request, context):
+        """The node's KV tier as it changes: keys stored (every head in) and removed (gone from the
+        node, not just moved to disk), in batches (kvxferd/tier/events.py). For routers that send
+        requests where their prefix is stored, or tell a decode engine where to load it from.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -171,6 +185,11 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     servicer.ListTier,
                     request_deserializer=kvxfer_dot_v1_dot_admin__pb2.ListTierRequest.FromString,
                     response_serializer=kvxfer_dot_v1_dot_admin__pb2.ListTierResponse.SerializeToString,
+            ),
+            'WatchTier': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchTier,
+                    request_deserializer=kvxfer_dot_v1_dot_admin__pb2.WatchTierRequest.FromString,
+                    response_serializer=kvxfer_dot_v1_dot_admin__pb2.TierEventBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -389,6 +408,33 @@ class AdminService:
             '/kvxfer.v1.AdminService/ListTier',
             kvxfer_dot_v1_dot_admin__pb2.ListTierRequest.SerializeToString,
             kvxfer_dot_v1_dot_admin__pb2.ListTierResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchTier(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvxfer.v1.AdminService/WatchTier',
+            kvxfer_dot_v1_dot_admin__pb2.WatchTierRequest.SerializeToString,
+            kvxfer_dot_v1_dot_admin__pb2.TierEventBatch.FromString,
             options,
             channel_credentials,
             insecure,

@@ -43,6 +43,11 @@ class AdminServiceStub:
     Drain: _grpc.UnaryUnaryMultiCallable[_admin_pb2.DrainRequest, _admin_pb2.DrainResponse]
     ListTier: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ListTierRequest, _admin_pb2.ListTierResponse]
     """The node's KV tier: use, hits and evictions per namespace."""
+    WatchTier: _grpc.UnaryStreamMultiCallable[_admin_pb2.WatchTierRequest, _admin_pb2.TierEventBatch]
+    """The node's KV tier as it changes: keys stored (every head in) and removed (gone from the
+    node, not just moved to disk), in batches (kvxferd/tier/events.py). For routers that send
+    requests where their prefix is stored, or tell a decode engine where to load it from.
+    """
 
 @_typing.type_check_only
 class AdminServiceAsyncStub(AdminServiceStub):
@@ -56,6 +61,11 @@ class AdminServiceAsyncStub(AdminServiceStub):
     Drain: _aio.UnaryUnaryMultiCallable[_admin_pb2.DrainRequest, _admin_pb2.DrainResponse]  # type: ignore[assignment]
     ListTier: _aio.UnaryUnaryMultiCallable[_admin_pb2.ListTierRequest, _admin_pb2.ListTierResponse]  # type: ignore[assignment]
     """The node's KV tier: use, hits and evictions per namespace."""
+    WatchTier: _aio.UnaryStreamMultiCallable[_admin_pb2.WatchTierRequest, _admin_pb2.TierEventBatch]  # type: ignore[assignment]
+    """The node's KV tier as it changes: keys stored (every head in) and removed (gone from the
+    node, not just moved to disk), in batches (kvxferd/tier/events.py). For routers that send
+    requests where their prefix is stored, or tell a decode engine where to load it from.
+    """
 
 class AdminServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -114,5 +124,16 @@ class AdminServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_admin_pb2.ListTierResponse, _abc.Awaitable[_admin_pb2.ListTierResponse]]:
         """The node's KV tier: use, hits and evictions per namespace."""
+
+    @_abc_1.abstractmethod
+    def WatchTier(
+        self,
+        request: _admin_pb2.WatchTierRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_admin_pb2.TierEventBatch], _abc.AsyncIterator[_admin_pb2.TierEventBatch]]:
+        """The node's KV tier as it changes: keys stored (every head in) and removed (gone from the
+        node, not just moved to disk), in batches (kvxferd/tier/events.py). For routers that send
+        requests where their prefix is stored, or tell a decode engine where to load it from.
+        """
 
 def add_AdminServiceServicer_to_server(servicer: AdminServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
