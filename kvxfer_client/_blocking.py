@@ -245,6 +245,10 @@ class KvxferClient:
     def release(self, offer_id: str) -> None:
         self._run(self._async.release(offer_id))
 
+    def start_release(self, offer_id: str) -> concurrent.futures.Future[None]:
+        """:meth:`release`, returning at once with a future."""
+        return asyncio.run_coroutine_threadsafe(self._async.release(offer_id), self._loop)
+
     def tier_store(
         self, pool: Pool | str, block_ids: Sequence[int], keys: Sequence[bytes], *, salt: bytes = b""
     ) -> tuple[int, int]:
@@ -258,11 +262,55 @@ class KvxferClient:
         salt: bytes = b"",
         lease_s: float = 0.0,
         readers: int = 1,
-    ) -> Ticket:
-        return self._run(self._async.tier_offer(pool, keys, salt=salt, lease_s=lease_s, readers=readers))
+        prefix: bool = False,
+        offer_key: bytes = b"",
+    ) -> Ticket | None:
+        return self._run(
+            self._async.tier_offer(
+                pool, keys, salt=salt, lease_s=lease_s, readers=readers, prefix=prefix, offer_key=offer_key
+            )
+        )
 
-    def tier_lookup(self, pool: Pool | str, keys: Sequence[bytes], *, salt: bytes = b"", from_peer: str = "") -> int:
-        return self._run(self._async.tier_lookup(pool, keys, salt=salt, from_peer=from_peer))
+    def start_tier_offer(
+        self,
+        pool: Pool | str,
+        keys: Sequence[bytes],
+        *,
+        salt: bytes = b"",
+        lease_s: float = 0.0,
+        readers: int = 1,
+        prefix: bool = False,
+        offer_key: bytes = b"",
+    ) -> concurrent.futures.Future[Ticket | None]:
+        """:meth:`tier_offer`, returning at once with a future of its answer."""
+        call = self._async.tier_offer(
+            pool, keys, salt=salt, lease_s=lease_s, readers=readers, prefix=prefix, offer_key=offer_key
+        )
+        return asyncio.run_coroutine_threadsafe(call, self._loop)
+
+    def tier_lookup(
+        self, pool: Pool | str, keys: Sequence[bytes], *, salt: bytes = b"", from_peer: str = "", offer_key: bytes = b""
+    ) -> int:
+        return self._run(self._async.tier_lookup(pool, keys, salt=salt, from_peer=from_peer, offer_key=offer_key))
+
+    def start_tier_lookup(
+        self, pool: Pool | str, keys: Sequence[bytes], *, salt: bytes = b"", offer_key: bytes = b""
+    ) -> concurrent.futures.Future[int]:
+        """:meth:`tier_lookup`, returning at once with a future of its answer."""
+        call = self._async.tier_lookup(pool, keys, salt=salt, offer_key=offer_key)
+        return asyncio.run_coroutine_threadsafe(call, self._loop)
+
+    def start_tier_store(
+        self, pool: Pool | str, block_ids: Sequence[int], keys: Sequence[bytes], *, salt: bytes = b""
+    ) -> concurrent.futures.Future[tuple[int, int]]:
+        """:meth:`tier_store`, returning at once with a future of its answer."""
+        return asyncio.run_coroutine_threadsafe(self._async.tier_store(pool, block_ids, keys, salt=salt), self._loop)
+
+    def start_tier_load(
+        self, pool: Pool | str, block_ids: Sequence[int], keys: Sequence[bytes], *, salt: bytes = b""
+    ) -> concurrent.futures.Future[int]:
+        """:meth:`tier_load`, returning at once with a future of its answer."""
+        return asyncio.run_coroutine_threadsafe(self._async.tier_load(pool, block_ids, keys, salt=salt), self._loop)
 
     def tier_load(
         self,

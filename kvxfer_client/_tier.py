@@ -62,10 +62,14 @@ class TierCalls:
         salt: bytes = b"",
         lease_s: float = 0.0,
         readers: int = 1,
-    ) -> Ticket:
-        """Offer the chunks stored under ``keys`` (all of them stored) as one ticket, pulled
-        like any other; the pool's blocks are not held by it (store them first, then reuse
-        them at once). ``lease_s`` 0: the daemon's default lease."""
+        prefix: bool = False,
+        offer_key: bytes = b"",
+    ) -> Ticket | None:
+        """Offer the chunks stored under ``keys`` (all of them stored; with ``prefix``, the
+        longest stored prefix of them: None when nothing is) as one ticket, pulled like any
+        other; the pool's blocks are not held by it (store them first, then reuse them at
+        once). ``lease_s`` 0: the daemon's default lease. ``offer_key``: the pool's, when
+        another session of this engine registered it."""
         req = engine_pb2.TierOfferRequest(
             session_id=self.session_id,
             pool_id=pool.pool_id if isinstance(pool, Pool) else pool,
@@ -73,20 +77,31 @@ class TierCalls:
             salt=salt,
             lease_s=lease_s,
             readers=readers,
+            prefix=prefix,
+            offer_key=offer_key,
         )
-        return Ticket.from_proto((await self._call(self._engine.TierOffer, req)).ticket)
+        resp = await self._call(self._engine.TierOffer, req)
+        return Ticket.from_proto(resp.ticket) if resp.HasField("ticket") else None
 
     async def tier_lookup(
-        self: _Client, pool: Pool | str, keys: Sequence[bytes], *, salt: bytes = b"", from_peer: str = ""
+        self: _Client,
+        pool: Pool | str,
+        keys: Sequence[bytes],
+        *,
+        salt: bytes = b"",
+        from_peer: str = "",
+        offer_key: bytes = b"",
     ) -> int:
         """How many of ``keys``, from the first, the tier holds for this pool's namespace
-        (``from_peer``: another node's kvxferd, ``host:port``, whose tier to ask)."""
+        (``from_peer``: another node's kvxferd, ``host:port``, whose tier to ask;
+        ``offer_key``: the pool's, when another session of this engine registered it)."""
         req = engine_pb2.TierLookupRequest(
             session_id=self.session_id,
             pool_id=pool.pool_id if isinstance(pool, Pool) else pool,
             keys=list(keys),
             salt=salt,
             from_peer=from_peer,
+            offer_key=offer_key,
         )
         return int((await self._call(self._engine.TierLookup, req)).hits)
 

@@ -244,6 +244,16 @@ class Node:
         check_owner(pool.session_id, session_id, f"pool {pool_id!r}")
         return pool
 
+    def keyed_pool(self, pool_id: str, session_id: str, offer_key: bytes) -> Pool:
+        """The pool, if the caller owns it or (another session of the same engine) holds its
+        offer key."""
+        if not offer_key:
+            return self.owned_pool(pool_id, session_id)
+        pool = self.pools.get(pool_id)
+        if not hmac.compare_digest(pool.offer_key, offer_key):
+            raise PermissionDeniedError(f"wrong offer_key for pool {pool_id!r}")
+        return pool
+
     def deregister_pool(
         self, pool_id: str, reason: common_pb2.ReleaseReason.ValueType = common_pb2.RELEASE_REASON_POOL_GONE
     ) -> int:
@@ -279,12 +289,7 @@ class Node:
         pulls it serves before it is released as pulled)."""
         if self.draining:
             raise UnavailableError("kvxferd is draining: no new offers")
-        if offer_key:
-            pool = self.pools.get(pool_id)
-            if not hmac.compare_digest(pool.offer_key, offer_key):
-                raise PermissionDeniedError(f"wrong offer_key for pool {pool_id!r}")
-        else:
-            pool = self.owned_pool(pool_id, session_id)
+        pool = self.keyed_pool(pool_id, session_id, offer_key)
         ids = check_block_ids(block_ids, pool.layout.num_blocks, "offer")
         offer = self.offers.create(pool, ids, lease_s, chosen, readers, layers)
         self.integrity.take_digest(offer)
@@ -301,15 +306,26 @@ class Node:
         return offer, ticket
 
     async def tier_offer(
-        self, session_id: str, pool_id: str, keys: list[bytes], salt: bytes, lease_s: float, readers: int = 1
-    ) -> tuple[Offer, Ticket]:
-        """Offer chunks of the node's KV tier (stored under ``keys`` in ``pool``'s namespace):
-        pinned in the tier until the offer ends, pulled like any offer; the engine's own
-        blocks are not held (it may reuse them once they are stored)."""
+        self,
+        session_id: str,
+        pool_id: str,
+        keys: list[bytes],
+        salt: bytes,
+        lease_s: float,
+        readers: int = 1,
+        prefix: bool = False,
+        offer_key: bytes = b"",
+    ) -> tuple[Offer | None, Ticket | None]:
+        """Offer chunks of the node's KV tier (stored under ``keys``, or with ``prefix`` the
+        longest stored prefix of them, in ``pool``'s namespace): pinned in the tier until the
+        offer ends, pulled like any offer; the engine's own blocks are not held (it may reuse
+        them once they are stored). ``(None, None)``: a prefix of nothing."""
         if self.draining:
             raise UnavailableError("kvxferd is draining: no new offers")
-        pool = self.owned_pool(pool_id, session_id)
-        view, slots, unpin = await self.host_tier().hold(pool, keys, salt)
+        pool = self.keyed_pool(pool_id, session_id, offer_key)
+        view, slots, unpin = await self.host_tier().hold(pool, keys, salt, prefix)
+        if view is None:
+            return None, None
         try:
             offer = self.offers.create(view, slots, lease_s, None, readers)
         except BaseException:

@@ -44,6 +44,7 @@ from .._layout import ModelInfo
 from .._ticket import Ticket
 from ._plan import Load, RankPool, SchedulerPlan, Send, Stream
 from ._stats import KvxferStats
+from ._tier import TierLoad, TierPlan, TierSave
 from ._worker import SENTINEL_BLOCKS, HeadFacts, WorkerTransfers
 
 if TYPE_CHECKING:
@@ -69,6 +70,9 @@ def _settings(given: dict[str, Any], role: KVConnectorRole) -> dict[str, Any]:
         # The decode deployment's tensor-parallel size, when it differs from this engine's: each
         # prefill rank's offer then waits for every decode rank that takes its heads.
         "decode_tp_size": 0,
+        # The node's KV tier (see ._tier): load stored prefixes, store finished requests.
+        "tier": False,
+        "tier_salt": "",
     }
     unknown = sorted(set(given) - set(defaults))
     if unknown:
@@ -96,12 +100,16 @@ class KvxferMetadata(KVConnectorMetadata):
         sends: list[Send],
         streams: list[Stream] | None = None,
         cancels: list[str] | None = None,
+        tier_loads: list[TierLoad] | None = None,
+        tier_saves: list[TierSave] | None = None,
     ) -> None:
         self.loads = loads
         self.sends = sends
         self.streams = streams or []
         #: Transfer ids of streamed receives whose requests ended: stop waiting for them.
         self.cancels = cancels or []
+        self.tier_loads = tier_loads or []
+        self.tier_saves = tier_saves or []
 
 
 class KvxferHandshake(KVConnectorHandshakeMetadata):
@@ -131,6 +139,8 @@ class KvxferConnector(KVConnectorBase_V1):
         self._socket = str(extra["socket"])
         self._lease_s = float(extra["lease_s"])
         self._offerer: KvxferClient | None = None
+        self._tier_salt = str(extra["tier_salt"]).encode()
+        self._tier = TierPlan(self._block_size) if extra["tier"] else None
         if role == KVConnectorRole.SCHEDULER:
             decode_tp = int(extra["decode_tp_size"] or vllm_config.parallel_config.tensor_parallel_size)
             self._plan = SchedulerPlan(self._block_size, _total_kv_heads(vllm_config), decode_tp)
@@ -171,6 +181,8 @@ class KvxferConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if isinstance(meta, KvxferMetadata) and (meta.loads or meta.sends or meta.streams or meta.cancels):
             self._worker.start(meta.loads, meta.sends, meta.streams, meta.cancels)
+        if isinstance(meta, KvxferMetadata) and (meta.tier_loads or meta.tier_saves):
+            self._worker.start_tier(meta.tier_loads, meta.tier_saves, self._tier_salt)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads are asynchronous: a request runs once all its KV landed
@@ -221,6 +233,19 @@ class KvxferConnector(KVConnectorBase_V1):
             # The scheduler's own session: it offers the workers' blocks (with their pools'
             # offer keys) the moment a request finishes, without waiting for the reply.
             self._offerer = KvxferClient(self._socket, engine_name="vllm-scheduler")
+        if self._tier is not None and self._offerer is not None and self._plan.pools:
+            first, offerer, salt = min(self._plan.pools.items())[1], self._offerer, self._tier_salt
+            ranks, lease = len(self._plan.pools), self._lease_s
+
+            def offer(keys: list[bytes]) -> Any:
+                # The stored prefix, pinned for its load: every rank pulls its heads.
+                key = bytes.fromhex(first.offer_key)
+                return offerer.start_tier_offer(
+                    first.pool_id, keys, salt=salt, lease_s=lease, readers=ranks, prefix=True, offer_key=key
+                )
+
+            self._tier.offer = offer
+            self._tier.release = lambda offer_id: offerer.start_release(offer_id)
 
     def update_connector_output(self, connector_output: Any) -> None:
         assert self._plan is not None
@@ -230,7 +255,12 @@ class KvxferConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._plan is not None
-        return self._plan.matched_tokens(request.kv_transfer_params, request.num_prompt_tokens, num_computed_tokens)
+        matched = self._plan.matched_tokens(request.kv_transfer_params, request.num_prompt_tokens, num_computed_tokens)
+        if matched[0] or self._tier is None or _remote(request.kv_transfer_params):
+            return matched
+        return self._tier.matched_tokens(
+            request.request_id, request.block_hashes, request.num_prompt_tokens, num_computed_tokens
+        )
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self._plan is not None
@@ -238,6 +268,8 @@ class KvxferConnector(KVConnectorBase_V1):
         block_ids = list(blocks.get_block_ids()[0]) if num_external_tokens else []
         new = len(blocks.get_unhashed_block_ids()) if num_external_tokens else 0
         self._plan.after_alloc(request.request_id, request.kv_transfer_params, block_ids, num_external_tokens, new)
+        if self._tier is not None:
+            self._tier.after_alloc(request.request_id, block_ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvxferMetadata:
         assert self._plan is not None
@@ -253,11 +285,18 @@ class KvxferConnector(KVConnectorBase_V1):
             dict(scheduler_output.num_scheduled_tokens),
         )
         loads, sends = self._plan.take()
-        return KvxferMetadata(loads, sends, *self._plan.take_streams())
+        streams, cancels = self._plan.take_streams()
+        tier_loads, tier_saves = self._tier.take() if self._tier is not None else ([], [])
+        return KvxferMetadata(loads, sends, streams, cancels, tier_loads, tier_saves)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._plan is not None
         delay, params, send = self._plan.finished(request.request_id, request.kv_transfer_params, list(block_ids))
+        if not delay and send is None and self._tier is not None and not _remote(request.kv_transfer_params):
+            # Kept for the next turn: the blocks wait until every worker stored its heads.
+            delay = self._tier.finished(
+                request.request_id, request.block_hashes, request.num_computed_tokens, list(block_ids)
+            )
         if send is not None:
             assert self._offerer is not None
             for rank, pool in sorted(self._plan.pools.items()):
@@ -271,6 +310,11 @@ class KvxferConnector(KVConnectorBase_V1):
                     offer_key=bytes.fromhex(pool.offer_key),
                 )
         return delay, params
+
+
+def _remote(params: dict[str, Any] | None) -> bool:
+    """A request of a disaggregated pair (its KV comes from, or goes to, another engine)."""
+    return bool(params and (params.get("do_remote_decode") or params.get("do_remote_prefill")))
 
 
 def _kv_dtype(config: VllmConfig) -> str:

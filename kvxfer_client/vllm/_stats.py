@@ -21,8 +21,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 __all__ = ["COUNTERS", "KvxferStats"]
 
 #: What a worker counts (``WorkerTransfers.stats``): integers, and seconds as a float. Pulls
-#: count receives too (a streamed request's decode side); pushes count streamed prefills.
-COUNTERS = ("pulls", "pull_failures", "pulled_bytes", "pull_seconds", "offers", "pushes")
+#: count receives too (a streamed request's decode side); pushes count streamed prefills;
+#: tier saves count requests stored into the node's KV tier, tier loaded blocks the blocks a
+#: stored prefix brought back.
+COUNTERS = (
+    "pulls",
+    "pull_failures",
+    "pulled_bytes",
+    "pull_seconds",
+    "offers",
+    "pushes",
+    "tier_saves",
+    "tier_loaded_blocks",
+)
 
 
 class KvxferStats(KVConnectorStats):
@@ -47,6 +58,8 @@ class KvxferStats(KVConnectorStats):
             "pull_failures": int(d["pull_failures"]),
             "offers": int(d["offers"]),
             "pushes": int(d["pushes"]),
+            "tier_saves": int(d["tier_saves"]),
+            "tier_loaded_blocks": int(d["tier_loaded_blocks"]),
             "pulled_MiB": round(d["pulled_bytes"] / (1 << 20), 3),
             "avg_pull_ms": round(1e3 * seconds / done, 3) if done else 0.0,
             "pull_GBps": round(d["pulled_bytes"] / seconds / 1e9, 3) if seconds else 0.0,

@@ -26,13 +26,13 @@ from typing import Any
 
 from .._blocking import KvxferClient
 from .._errors import IncompatibleError, InvalidRequestError, KvxferError
-from .._events import OfferReleased
 from .._geometry import KvGeometry, head_sources, rank_heads
 from .._layout import ModelInfo
 from .._results import Pool, PullResult, PushResult
 from .._tensor_layout import layout_from_tensors, tensor_geometry
 from .._ticket import Ticket
 from ._plan import Load, RankPool, Send, Stream, stream_id
+from ._tier import TierLoad, TierSave
 
 __all__ = [
     "QUARANTINE_S",
@@ -59,6 +59,8 @@ class _Loading:
     #: One pull per prefill rank this rank takes heads from (one when the TP sizes match).
     futures: list[concurrent.futures.Future[PullResult]]
     held_until: float = 0.0  # may_still_write: not handed back before this time
+    #: From the node's KV tier (a stored prefix), not from a prefill engine.
+    tier: bool = False
 
 
 @dataclass
@@ -96,7 +98,8 @@ class WorkerTransfers:
         self.client = KvxferClient(socket_path, engine_name=engine_name)
         self.pool: Pool | None = None
         self._loading: dict[str, _Loading] = {}
-        self._released: dict[str, concurrent.futures.Future[OfferReleased]] = {}
+        self._released: dict[str, concurrent.futures.Future[Any]] = {}
+
         self.load_errors: set[int] = set()
         #: Pool layers (one per KV tensor), by vLLM's layer name.
         self.layers = 0
@@ -221,6 +224,24 @@ class WorkerTransfers:
             ]
             self._loading[load.request_id] = _Loading(load.request_id, load.block_ids, futures)
 
+    def start_tier(self, loads: list[TierLoad], saves: list[TierSave], salt: bytes) -> None:
+        """Store finished requests' blocks into the node's KV tier (each is reported finished
+        sending once stored, or once the store failed: the cache only misses it) and load
+        stored prefixes; returns at once."""
+        assert self.pool is not None, "register_kv_caches first"
+        for save in saves:
+            self._released[save.request_id] = self.client.start_tier_store(
+                self.pool, save.block_ids, save.keys, salt=salt
+            )
+            self._count("tier_saves")
+        for load in loads:  # the tier's offer of a stored prefix: pulled like a prefill's
+            ticket = Ticket.from_dict(load.ticket)
+            indices = tuple(range(len(load.block_ids))) if len(load.block_ids) < ticket.num_blocks else None
+            pull = self.client.start_pull(
+                ticket, self.pool, load.block_ids, timeout_s=self.pull_timeout_s, offer_block_indices=indices
+            )
+            self._loading[load.request_id] = _Loading(load.request_id, load.block_ids, [pull], tier=True)
+
     def layer_saved(self, layer_name: str) -> None:
         """vLLM left an attention layer (``save_kv_layer``): this step's pushes may send it
         and every layer before it. Returns at once."""
@@ -291,9 +312,12 @@ class WorkerTransfers:
         failed loads' blocks go to :attr:`load_errors`."""
         sending = {rid for rid, f in self._released.items() if f.done()}
         for rid in sending:
-            del self._released[rid]
+            future = self._released.pop(rid)
+            if future.exception() is not None:  # a store that failed: nothing is lost but the cache
+                log.warning("kvxfer: %s for request %s failed: %s", "tier store", rid, future.exception())
         receiving: set[str] = set()
         failed: set[str] = set()
+
         now = time.monotonic()
         for rid, loading in list(self._loading.items()):
             if not all(f.done() for f in loading.futures) or now < loading.held_until:
@@ -316,6 +340,8 @@ class WorkerTransfers:
                 results = [f.result() for f in loading.futures]
                 self._count("pulled_bytes", sum(r.bytes for r in results))
                 self._count("pull_seconds", max(r.duration_s for r in results))
+                if loading.tier:
+                    self._count("tier_loaded_blocks", len(loading.block_ids))
         return sending, receiving, failed
 
     def take_stats(self) -> dict[str, Any]:
@@ -419,7 +445,16 @@ def _failed(error: BaseException) -> concurrent.futures.Future[PullResult]:
 
 
 def _zero_stats() -> dict[str, Any]:
-    return {"pulls": 0, "pull_failures": 0, "pulled_bytes": 0, "pull_seconds": 0.0, "offers": 0, "pushes": 0}
+    return {
+        "pulls": 0,
+        "pull_failures": 0,
+        "pulled_bytes": 0,
+        "pull_seconds": 0.0,
+        "offers": 0,
+        "pushes": 0,
+        "tier_saves": 0,
+        "tier_loaded_blocks": 0,
+    }
 
 
 def _after(wait: Callable[[], Any], then: Callable[..., None], *args: Any) -> Callable[[], None]:

@@ -182,7 +182,7 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
             hits = await self.node.tier_from_peer(request.session_id, request.pool_id, request.from_peer, keys, salt)
             return engine_pb2.TierLookupResponse(hits=hits)
         tier = self.node.host_tier()
-        pool = self.node.owned_pool(request.pool_id, request.session_id)
+        pool = self.node.keyed_pool(request.pool_id, request.session_id, bytes(request.offer_key))
         return engine_pb2.TierLookupResponse(hits=tier.lookup(pool, keys, salt))
 
     @rpc_method
@@ -207,7 +207,11 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
             bytes(request.salt),
             lease,
             wire.readers(request.readers),
+            request.prefix,
+            bytes(request.offer_key),
         )
+        if offer is None or ticket is None:  # a prefix of nothing: no offer
+            return engine_pb2.OfferResponse()
         return engine_pb2.OfferResponse(ticket=ticket.to_proto(), lease_deadline_unix=offer.deadline)
 
     async def _tier_store(self, request: engine_pb2.TierStoreRequest) -> engine_pb2.TierStoreResponse:

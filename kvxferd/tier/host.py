@@ -177,24 +177,40 @@ class HostTier:
         space, _ = self._space(layout, salt, create=False)
         return 0 if space is None else self.index.lookup(space.ns, keys)
 
-    async def hold(self, pool: Pool | Layout, keys: list[bytes], salt: bytes) -> tuple[Pool, I64, Callable[[], None]]:
-        """The chunks stored under ``keys`` (every one, read back from disk where needed),
-        pinned until the returned callable is called: the tier's memory and slots, to be
-        offered like a pool's blocks. NotFoundError when not all of them are stored."""
+    async def hold(
+        self, pool: Pool | Layout, keys: list[bytes], salt: bytes, prefix: bool = False
+    ) -> tuple[Pool | None, I64, Callable[[], None]]:
+        """The chunks stored under ``keys`` (every one, or with ``prefix`` the longest stored
+        prefix of them; read back from disk where needed), pinned until the returned callable
+        is called: the tier's memory and slots, to be offered like a pool's blocks.
+        NotFoundError when not all of them are stored (without ``prefix``)."""
         _check(keys, salt, len(keys))
         space, _ = self._space(pool, salt, create=False)
-        chunks = [self.index.get(space.ns, k) for k in keys] if space is not None else []
-        held = [c for c in chunks if c is not None and c.complete and not c.promoting]
-        if space is None or len(held) != len(keys):
+        held: list[Chunk] = []
+        for key in keys if space is not None else []:
+            chunk = self.index.get(space.ns, key) if space is not None else None
+            if chunk is None or not chunk.complete or chunk.promoting:
+                break
+            held.append(chunk)
+        if space is None or (not prefix and len(held) != len(keys)):
             raise NotFoundError(
                 f"{len(held)} of the {len(keys)} keys are stored in this pool's namespace: store them first"
             )
-        self.index.lookup(space.ns, keys)
+        if not held:
+            return None, np.zeros(0, dtype=np.int64), lambda: None
+        self.index.lookup(space.ns, [c.key for c in held])
         self.index.pin(held)
         try:
             on_disk = [c for c in held if c.slot is None]
-            if on_disk and await self._promote(space, on_disk) < len(on_disk):
-                raise NotFoundError("chunks to offer could not be read back from the tier's disk")
+            back = await self._promote(space, on_disk) if on_disk else 0
+            if back < len(on_disk):
+                if not prefix:
+                    raise NotFoundError("chunks to offer could not be read back from the tier's disk")
+                cut = held.index(on_disk[back])
+                self.index.unpin(held[cut:])
+                held = held[:cut]
+                if not held:
+                    return None, np.zeros(0, dtype=np.int64), lambda: None
         except BaseException:
             self.index.unpin(held)
             raise

@@ -73,7 +73,10 @@ class TierPeers:
         hits = tier.prefix(layout, keys, salt)
         if not request.offer or not hits:
             return peer_pb2.PeerTierOfferResponse(hits=hits)
-        view, slots, unpin = await tier.hold(layout, keys[:hits], salt)
+        view, slots, unpin = await tier.hold(layout, keys[:hits], salt, prefix=True)
+        if view is None:  # evicted since it was counted
+            return peer_pb2.PeerTierOfferResponse(hits=0)
+        hits = len(slots)
         try:
             offer = self.offers.create(view, slots, self.lease_s)
         except BaseException:

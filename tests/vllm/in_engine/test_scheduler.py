@@ -731,3 +731,102 @@ def test_a_streamed_request_aborted_while_it_waits_for_the_push_frees_its_blocks
     assert time.monotonic() - started < 10
     assert decode.scheduler.kv_cache_manager.block_pool.get_num_free_blocks() >= free
     assert decode.worker.totals["pull_failures"] == failures + 1  # the cancelled receive
+
+
+@pytest.fixture(scope="module")
+def tiered(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Engine, Engine]]:
+    """Two engines (two vLLM instances of one node) over a daemon with a KV tier, the
+    connector's tier mode on: what one stored, the other can load."""
+    model = write_model(str(tmp_path_factory.mktemp("model")), num_key_value_heads=HEADS)
+    with Cluster() as cluster:
+        a = cluster.daemon("a", "--tier-host-bytes", str(64 << 20))
+        extra = {"tier": True}
+        first, second = (Engine(model, "kv_both", a.socket, extra=extra) for _ in range(2))
+        try:
+            yield first, second
+        finally:
+            first.close()
+            second.close()
+
+
+def test_a_prefix_stored_by_one_engine_is_loaded_by_the_next_instead_of_recomputed(
+    tiered: tuple[Engine, Engine],
+) -> None:
+    """Turn 1 on one engine: its full prompt blocks are stored when it finishes (the blocks
+    wait for the store). Turn 2, a longer prompt with the same start, on another engine: the
+    scheduler learns of the stored prefix (asking again while the lookup runs), the worker
+    loads it into the new blocks, and only the rest is computed."""
+    first, second = tiered
+    prompt = list(range(2000, 2000 + 3 * BLOCK + 5))  # 3 full blocks and 5 tokens
+    first.scheduler.add_request(_request("t1", prompt, 1, None))
+    fill, stored = _filled(first, 21), []
+
+    def forward(rank: int, layer: int) -> None:  # the step's blocks, while it runs
+        stored[:] = list(first.scheduler.kv_cache_manager.get_block_ids("t1")[0])[:3]
+        fill(rank, layer)
+
+    deadline = time.monotonic() + 20
+    while not stored:  # the first steps wait for the tier's answer (a miss): not scheduled yet
+        assert time.monotonic() < deadline, "turn 1 was never scheduled"
+        first.step(forward=forward)
+    kv_then = first.kv[stored].copy()
+    _run_until(first, lambda: "t1" not in first.scheduler.requests, "the store never ended (blocks held)")
+    assert first.worker.totals["tier_saves"] == 1
+
+    turn2 = [*prompt, *range(3000, 3000 + BLOCK)]  # the same 3 blocks first, then more
+    second.scheduler.add_request(_request("t2", turn2, 1, None))
+    _run_until(
+        second,
+        lambda: second.worker.totals["tier_loaded_blocks"] > 0,
+        "the stored prefix was never loaded",
+    )
+    assert second.scheduler.requests["t2"].num_computed_tokens >= 3 * BLOCK  # not recomputed
+    loaded = list(second.scheduler.kv_cache_manager.get_block_ids("t2")[0])[:3]
+    assert (second.kv[loaded] == kv_then).all()
+    assert second.worker.totals["tier_loaded_blocks"] == 3
+    _run_until(second, lambda: "t2" not in second.scheduler.requests, "turn 2 never finished")
+
+
+def test_a_prefix_found_is_held_for_its_load_however_the_tier_fills_meanwhile(tiered: tuple[Engine, Engine]) -> None:
+    """The scheduler's lookup is an offer of the stored prefix: its chunks are pinned. Another
+    tenant's stores fill the tier several times over before the load; the load still brings
+    the prefix, exact, and the offer is released once pulled."""
+    first, second = tiered
+    prompt = list(range(5000, 5000 + 2 * BLOCK + 3))
+    first.scheduler.add_request(_request("e1", prompt, 1, None))
+    fill, stored = _filled(first, 23), []
+
+    def forward(rank: int, layer: int) -> None:
+        stored[:] = list(first.scheduler.kv_cache_manager.get_block_ids("e1")[0])[:2]
+        fill(rank, layer)
+
+    deadline = time.monotonic() + 20
+    while not stored:
+        assert time.monotonic() < deadline, "e1 was never scheduled"
+        first.step(forward=forward)
+    kv_then = first.kv[stored].copy()
+    _run_until(first, lambda: "e1" not in first.scheduler.requests, "e1 was never stored")
+    plan = second.scheduler.connector._tier
+    assert plan is not None
+    second.scheduler.add_request(_request("e2", [*prompt, 1, 2], 1, None))
+    second.step()  # the lookup (an offer of the stored prefix) starts; e2 waits for its answer
+    ticket = plan._lookups["e2"].answer.result(10)
+    assert ticket is not None and ticket.num_blocks == 2
+    _flood(second.scheduler.connector._socket, 3 * (64 << 20))  # the tier holds 64 MiB
+    loaded_before = second.worker.totals["tier_loaded_blocks"]
+    _run_until(second, lambda: second.worker.totals["tier_loaded_blocks"] > loaded_before, "nothing was loaded")
+    assert second.worker.totals["tier_loaded_blocks"] == loaded_before + 2
+    loaded = list(second.scheduler.kv_cache_manager.get_block_ids("e2")[0])[:2]
+    assert (second.kv[loaded] == kv_then).all()
+    _run_until(second, lambda: "e2" not in second.scheduler.requests, "e2 never ended")
+
+
+def _flood(socket_path: str, nbytes: int) -> None:
+    """Another tenant stores ``nbytes`` of KV (its own namespace): the oldest chunks go."""
+    from kvxfer_client import HostBuffer, KvxferClient, Layout
+
+    layout = Layout.contiguous(num_blocks=16, block_bytes=1 << 20)
+    with KvxferClient(socket_path, engine_name="flood") as c:
+        pool = c.register_pool([HostBuffer.create(layout.buffer_sizes()[0])], layout)
+        for n in range(nbytes // (16 << 20)):
+            c.tier_store(pool, list(range(16)), [f"flood-{n}-{i}".encode() for i in range(16)], salt=b"flood")

@@ -30,12 +30,20 @@ class TierOfferRequest(_message.Message):
     SALT_FIELD_NUMBER: _builtins.int
     LEASE_S_FIELD_NUMBER: _builtins.int
     READERS_FIELD_NUMBER: _builtins.int
+    PREFIX_FIELD_NUMBER: _builtins.int
+    OFFER_KEY_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     pool_id: _builtins.str
     salt: _builtins.bytes
     lease_s: _builtins.float
     readers: _builtins.int
     """Pulls the offer serves before it is released as pulled (OfferRequest.readers)."""
+    prefix: _builtins.bool
+    """Offer the longest stored prefix of the keys instead (its ticket's num_blocks says how
+    long; none stored: an empty answer, no ticket): a lookup that holds what it found.
+    """
+    offer_key: _builtins.bytes
+    """The pool's offer key, when another session of the same engine registered it."""
     @_builtins.property
     def keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
     def __init__(
@@ -47,10 +55,12 @@ class TierOfferRequest(_message.Message):
         salt: _builtins.bytes = ...,
         lease_s: _builtins.float = ...,
         readers: _builtins.int = ...,
+        prefix: _builtins.bool = ...,
+        offer_key: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys", "lease_s", b"lease_s", "pool_id", b"pool_id", "readers", b"readers", "salt", b"salt", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys", "lease_s", b"lease_s", "offer_key", b"offer_key", "pool_id", b"pool_id", "prefix", b"prefix", "readers", b"readers", "salt", b"salt", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -124,11 +134,16 @@ class TierLookupRequest(_message.Message):
     KEYS_FIELD_NUMBER: _builtins.int
     SALT_FIELD_NUMBER: _builtins.int
     FROM_PEER_FIELD_NUMBER: _builtins.int
+    OFFER_KEY_FIELD_NUMBER: _builtins.int
     session_id: _builtins.str
     pool_id: _builtins.str
     salt: _builtins.bytes
     from_peer: _builtins.str
     """host:port of another node's kvxferd whose tier to ask instead (a hint: that daemon checks)."""
+    offer_key: _builtins.bytes
+    """The pool's offer key (RegisterPoolResponse): another session of the same engine (e.g. a
+    scheduler process whose workers registered the pools) looks up in its namespace.
+    """
     @_builtins.property
     def keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
     def __init__(
@@ -139,10 +154,11 @@ class TierLookupRequest(_message.Message):
         keys: _abc.Iterable[_builtins.bytes] | None = ...,
         salt: _builtins.bytes = ...,
         from_peer: _builtins.str = ...,
+        offer_key: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["from_peer", b"from_peer", "keys", b"keys", "pool_id", b"pool_id", "salt", b"salt", "session_id", b"session_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["from_peer", b"from_peer", "keys", b"keys", "offer_key", b"offer_key", "pool_id", b"pool_id", "salt", b"salt", "session_id", b"session_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
