@@ -60,14 +60,21 @@ def main() -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
-    import torch
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
     role, socket_path, model_dir = sys.argv[1:4]
+    seed = int(sys.argv[4]) if len(sys.argv) > 4 else 0  # of the dummy weights
     kwargs: dict[str, Any] = {}
-    if role != "single":
+    if role == "tier":  # the node's KV tier: stored prefixes loaded, finished requests stored
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="KvxferConnector",
+            kv_connector_module_path="kvxfer_client.vllm",
+            kv_role="kv_both",
+            kv_connector_extra_config={"socket": socket_path, "tier": True},
+        )
+    elif role != "single":
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KvxferConnector",
             kv_connector_module_path="kvxfer_client.vllm",
@@ -79,7 +86,7 @@ def main() -> None:
         model=model_dir,
         load_format="dummy",
         skip_tokenizer_init=True,
-        seed=0,
+        seed=seed,
         enforce_eager=True,
         max_model_len=1024,
         block_size=BLOCK_SIZE,
@@ -90,15 +97,36 @@ def main() -> None:
     for line in sys.stdin:
         req = json.loads(line)
         if req.get("scramble"):
-            runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
-            for t in runner.kv_caches:
-                t.copy_(torch.randn(t.shape, dtype=torch.float32).to(t.dtype))
-            _reply({"scrambled": len(runner.kv_caches)})
+            _reply({"scrambled": _scramble(llm)})
             continue
         extra = {"kv_transfer_params": req["kv"]} if req.get("kv") else None
         params = SamplingParams(max_tokens=req["max_tokens"], temperature=0.0, detokenize=False, extra_args=extra)
         out = llm.generate([TokensPrompt(prompt_token_ids=req["prompt"])], params, use_tqdm=False)[0]
+        if req.get("scramble_stored"):  # negative control: what the tier then stores is noise
+            _scramble(llm)
+        _drain(llm)
         _reply({"tokens": list(out.outputs[0].token_ids), "kv": out.kv_transfer_params})
+
+
+def _scramble(llm: Any) -> int:
+    """Overwrite every KV cache tensor of the engine with noise; returns how many."""
+    import torch
+
+    runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    for t in runner.kv_caches:
+        t.copy_(torch.randn(t.shape, dtype=torch.float32).to(t.dtype))
+    return len(runner.kv_caches)
+
+
+def _drain(llm: Any, limit_s: float = 10.0) -> None:
+    """Step the engine while it still holds finished requests (a connector's transfers or
+    stores end at a later step), as vLLM's server loop does; ``LLM.generate`` returns as soon
+    as its outputs are complete."""
+    core = llm.llm_engine.engine_core.engine_core
+    deadline = time.monotonic() + limit_s
+    while core.scheduler.has_requests() and time.monotonic() < deadline:
+        core.step()
+        time.sleep(0.001)
 
 
 if __name__ == "__main__":

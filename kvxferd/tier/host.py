@@ -192,11 +192,11 @@ class HostTier:
             if chunk is None or not chunk.complete or chunk.promoting:
                 break
             held.append(chunk)
-        if space is None or (not prefix and len(held) != len(keys)):
+        if not prefix and (space is None or len(held) != len(keys)):
             raise NotFoundError(
                 f"{len(held)} of the {len(keys)} keys are stored in this pool's namespace: store them first"
             )
-        if not held:
+        if space is None or not held:
             return None, np.zeros(0, dtype=np.int64), lambda: None
         self.index.lookup(space.ns, [c.key for c in held])
         self.index.pin(held)
