@@ -1,6 +1,7 @@
 """kvxfer host-memory benchmark: local and remote paths next to a plain UCXX baseline.
 
-Run: ``python -m bench [--iters 8] [--workloads b16,b128,contig,small,sliced,lean,integrity] [--out results.json]``
+Run: ``python -m bench [--iters 8] [--workloads b16,b128,contig,small,sliced,lean,integrity,tcp_lanes,tier]
+[--out results.json]``
 (``ttft``, not in the default set, adds ``bench/ttft.py``: prefill start to decode ready for
 pull, push and layer-wise push, on two 2 GiB Llama-8B-shaped pools at its largest size).
 Prints one JSON line per (workload, path) and a summary line with the remote/baseline ratio;
@@ -8,7 +9,9 @@ Prints one JSON line per (workload, path) and a summary line with the remote/bas
 with their ratio to plain ones of the same bytes; ``lean`` (``bench/lean.py``) the fixed cost
 of a handoff against same-run gRPC echoes, offers under load, CPU per GB, and contention;
 ``integrity`` (``bench/integrity.py``) handoff time with block checksums sampled and full
-against off, same run.
+against off, same run; ``tcp_lanes`` (``bench/tcp_lanes.py``) host blocks over TCP lanes
+against UCX's own TCP; ``tier`` (``bench/tier.py``) multi-turn conversations through the
+node's KV tier, memory only and with a disk below.
 """
 
 from __future__ import annotations
@@ -17,10 +20,11 @@ import argparse
 import asyncio
 import json
 import sys
+import tempfile
 
 import numpy as np
 
-from . import integrity, lean, sliced, ttft, ucx_baseline
+from . import integrity, lean, sliced, tcp_lanes, tier, ttft, ucx_baseline
 from .cluster import Cluster
 from .workloads import WORKLOADS, both_paths, run_concurrent, run_sequential
 
@@ -36,7 +40,7 @@ UCX_ONLY = {"KVXFERD_SAME_HOST_DIRECT_READ": "false"}
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--iters", type=int, default=8)
-    parser.add_argument("--workloads", default="b16,b128,contig,small,sliced,lean,integrity")
+    parser.add_argument("--workloads", default="b16,b128,contig,small,sliced,lean,integrity,tcp_lanes,tier")
     parser.add_argument("--small-count", type=int, default=2000)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--out", help="also write every line into this JSON file")
@@ -62,6 +66,25 @@ def main() -> None:
         if name == "integrity":
             rounds = max(args.iters, 9)
             asyncio.run(integrity.run_async([1024, 2048], rounds, lambda row: emit({"workload": "integrity", **row})))
+            continue
+        if name == "tcp_lanes":
+            asyncio.run(
+                tcp_lanes.run_async([1, 2, 4], max(args.iters, 5), lambda row: emit({"workload": "tcp_lanes", **row}))
+            )
+            continue
+        if name == "tier":
+            with tempfile.TemporaryDirectory(dir="/var/tmp") as disk:  # a disk, not tmpfs, where there is one
+                for gib, disk_gib in ((2, 0), (1, 4)):
+                    asyncio.run(
+                        tier.run_async(
+                            8,
+                            6,
+                            gib << 30,
+                            lambda row: emit({"workload": "tier", **row}),
+                            disk if disk_gib else "",
+                            disk_gib << 30,
+                        )
+                    )
             continue
         if name == "ttft":
             tokens = [256, 1024, 4096, 16384]
