@@ -45,7 +45,10 @@ from .remote import RemotePlane
 from .steps import MIN_CHUNK, within
 from .transfer_stream import TransferCall
 
-__all__ = ["RemotePull"]
+__all__ = ["OFFERER_WORD_S", "RemotePull"]
+
+#: How long a failed read waits for the offerer's word on the transfer (its failure, if any).
+OFFERER_WORD_S = 1.0
 
 
 class RemotePull:
@@ -187,7 +190,12 @@ class RemotePull:
                 if source is None or starts is None:
                     sent = asyncio.create_task(call.sent())
                     first, _ = await asyncio.wait({receiving, sent}, return_when=asyncio.FIRST_COMPLETED)
-                    if sent in first:
+                    if receiving in first and receiving.exception() is not None and not sent.done():
+                        # A direct read that failed may have seen the offerer's own failure
+                        # first (it ended the transfer and let go of the nonce): its word,
+                        # due within a moment, says why.
+                        await asyncio.wait({sent}, timeout=OFFERER_WORD_S)
+                    if sent.done() and (sent in first or sent.exception() is not None):
                         sent.result()  # the offerer failed (or aborted) while bytes were due: end now
                 landed = await receiving
                 record.data_plane_s = time.perf_counter() - started
