@@ -97,6 +97,7 @@ def test_the_systemd_units_model_a_daemon_user_and_engines_of_another_user_hand_
             name,
             *("--config", config, "--engine-socket", f"{run}/{name}.sock", "--engine-socket-group", str(DAEMON_UID)),
             *("--peer-listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"),
+            *("--tcp-lanes-listen", "127.0.0.1:0"),
             prefix=as_user(DAEMON_UID, DAEMON_UID),
         )
         for name in ("a", "b")
