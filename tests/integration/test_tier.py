@@ -151,28 +151,28 @@ async def test_tensor_parallel_ranks_fill_one_chunk_that_another_tp_and_head_ord
 
 
 async def test_ten_times_more_than_fits_evicts_oldest_first_and_stays_within_memory(cluster: Cluster) -> None:
-    """A 16 MiB tier takes 160 MiB of stores: it never holds more than its limit, the latest
+    """A 32 MiB tier takes 320 MiB of stores: it never holds more than its limit, the latest
     conversation stays, the oldest is gone; a second namespace then takes the memory over and
     the daemon's resident memory stays where the full tier had it (evicted pages go back;
     without that it would grow by the limit)."""
-    limit = 16 << 20
+    limit = 32 << 20
     a = cluster.daemon("a", "--tier-host-bytes", str(limit), "--tier-low-watermark", "0.75")
     assert a.proc is not None
     async with AsyncKvxferClient(a.socket, engine_name="engine") as e:
         pool = await e.register_pool(filled(LAYOUT, 3), LAYOUT)
         stored, rss_full = 0, 0
-        for turn in range(40):  # 40 conversations of 32 blocks (4 MiB): 10x the tier
+        for turn in range(80):  # 80 conversations of 32 blocks (4 MiB): 10x the tier
             k = keys(32, seed=f"turn-{turn}".encode())
             done, _ = await e.tier_store(pool, list(range(32)), k)
             stored += done
             assert tier_of(a).used_bytes <= limit
-            if turn == 4:  # the tier is full (and the copy threads' scratch made)
+            if turn == 8:  # the tier is full (and the copy threads' scratch made)
                 rss_full = rss_bytes(a.proc.pid)
-        assert stored == 40 * 32  # evictions made room every time
-        assert await e.tier_lookup(pool, keys(32, seed=b"turn-39")) == 32
+        assert stored == 80 * 32  # evictions made room every time
+        assert await e.tier_lookup(pool, keys(32, seed=b"turn-79")) == 32
         assert await e.tier_lookup(pool, keys(32, seed=b"turn-0")) == 0
         assert tier_of(a).namespaces[0].evictions > 0
-        for turn in range(8):  # another namespace (salt) evicts everything of the first
+        for turn in range(12):  # another namespace (salt) evicts everything of the first
             await e.tier_store(pool, list(range(32)), keys(32, seed=f"b-{turn}".encode()), salt=b"b")
         t = tier_of(a)
         assert t.used_bytes <= limit and sum(n.chunks for n in t.namespaces) * BLOCK == t.used_bytes
