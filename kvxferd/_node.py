@@ -54,6 +54,7 @@ from .handoff.serve import OffererStream, ServeRequest, TransferServer
 from .memory.pools import Pool, PoolRegistry, check_block_ids
 from .tier.disk import DiskStore
 from .tier.host import HostTier
+from .tier.offers import TierOffers
 from .tier.remote import TierPeers, load_from_peer
 
 __all__ = ["CancelOutcome", "Node"]
@@ -136,10 +137,9 @@ class Node:
             if settings.tier_host_bytes
             else None
         )
-        #: Other nodes reading this node's tier, and this node reading theirs.
-        self.tier_peers = TierPeers(
-            self.daemon_id, self.host_tier, self.offers, self._tier_ticket, 4 * settings.peer_timeout_s
-        )
+        #: Offers of the tier's chunks; other nodes reading this node's tier, and this node theirs.
+        self.tier_offers = TierOffers(self.host_tier, self.offers, self._published)
+        self.tier_peers = TierPeers(self.daemon_id, self.host_tier, self.tier_offers, 4 * settings.peer_timeout_s)
         self.pulls = Pulls(
             self.daemon_id, self.transfers, local, None, lambda pool, tid, n: tell_landed(self.sessions, pool, tid, n)
         )
@@ -323,18 +323,7 @@ class Node:
         if self.draining:
             raise UnavailableError("kvxferd is draining: no new offers")
         pool = self.keyed_pool(pool_id, session_id, offer_key)
-        view, slots, unpin = await self.host_tier().hold(pool, keys, salt, prefix)
-        if view is None:
-            return None, None
-        try:
-            offer = self.offers.create(view, slots, lease_s, None, readers)
-        except BaseException:
-            unpin()
-            raise
-        offer.owner, offer.on_end = session_id, unpin
-        self.integrity.take_digest(offer)
-        log_event("offer.create", logging.DEBUG, offer_id=offer.offer_id, pool_id=view.pool_id, blocks=len(slots))
-        return offer, self._ticket(offer, readers)
+        return await self.tier_offers.offer(pool, keys, salt, lease_s, readers, prefix, owner=session_id)
 
     async def tier_from_peer(
         self,
@@ -364,10 +353,11 @@ class Node:
             self.tier_peers, peers.dial, pull, address, pool, ids, keys, salt, self.settings.peer_timeout_s
         )
 
-    def _tier_ticket(self, offer: Offer) -> Ticket:
-        """A peer's tier read was offered chunks: checksummed like any offer, for one pull."""
+    def _published(self, offer: Offer, readers: int) -> Ticket:
+        """An offer made outside :meth:`offer` (the tier's): its digest, logged, its ticket."""
         self.integrity.take_digest(offer)
-        return self._ticket(offer, 1)
+        log_event("offer.create", logging.DEBUG, offer_id=offer.offer_id, pool_id=offer.pool.pool_id)
+        return self._ticket(offer, readers)
 
     def _ticket(self, offer: Offer, readers: int) -> Ticket:
         return Ticket(

@@ -23,10 +23,10 @@ from kvxfer_client._layout import MAX_BLOCKS, MAX_REGIONS, Layout, ModelInfo, Re
 from kvxfer_client._proto import common_pb2, peer_pb2
 from kvxfer_client._ticket import Ticket
 
-from .._offers import Offer, OfferTable
 from ..handoff.peers import Peer
 from ..memory.pools import Pool
 from .host import HostTier
+from .offers import TierOffers
 
 __all__ = ["TierPeers", "peer_layout"]
 
@@ -50,18 +50,11 @@ def peer_layout(sig: common_pb2.LayoutSignature) -> Layout:
 
 
 class TierPeers:
-    def __init__(
-        self,
-        daemon_id: str,
-        tier: Callable[[], HostTier],
-        offers: OfferTable,
-        new_offer: Callable[[Offer], Ticket],
-        lease_s: float,
-    ) -> None:
+    def __init__(self, daemon_id: str, tier: Callable[[], HostTier], offers: TierOffers, lease_s: float) -> None:
         self.daemon_id = daemon_id
         self._tier = tier
         self.offers = offers
-        self._new_offer = new_offer
+        #: How long another node's read holds the chunks it was offered.
         self.lease_s = lease_s
 
     async def serve(self, request: peer_pb2.PeerTierOfferRequest) -> peer_pb2.PeerTierOfferResponse:
@@ -73,17 +66,10 @@ class TierPeers:
         hits = tier.prefix(layout, keys, salt)
         if not request.offer or not hits:
             return peer_pb2.PeerTierOfferResponse(hits=hits)
-        view, slots, unpin = await tier.hold(layout, keys[:hits], salt, prefix=True)
-        if view is None:  # evicted since it was counted
+        offer, ticket = await self.offers.offer(layout, keys[:hits], salt, self.lease_s, prefix=True)
+        if offer is None or ticket is None:  # evicted since it was counted
             return peer_pb2.PeerTierOfferResponse(hits=0)
-        hits = len(slots)
-        try:
-            offer = self.offers.create(view, slots, self.lease_s)
-        except BaseException:
-            unpin()
-            raise
-        offer.on_end = unpin
-        return peer_pb2.PeerTierOfferResponse(hits=hits, ticket=self._new_offer(offer).to_proto())
+        return peer_pb2.PeerTierOfferResponse(hits=len(offer.block_ids), ticket=ticket.to_proto())
 
     async def ask(
         self, peer: Peer, address: str, pool: Pool, keys: list[bytes], salt: bytes, offer: bool, timeout_s: float
