@@ -105,15 +105,12 @@ async def serve(settings: Settings) -> int:
         listeners.append(peer_listener)
         node.peer_address = settings.peer_advertise or peer_listener.address
         node.start_peers(tls.channel_credentials() if tls else None)
-        lanes_address = ""
         if node.remote is not None and settings.tcp_lanes != "off":
-            lanes_address = settings.tcp_lanes_listen or peer_listener.address.rsplit(":", 1)[0] + ":0"
+            address = settings.tcp_lanes_listen or peer_listener.address.rsplit(":", 1)[0] + ":0"
             try:
-                host, port = lanes_address.rsplit(":", 1)
-                port_taken = node.remote.start_lanes(host.strip("[]"), int(port))
+                node.lanes_address = node.remote.start_lanes(address)
             except (OSError, ValueError) as exc:
-                raise explain("tcp lanes", lanes_address, exc) from None
-            lanes_address = node.lanes_address = f"{lanes_address.rsplit(':', 1)[0]}:{port_taken}"
+                raise explain("tcp lanes", address, exc) from None
         listeners.append(
             await start_listener(
                 "engine socket",
@@ -159,7 +156,7 @@ async def serve(settings: Settings) -> int:
         "engine_socket": settings.engine_socket,
         "peer_address": node.peer_address,
         "admin_address": node.admin_address,
-        "lanes_address": lanes_address,
+        "lanes_address": node.lanes_address,
         "metrics_address": metrics_address,
         "ucx_transports": ucx.transports if ucx else [],
         "tls": tls is not None,

@@ -38,7 +38,7 @@ import struct
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 from kvxfer_client._errors import UnavailableError
 
@@ -46,7 +46,17 @@ from .._log import log_event
 from .hostmem import HostMemory
 from .plan import ChunkPlan, SidePlan
 
-__all__ = ["HELLO_BYTES", "MAX_LANES", "LaneListener", "LaneSet", "connect_lanes", "hello", "lane_chunks", "run_lanes"]
+__all__ = [
+    "HELLO_BYTES",
+    "MAX_LANES",
+    "LaneListener",
+    "LaneSet",
+    "connect_lanes",
+    "hello",
+    "lane_chunks",
+    "run_lanes",
+    "split_address",
+]
 
 MAGIC = b"KVL1"
 _HELLO = struct.Struct("<4sHH16s")
@@ -59,7 +69,15 @@ MAX_PENDING = 64
 #: Socket buffers asked for (the kernel caps them at net.core.[rw]mem_max).
 SOCKET_BUFFER = 4 << 20
 
-T = TypeVar("T")
+
+def split_address(address: str) -> tuple[str, int]:
+    """``host:port`` (IPv6 hosts in brackets) as its parts.
+
+    >>> split_address("10.0.0.7:7464"), split_address("[fd00::7]:0")
+    (('10.0.0.7', 7464), ('fd00::7', 0))
+    """
+    host, port = address.rsplit(":", 1)
+    return host.removeprefix("[").removesuffix("]"), int(port)
 
 
 def hello(nonce: bytes, lane: int, count: int) -> bytes:
@@ -77,15 +95,16 @@ class LaneSet:
 
     nonce: bytes
     count: int
-    sockets: list[socket.socket | None] = field(default_factory=list)
-    complete: asyncio.Future[None] | None = None
+    sockets: list[socket.socket | None] = field(init=False)
+    #: Set once every lane is connected.
+    complete: asyncio.Future[None] = field(init=False)
 
     def __post_init__(self) -> None:
         self.sockets = [None] * self.count
         self.complete = asyncio.get_running_loop().create_future()
 
     def attach(self, lane: int, sock: socket.socket) -> bool:
-        if self.complete is None or self.complete.done() or self.sockets[lane] is not None:
+        if self.complete.done() or self.sockets[lane] is not None:
             return False
         self.sockets[lane] = sock
         if all(s is not None for s in self.sockets):
@@ -94,7 +113,6 @@ class LaneSet:
 
     async def connected(self, timeout_s: float) -> list[socket.socket]:
         """Every lane, once its receiver connected (UnavailableError past ``timeout_s``)."""
-        assert self.complete is not None
         try:
             await asyncio.wait_for(asyncio.shield(self.complete), timeout_s)
         except TimeoutError:
@@ -106,7 +124,7 @@ class LaneSet:
         return [s for s in self.sockets if s is not None]
 
     def close(self) -> None:
-        if self.complete is not None and not self.complete.done():
+        if not self.complete.done():
             self.complete.cancel()
         _shut(self.sockets)
 
@@ -123,16 +141,18 @@ class LaneListener:
         self._pending: set[asyncio.Task[None]] = set()
         self._accepting: asyncio.Task[None] | None = None
 
-    def start(self, host: str, port: int) -> int:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
+    def start(self, address: str) -> str:
+        """Listen on ``host:port`` (port 0: a free one); returns the address taken. Raises
+        OSError or ValueError when it cannot be."""
+        host, port = split_address(address)
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
         sock.listen(128)
         sock.setblocking(False)
         self._sock, self.port = sock, sock.getsockname()[1]
         self._accepting = asyncio.ensure_future(self._accept())
-        return self.port
+        return f"{address.rsplit(':', 1)[0]}:{self.port}"
 
     def expect(self, nonce: bytes, count: int) -> LaneSet:
         lanes = LaneSet(nonce, count)
@@ -238,7 +258,7 @@ async def run_lanes(
     (or a cancellation) shuts every socket down, which ends the others' blocking calls, and
     calls ``on_stop`` (for waits of their own); every thread has returned when this does."""
     loop = asyncio.get_running_loop()
-    futures = [_in_thread(loop, lane, sock, i, f"kvxfer-lane-{what}-{i}") for i, sock in enumerate(socks)]
+    futures = [_in_thread(loop, f"kvxfer-lane-{what}-{i}", lane, sock, i) for i, sock in enumerate(socks)]
     try:
         done, _ = await asyncio.wait(futures, return_when=asyncio.FIRST_EXCEPTION)
         for f in done:
@@ -323,8 +343,8 @@ def _contiguous(memory: HostMemory, chunk: ChunkPlan) -> memoryview | None:
     return memoryview(arrays[buffer][offset : offset + chunk.nbytes])
 
 
-def _in_thread(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> asyncio.Future[None]:
-    *call_args, name = args
+def _in_thread(loop: asyncio.AbstractEventLoop, name: str, fn: Callable[..., None], *args: Any) -> asyncio.Future[None]:
+    """``fn(*args)`` in a thread of its own, as a future of the loop."""
     future: asyncio.Future[None] = loop.create_future()
 
     def settle(exc: BaseException | None) -> None:
@@ -333,7 +353,7 @@ def _in_thread(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: 
 
     def run() -> None:
         try:
-            fn(*call_args)
+            fn(*args)
         except BaseException as exc:  # noqa: BLE001 - handed to the loop, raised there (else it waits forever)
             loop.call_soon_threadsafe(settle, exc)
         else:
@@ -344,7 +364,7 @@ def _in_thread(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: 
 
 
 def _unavailable(exc: BaseException | None, what: str) -> BaseException:
-    if isinstance(exc, OSError | TimeoutError):
+    if isinstance(exc, OSError):  # TimeoutError among them: a socket's timeout
         return UnavailableError(f"TCP lane ({what}): {exc!r}")
     return exc if exc is not None else UnavailableError(f"TCP lane ({what}) failed")
 

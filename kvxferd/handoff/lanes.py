@@ -11,7 +11,6 @@ checks are the same as over UCX: only the bytes take another road.
 
 from __future__ import annotations
 
-import secrets
 import socket
 from collections.abc import Awaitable, Callable
 
@@ -23,8 +22,9 @@ from .._faults import Faults
 from .._offers import Offer
 from .._transfers import TransferRecord
 from ..dataplane.plan import SidePlan
-from ..dataplane.tcp_lanes import MAX_LANES, connect_lanes, receive_lane, run_lanes, send_lane
+from ..dataplane.tcp_lanes import MAX_LANES, connect_lanes, receive_lane, run_lanes, send_lane, split_address
 from ..memory.pools import Pool
+from .direct import NONCE_BYTES, new_nonce
 from .peers import Peer
 from .remote import RemotePlane
 
@@ -32,7 +32,6 @@ __all__ = ["TCP_LANES", "LaneHandoff", "lanes_to_ask"]
 
 #: The transport name in records, metrics and logs (``tcp-lanes:<count>``).
 TCP_LANES = "tcp-lanes"
-NONCE_BYTES = 16
 
 
 def lanes_to_ask(settings: Settings, transport: str, dst: Pool, direct_read: bool) -> int:
@@ -73,7 +72,7 @@ class LaneHandoff:
         assert listener is not None, "lanes are served only where the listener runs"
         staging, staged = self.plane.lane_staging(pool, plan, "send")
         count = min(asked, MAX_LANES, staging.capacity if staged else MAX_LANES)
-        lanes = listener.expect(secrets.token_bytes(NONCE_BYTES), count)
+        lanes = listener.expect(new_nonce(), count)
         try:
             async with staging.lease(count if staged else 0) as lease:
                 record.transport = f"{TCP_LANES}:{count}"
@@ -109,7 +108,7 @@ class LaneHandoff:
             )
         record.transport = f"{TCP_LANES}:{count}"
         self.plane.tell_lanes_once(peer, count)
-        host = peer_host(peer.address)
+        host, _ = split_address(peer.address)
         socks = await connect_lanes(host, described.port, bytes(described.nonce), count, self.settings.peer_timeout_s)
         record.mark("lanes")
         staging, staged = self.plane.lane_staging(dst, plan, "receive")
@@ -125,13 +124,3 @@ class LaneHandoff:
                 receive_lane(sock, index, count, plan, memory, buffers[index], timeout_s)
 
             await run_lanes(lane, socks, f"receive {record.transfer_id}")
-
-
-def peer_host(address: str) -> str:
-    """The host of a ``host:port`` peer address (IPv6 in brackets).
-
-    >>> peer_host("10.0.0.7:7461"), peer_host("[fd00::7]:7461")
-    ('10.0.0.7', 'fd00::7')
-    """
-    host = address.rsplit(":", 1)[0]
-    return host[1:-1] if host.startswith("[") else host

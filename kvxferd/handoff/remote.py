@@ -97,10 +97,11 @@ class RemotePlane:
         #: The lane port of transfers this daemon serves (None: tcp_lanes is off).
         self.lanes: LaneListener | None = None
 
-    def start_lanes(self, host: str, port: int) -> int:
-        """Listen for TCP lanes (OSError when the address cannot be taken); returns the port."""
+    def start_lanes(self, address: str) -> str:
+        """Listen for TCP lanes on ``host:port``; returns the address taken (OSError or
+        ValueError when it cannot be)."""
         self.lanes = LaneListener(self.settings.peer_timeout_s)
-        return self.lanes.start(host, port)
+        return self.lanes.start(address)
 
     async def close(self) -> None:
         if self.lanes is not None:

@@ -97,7 +97,8 @@ async def test_a_sender_that_strays_from_the_plan_fails_the_lane_typed(sent: byt
 
 async def test_the_listener_hands_a_connection_only_to_the_transfer_its_hello_names() -> None:
     listener = LaneListener(hello_timeout_s=0.5)
-    port = listener.start("127.0.0.1", 0)
+    listener.start("127.0.0.1:0")
+    port = listener.port
     try:
         lanes = listener.expect(b"n" * 16, 2)
         other = listener.expect(b"o" * 16, 1)
