@@ -30,7 +30,7 @@ from ..dataplane.hostmem import HostMemory, MappedMemory, ProcessMemory
 from ..dataplane.plan import RegionTable
 from .process import EngineProcess
 
-__all__ = ["PROCESS_MEMORY_OFF_GPU", "Pool", "PoolRegistry", "check_block_ids"]
+__all__ = ["PROCESS_MEMORY_OFF_GPU", "Pool", "PoolRegistry", "check_block_ids", "mapped_pool", "regions_of"]
 
 U8 = npt.NDArray[np.uint8]
 MAX_BUFFERS = 4096
@@ -138,6 +138,28 @@ class Pool:
             close()
 
 
+def regions_of(layout: Layout) -> RegionTable:
+    """A layout's regions as the data plane plans with them."""
+    return RegionTable.from_regions((r.buffer_index, r.offset, r.block_stride, r.block_bytes) for r in layout.regions)
+
+
+def mapped_pool(pool_id: str, name: str, layout: Layout, arrays: list[U8]) -> Pool:
+    """A pool of memory mapped in the daemon that no engine session owns (the node's KV tier):
+    offered and pulled like an engine's host pool."""
+    return Pool(
+        pool_id=pool_id,
+        name=name,
+        session_id="",
+        layout=layout,
+        kind=common_pb2.MEMORY_KIND_HOST_SHM,
+        arrays=arrays,
+        regions=regions_of(layout),
+        fingerprint=layout.fingerprint(),  # as any pool of this layout: tickets of its blocks fit
+        nbytes=sum(a.nbytes for a in arrays),
+        base=np.array([a.ctypes.data for a in arrays], dtype=np.int64),
+    )
+
+
 def check_block_ids(ids: Sequence[int] | npt.NDArray[np.int64], num_blocks: int, what: str) -> npt.NDArray[np.int64]:
     """Validate block ids (non-empty, in range, no repeats) as one vectorised pass."""
     arr = np.asarray(ids, dtype=np.int64)
@@ -181,9 +203,7 @@ class PoolRegistry:
         if len(kinds) != 1:
             raise InvalidRequestError("all buffers of a pool must be of one memory kind")
         kind = kinds.pop()
-        regions = RegionTable.from_regions(
-            (r.buffer_index, r.offset, r.block_stride, r.block_bytes) for r in layout.regions
-        )
+        regions = regions_of(layout)
         process = None
         if kind == common_pb2.MEMORY_KIND_HOST_SHM:
             arrays, closers, device, uuid = self._map_host(buffers, session)

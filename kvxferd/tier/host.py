@@ -41,15 +41,13 @@ import numpy.typing as npt
 from kvxfer_client._errors import IncompatibleError, InvalidRequestError, KvxferError, NotFoundError
 from kvxfer_client._geometry import KvGeometry, rank_heads
 from kvxfer_client._layout import Layout, ModelInfo, Region
-from kvxfer_client._proto import common_pb2
 
 from .._faults import Faults
 from .._log import log_event
 from .._snapshot import TierView
-from ..dataplane.plan import RegionTable
 from ..dataplane.remap import remap_plans
 from ..handoff.local import LocalHandoff
-from ..memory.pools import Pool
+from ..memory.pools import Pool, mapped_pool
 from .disk import DiskStore
 from .events import TierEvents
 from .index import Chunk, Namespace, TierIndex
@@ -70,9 +68,9 @@ class TierNamespace:
 
     ns: Namespace
     label: str
+    #: Its slots as a pool (its layout's geometry: None when blocks are kept as their pool
+    #: lays them out).
     view: Pool
-    #: The geometry of its chunks (None: blocks kept as their pool lays them out).
-    geometry: KvGeometry | None
     memory: mmap.mmap
     array: npt.NDArray[np.uint8]
 
@@ -115,24 +113,25 @@ class HostTier:
         started = time.perf_counter()
         await self._make_room(space.ns, len(keys))
         reserved = self.index.reserve(space.ns, keys, heads)
-        self._release(space)  # before anything is copied into a slot that was given back
+        self._release()  # before anything is copied into a slot that was given back
         if not reserved:
             return 0, len(keys)
         where = {key: i for i, key in enumerate(keys)}
         src_ids = ids[[where[c.key] for c in reserved]]
         ok = False
         try:
-            await self._copy(pool, src_ids, space.view, _slots(reserved), space)
+            await self._copy(pool, src_ids, space.view, _slots(reserved))
             ok = True
         finally:
             self.index.finish(space.ns, [c.key for c in reserved], heads, ok)
-            self._release(space)
+            self._release()
         nbytes = len(reserved) * pool.layout.bytes_per_block
         self._count("store", len(reserved), nbytes, time.perf_counter() - started)
         return len(reserved), len(keys) - len(reserved)
 
-    def lookup(self, pool: Pool, keys: list[bytes], salt: bytes) -> int:
-        """How many of ``keys``, from the first, the tier holds for ``pool``'s namespace."""
+    def lookup(self, pool: Pool | Layout, keys: list[bytes], salt: bytes) -> int:
+        """How many of ``keys``, from the first, the tier holds for the namespace of ``pool``
+        (or of the layout a peer described for its pool). Never makes one."""
         _check(keys, salt, len(keys))
         space, _ = self._space(pool, salt, create=False)
         return 0 if space is None else self.index.lookup(space.ns, keys)
@@ -142,40 +141,17 @@ class HostTier:
         ``pool`` (``ids[j]`` takes ``keys[j]``); returns how many were loaded (the engine
         computes the rest). A loaded chunk cannot be evicted while it is copied out."""
         _check(keys, salt, len(ids))
-        space, _ = self._space(pool, salt, create=False)
-        if space is None:
-            return 0
-        chunks: list[Chunk] = []
-        for key in keys:
-            chunk = self.index.get(space.ns, key)
-            if chunk is None or not chunk.complete or chunk.promoting:
-                break
-            chunks.append(chunk)
-        if not chunks:
-            return 0
         started = time.perf_counter()
-        self.index.lookup(space.ns, [c.key for c in chunks])  # used now: last to be evicted
-        self.index.pin(chunks)
+        view, slots, unpin = await self.hold(pool, keys, salt, prefix=True)
+        if view is None:
+            return 0
         try:
-            on_disk = [c for c in chunks if c.slot is None]
-            if on_disk:
-                back = await self._promote(space, on_disk)
-                if back < len(on_disk):  # the prefix ends where a chunk did not come back
-                    chunks = chunks[: chunks.index(on_disk[back])]
-            if chunks:
-                await self._copy(space.view, _slots(chunks), pool, ids[: len(chunks)], space)
+            await self._copy(view, slots, pool, ids[: len(slots)])
         finally:
-            self.index.unpin(chunks)
-        nbytes = len(chunks) * pool.layout.bytes_per_block
-        self._count("load", len(chunks), nbytes, time.perf_counter() - started)
-        return len(chunks)
-
-    def prefix(self, layout: Layout, keys: list[bytes], salt: bytes) -> int:
-        """A peer's lookup: how many of ``keys``, from the first, are stored in the namespace
-        ``layout`` (its pool's, as it described it) and ``salt`` make here. Never makes one."""
-        _check(keys, salt, len(keys))
-        space, _ = self._space(layout, salt, create=False)
-        return 0 if space is None else self.index.lookup(space.ns, keys)
+            unpin()
+        nbytes = len(slots) * pool.layout.bytes_per_block
+        self._count("load", len(slots), nbytes, time.perf_counter() - started)
+        return len(slots)
 
     async def hold(
         self, pool: Pool | Layout, keys: list[bytes], salt: bytes, prefix: bool = False
@@ -186,12 +162,7 @@ class HostTier:
         NotFoundError when not all of them are stored (without ``prefix``)."""
         _check(keys, salt, len(keys))
         space, _ = self._space(pool, salt, create=False)
-        held: list[Chunk] = []
-        for key in keys if space is not None else []:
-            chunk = self.index.get(space.ns, key) if space is not None else None
-            if chunk is None or not chunk.complete or chunk.promoting:
-                break
-            held.append(chunk)
+        held = self._stored_prefix(space.ns, keys) if space is not None else []
         if not prefix and (space is None or len(held) != len(keys)):
             raise NotFoundError(
                 f"{len(held)} of the {len(keys)} keys are stored in this pool's namespace: store them first"
@@ -223,6 +194,16 @@ class HostTier:
                 self.index.unpin(held)
 
         return space.view, _slots(held), unpin
+
+    def _stored_prefix(self, ns: Namespace, keys: list[bytes]) -> list[Chunk]:
+        """The chunks of the longest prefix of ``keys`` that a load may read now."""
+        held: list[Chunk] = []
+        for key in keys:
+            chunk = self.index.get(ns, key)
+            if chunk is None or not chunk.complete or chunk.promoting:
+                break
+            held.append(chunk)
+        return held
 
     def views(self) -> tuple[TierView, ...]:
         return tuple(
@@ -291,21 +272,21 @@ class HostTier:
         from the first, came back whole."""
         assert self.disk is not None
         await self._make_room(space.ns, len(chunks))
-        self._release(space)
         slots = []
         for chunk in chunks:
             slot = self.index.promote(chunk)
             if slot is None:
                 break
             slots.append(slot)
-        self._release(space)  # slots whose pages went back to the kernel for these
+        self._release()  # slots whose pages went back to the kernel for these
         disk, name = self.disk, space.ns.name
+        places = []
+        for chunk, slot in zip(chunks, slots, strict=False):
+            assert chunk.disk is not None  # on disk only, or it would not be promoted
+            places.append((chunk.disk, slot, chunk.disk_sum))
 
         def read_all() -> list[bool]:
-            return [
-                disk.read(name, c.disk if c.disk is not None else -1, space.slot_bytes(s), c.disk_sum)
-                for c, s in zip(chunks, slots, strict=False)
-            ]
+            return [disk.read(name, d, space.slot_bytes(s), total) for d, s, total in places]
 
         loop = asyncio.get_running_loop()
         results = await loop.run_in_executor(self.executor, read_all)
@@ -327,7 +308,8 @@ class HostTier:
                 "through a host pool"
             )
         pool_layout = pool.layout if isinstance(pool, Pool) else pool
-        layout, geometry = canonical(pool_layout)
+        layout = canonical(pool_layout)
+        geometry = layout.geometry
         name, label = _namespace_name(pool_layout, layout, salt)
         space = self._spaces.get(name)
         heads = 1
@@ -336,10 +318,10 @@ class HostTier:
             rank = rank_heads(geometry.total_kv_heads, max(1, model.tp_size), model.tp_rank)
             heads = ((1 << rank.count) - 1) << rank.first
         if space is None and create:
-            space = self._make_space(name, label, layout, geometry)
+            space = self._make_space(name, label, layout)
         return space, heads
 
-    def _make_space(self, name: str, label: str, layout: Layout, geometry: KvGeometry | None) -> TierNamespace:
+    def _make_space(self, name: str, label: str, layout: Layout) -> TierNamespace:
         if len(self._spaces) >= MAX_NAMESPACES:
             raise InvalidRequestError(f"the tier holds {MAX_NAMESPACES} namespaces already (models x salts)")
         stride = -(-layout.bytes_per_block // _PAGE) * _PAGE
@@ -351,50 +333,40 @@ class HostTier:
             )
         memory = mmap.mmap(-1, slots * stride, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         array = np.frombuffer(memory, dtype=np.uint8)  # page-aligned: slots suit O_DIRECT
-        slotted = Layout(
-            slots, tuple(Region(0, r.offset, stride, r.block_bytes) for r in layout.regions), layout.model, geometry
+        regions = tuple(Region(0, r.offset, stride, r.block_bytes) for r in layout.regions)
+        view = mapped_pool(
+            f"tier:{name}", f"tier {label}", Layout(slots, regions, layout.model, layout.geometry), [array]
         )
-        view = Pool(
-            pool_id=f"tier:{name}",
-            name=f"tier {label}",
-            session_id="",
-            layout=slotted,
-            kind=common_pb2.MEMORY_KIND_HOST_SHM,
-            arrays=[array],
-            regions=RegionTable.from_regions([(0, r.offset, stride, r.block_bytes) for r in slotted.regions]),
-            fingerprint=slotted.fingerprint(),  # as a pool of this layout: tickets of its chunks fit
-            nbytes=slots * stride,
-            base=np.array([array.ctypes.data], dtype=np.int64),
-        )
-        ns = self.index.namespace(name, stride, _all_heads(geometry))
-        space = self._spaces[name] = TierNamespace(ns, label, view, geometry, memory, array)
+        ns = self.index.namespace(name, stride, _all_heads(layout.geometry))
+        space = self._spaces[name] = TierNamespace(ns, label, view, memory, array)
         return space
 
-    def _release(self, space: TierNamespace) -> None:
+    def _release(self) -> None:
         """Give the pages of the slots the index released back to the kernel."""
         for ns, slot in self.index.take_released():
             owner = self._spaces.get(ns.name)
             if owner is not None:
                 owner.memory.madvise(mmap.MADV_DONTNEED, slot * ns.chunk_bytes, ns.chunk_bytes)
 
-    async def _copy(self, src: Pool, src_ids: I64, dst: Pool, dst_ids: I64, space: TierNamespace) -> None:
+    async def _copy(self, src: Pool, src_ids: I64, dst: Pool, dst_ids: I64) -> None:
+        """Between an engine's pool and a namespace's slots (either way)."""
         with src.in_use(), dst.in_use():
             plans = None
-            if space.geometry is not None:  # heads placed by the remap planner (off the loop)
+            if src.layout.geometry is not None:  # heads placed by the remap planner (off the loop)
                 chunk = self.local.chunk_bytes
                 plans = await asyncio.to_thread(remap_plans, src, src_ids, dst, dst_ids, chunk)
             await self.local.copy_blocks(src, src_ids, dst, dst_ids, plans)
 
 
-def canonical(layout: Layout) -> tuple[Layout, KvGeometry | None]:
-    """The layout of a tier chunk of ``layout``'s blocks (one block, regions back to back),
-    and its geometry: every KV head, heads-major, for a pool that declares a geometry.
+def canonical(layout: Layout) -> Layout:
+    """The layout of a tier chunk of ``layout``'s blocks (one block, regions back to back);
+    for a pool that declares a geometry, every KV head, heads-major.
 
     >>> from kvxfer_client import KvGeometry, Layout, ModelInfo
     >>> rank = Layout.paged_kv(num_layers=2, num_blocks=8, block_bytes=16 * 2 * 128,
     ...     model=ModelInfo("m", "bf16", 16, tp_size=4, tp_rank=1), geometry=KvGeometry(16, 8, 128, "NHD"))
-    >>> chunk, g = canonical(rank)
-    >>> [r.block_bytes for r in chunk.regions], g.order, chunk.model.tp_size
+    >>> chunk = canonical(rank)
+    >>> [r.block_bytes for r in chunk.regions], chunk.geometry.order, chunk.model.tp_size
     ([16384, 16384, 16384, 16384], 'HND', 1)
     """
     g = layout.geometry
@@ -408,7 +380,7 @@ def canonical(layout: Layout) -> tuple[Layout, KvGeometry | None]:
     regions = tuple(Region(0, int(o), sum(sizes), n) for o, n in zip(offsets, sizes, strict=True))
     m = layout.model
     model = ModelInfo(m.model, m.dtype, m.block_tokens, 1, 0, m.kv_format) if g is not None else m
-    return Layout(1, regions, model, geometry), geometry
+    return Layout(1, regions, model, geometry)
 
 
 def _namespace_name(pool_layout: Layout, chunk: Layout, salt: bytes) -> tuple[str, str]:

@@ -63,7 +63,7 @@ class TierPeers:
             raise InvalidRequestError(f"more than {MAX_BLOCKS} keys")
         tier, layout = self._tier(), peer_layout(request.signature)
         keys, salt = list(request.keys), bytes(request.salt)
-        hits = tier.prefix(layout, keys, salt)
+        hits = tier.lookup(layout, keys, salt)
         if not request.offer or not hits:
             return peer_pb2.PeerTierOfferResponse(hits=hits)
         offer, ticket = await self.offers.offer(layout, keys[:hits], salt, self.lease_s, prefix=True)
