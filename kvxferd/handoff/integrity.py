@@ -57,6 +57,7 @@ from .._log import log_event
 from .._offers import Offer
 from .._transfers import TransferRecord
 from ..dataplane.checksum import block_sums, segment_sums, window_sums
+from ..dataplane.hostmem import HostMemory
 from ..dataplane.plan import RegionTable, SidePlan, build_plan, num_chunks, window_pieces
 from ..memory.pools import Pool
 
@@ -149,7 +150,8 @@ class Integrity:
 
         if _covered(offer.pool, positions, regions) <= INLINE_BYTES:
             try:
-                future.set_result(summed(_sum_now(offer.pool, offer.block_ids[positions], regions)))
+                memory = offer.pool.host_memory()
+                future.set_result(summed(_sum_in(memory, offer.pool.regions, offer.block_ids[positions], regions)))
             except KvxferError as exc:  # e.g. an engine's process memory that cannot be read
                 offer.integrity_off = f"its blocks could not be summed: {exc}"
                 offer.digest = None
@@ -307,28 +309,24 @@ class Integrity:
         return window, np.sort(rng.choice(count, min(self.samples, count), replace=False)).astype(np.int64)
 
     async def _window_sums(self, pool: Pool, plan: SidePlan, window: int, picks: I64) -> U64 | None:
-        if pool.closing:
-            return None
-        with pool.in_use():
-            if len(picks) * window <= INLINE_BYTES:
-                return window_sums(pool.host_memory(), plan, window, picks)
-            loop = asyncio.get_running_loop()
-            memory = pool.host_memory()
-            result: U64 = await loop.run_in_executor(self.executor, window_sums, memory, plan, window, picks)
-            return result
+        return await self._summed(pool, len(picks) * window, window_sums, plan, window, picks)
 
     # -- shared ---------------------------------------------------------------------------
 
     async def _sums(self, pool: Pool, ids: I64, regions: I64 | None) -> U64 | None:
-        """The sums, on the loop when small, else in a copy thread; None when the pool is
-        going away."""
+        return await self._summed(pool, _covered(pool, ids, regions), _sum_in, pool.regions, ids, regions)
+
+    async def _summed(self, pool: Pool, nbytes: int, sums: Callable[..., U64], *args: Any) -> U64 | None:
+        """``sums(pool's host memory, *args)`` over ``nbytes``: on the loop when small, else in a
+        copy thread; None when the pool is going away."""
         if pool.closing:
             return None
         with pool.in_use():
-            if _covered(pool, ids, regions) <= INLINE_BYTES:
-                return _sum_now(pool, ids, regions)
+            memory = pool.host_memory()
+            if nbytes <= INLINE_BYTES:
+                return sums(memory, *args)
             loop = asyncio.get_running_loop()
-            result: U64 = await loop.run_in_executor(self.executor, _sum_now, pool, ids, regions)
+            result: U64 = await loop.run_in_executor(self.executor, sums, memory, *args)
             return result
 
     def _checked(self, record: TransferRecord, mode: str, blocks: int, mismatch: bool) -> None:
@@ -341,11 +339,11 @@ class Integrity:
         self._count(record.integrity_mode, "not_checked", 0)
 
 
-def _sum_now(pool: Pool, ids: I64, regions: I64 | None) -> U64:
-    memory = pool.host_memory()
+def _sum_in(memory: HostMemory, table: RegionTable, ids: I64, regions: I64 | None) -> U64:
+    """Whole blocks' sums (``regions`` None), or one region's segment of each block."""
     if regions is None:
-        return block_sums(memory, pool.regions, ids)
-    return segment_sums(memory, pool.regions, ids, regions)
+        return block_sums(memory, table, ids)
+    return segment_sums(memory, table, ids, regions)
 
 
 def _covered(pool: Pool, ids: I64, regions: I64 | None) -> int:
