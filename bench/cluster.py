@@ -97,6 +97,40 @@ class Daemon:
         except FileNotFoundError:
             return ""
 
+    def admin(self, method: str, request: Any) -> Any:
+        """One AdminService call over the daemon's Unix socket (``Status``, ``ListTier``, ...)."""
+        import grpc
+
+        from kvxfer_client._proto import admin_pb2_grpc
+
+        with grpc.insecure_channel("unix:" + self.socket) as channel:
+            return getattr(admin_pb2_grpc.AdminServiceStub(channel), method)(request, timeout=5)
+
+    def transfer(self, transfer_id: str) -> Any:
+        """The daemon's record of one transfer, running or finished (``TransferInfo``)."""
+        from kvxfer_client._proto import admin_pb2
+
+        listed = self.admin("ListTransfers", admin_pb2.ListTransfersRequest(include_finished=True))
+        [row] = [t for t in listed.transfers if t.transfer_id == transfer_id]
+        return row
+
+    async def settled(self, timeout_s: float = 10.0) -> Any:
+        """The daemon's ``Status`` once it holds no offer or transfer (or the last one seen)."""
+        import asyncio
+
+        import grpc
+
+        from kvxfer_client._proto import admin_pb2, admin_pb2_grpc
+
+        deadline = time.monotonic() + timeout_s
+        async with grpc.aio.insecure_channel("unix:" + self.socket) as channel:
+            stub = admin_pb2_grpc.AdminServiceStub(channel)
+            while True:
+                s = await stub.Status(admin_pb2.StatusRequest(), timeout=5)
+                if (s.active_offers, s.active_transfers) == (0, 0) or time.monotonic() > deadline:
+                    return s
+                await asyncio.sleep(0.05)
+
     def terminate(self, timeout_s: float = 30.0) -> int:
         """SIGTERM (drain) and wait; returns the exit code."""
         assert self.proc is not None

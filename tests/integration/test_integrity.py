@@ -10,7 +10,6 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 
-import grpc
 import numpy as np
 import pytest
 
@@ -26,7 +25,7 @@ from kvxfer_client import (
     Pool,
     ReleaseReason,
 )
-from kvxfer_client._proto import admin_pb2, admin_pb2_grpc, common_pb2
+from kvxfer_client._proto import common_pb2
 
 LAYOUT = Layout.paged_kv(num_layers=2, num_blocks=32, block_bytes=8 << 10)
 SRC, DST = [3, 9, 1, 20, 7, 11], [0, 5, 6, 30, 2, 8]
@@ -44,17 +43,6 @@ async def _pools(p: AsyncKvxferClient, d: AsyncKvxferClient) -> tuple[Pool, Pool
         buf.array()[:] = np.random.default_rng(i).integers(0, 256, buf.size, dtype=np.uint8)
     dst = [HostBuffer.create(s) for s in LAYOUT.buffer_sizes()]
     return await p.register_pool(src, LAYOUT), await d.register_pool(dst, LAYOUT)
-
-
-def _transfers(daemon: Daemon) -> list[admin_pb2.TransferInfo]:
-    with grpc.insecure_channel("unix:" + daemon.socket) as channel:
-        stub = admin_pb2_grpc.AdminServiceStub(channel)
-        return list(stub.ListTransfers(admin_pb2.ListTransfersRequest(include_finished=True), timeout=5).transfers)
-
-
-def _row(daemon: Daemon, transfer_id: str) -> admin_pb2.TransferInfo:
-    [row] = [t for t in _transfers(daemon) if t.transfer_id == transfer_id]
-    return row
 
 
 async def _until(condition: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
@@ -89,12 +77,12 @@ async def test_every_block_is_checked_in_full_mode_and_the_records_say_so(
         src, dst = await _pools(p, d)
         ticket = await p.offer(src, SRC)
         result = await d.pull(ticket, dst, DST, transfer_id="checked-1")
-        row = _row(b, "checked-1")
+        row = b.transfer("checked-1")
         path = {"direct:cma": "direct", "local-copy": "local"}.get(row.transport, "ucx")
         assert path == request.node.callspec.id, row.transport  # the path this case is about
         assert (row.integrity_mode, row.integrity_blocks, row.integrity_result) == ("full", len(SRC), "ok"), row
         if a is not b:  # the offering daemon's record: full mode leaves every byte to the receiver
-            served = _row(a, "checked-1")
+            served = a.transfer("checked-1")
             assert (served.integrity_mode, served.integrity_blocks, served.integrity_result) == ("full", 6, "sent")
         assert f"integrity=full:{len(SRC)}:ok" in b.log()
         assert result.bytes == len(SRC) * LAYOUT.bytes_per_block
@@ -115,7 +103,7 @@ async def test_a_bit_flipped_on_the_way_fails_the_pull_naming_the_block(pair: tu
             await d.pull(ticket, dst, DST, transfer_id="flipped-1")
         released = await p.wait_released(ticket.offer_id, 10)
         assert released.reason is ReleaseReason.FAILED
-        row = _row(b, "flipped-1")
+        row = b.transfer("flipped-1")
         assert row.state == common_pb2.TRANSFER_STATE_FAILED and row.integrity_result == "mismatch", row
         assert "fault.hit point=before_check action=corrupt" in b.log()
 
@@ -184,9 +172,9 @@ async def test_with_integrity_off_the_records_say_why_nothing_was_checked(cluste
         src, dst = await _pools(p, d)
         await d.pull(await p.offer(src, SRC), dst, DST, transfer_id="off-1")
         why = "integrity is off on the offering daemon"
-        assert _row(a, "off-1").integrity_result == f"not checked: {why}"
+        assert a.transfer("off-1").integrity_result == f"not checked: {why}"
         if b is not a:
-            assert _row(b, "off-1").integrity_result == f"not checked: no sums from the offering daemon ({why})"
+            assert b.transfer("off-1").integrity_result == f"not checked: no sums from the offering daemon ({why})"
 
 
 @pytest.mark.parametrize("path", ["ucx", "local"])
@@ -247,17 +235,17 @@ async def test_a_remapped_pull_is_checked_where_it_lands(cluster: Cluster, path:
             DataLossError, match=r"blocks \[4, 5, 6\] \(bytes \[0\] onwards, 65536 each, of the remapped"
         ):
             await d.pull(ticket, dst, [4, 5, 6], transfer_id="remap-flipped")
-        assert _row(b, "remap-flipped").integrity_result == "mismatch"
+        assert b.transfer("remap-flipped").integrity_result == "mismatch"
 
         result = await d.pull(await p.offer(src, [1, 2, 3]), dst, [4, 5, 6], transfer_id="remap-1")
         assert result.mapping, result
-        row = _row(b, "remap-1")
+        row = b.transfer("remap-1")
         path_taken = {"direct:cma": "direct", "local-copy": "local"}.get(row.transport, "ucx")
         assert path_taken == path, row.transport
         # One 64 KiB window holds the whole stream: every destination block is checked.
         assert (row.integrity_mode, row.integrity_blocks, row.integrity_result) == ("sampled", 3, "ok"), row
         if b is not a:
-            assert _row(a, "remap-1").integrity_result == "ok"  # the source's own check
+            assert a.transfer("remap-1").integrity_result == "ok"  # the source's own check
 
         ticket = await p.offer(src, [1, 2, 3])
         await _until(lambda: f"integrity.digest offer_id={ticket.offer_id}" in a.log(), "the offer was never summed")

@@ -10,7 +10,6 @@ import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 
-import grpc
 import numpy as np
 import pytest
 
@@ -28,7 +27,6 @@ from kvxfer_client import (
     Pool,
     ReleaseReason,
 )
-from kvxfer_client._proto import admin_pb2, admin_pb2_grpc
 
 LAYERS = 4
 BLOCKS = 16
@@ -157,24 +155,12 @@ async def test_a_layer_wise_transfer_that_loses_its_prefill_engine_or_daemon_mid
         assert time.monotonic() - started < 15
         assert b.proc is not None and b.proc.poll() is None
         for survivor in [b] if lost == "daemon" else [a, b]:
-            left = await _settled(survivor)
+            left = await survivor.settled()
             assert (left.active_offers, left.active_transfers) == (0, 0), (survivor.name, left)
             assert (left.staging_send_in_use, left.staging_receive_in_use) == (0, 0), (survivor.name, left)
     finally:
         await d.close()
         await p.close()
-
-
-async def _settled(daemon: Daemon, timeout_s: float = 10.0) -> admin_pb2.StatusResponse:
-    """The daemon's status once it holds no offer or transfer (or the last one seen)."""
-    deadline = time.monotonic() + timeout_s
-    async with grpc.aio.insecure_channel("unix:" + daemon.socket) as channel:
-        stub = admin_pb2_grpc.AdminServiceStub(channel)
-        while True:
-            s = await stub.Status(admin_pb2.StatusRequest(), timeout=5)
-            if (s.active_offers, s.active_transfers) == (0, 0) or time.monotonic() > deadline:
-                return s
-            await asyncio.sleep(0.05)
 
 
 @pytest.mark.parametrize("daemons", ["ucx"], indirect=True)

@@ -10,29 +10,16 @@ import socket
 import time
 from collections.abc import Callable
 
-import grpc
 import numpy as np
 import pytest
 
-from bench.cluster import Cluster, Daemon
+from bench.cluster import Cluster
 from kvxfer_client import AsyncKvxferClient, HostBuffer, KvGeometry, Layout, ModelInfo, ReleaseReason, UnavailableError
-from kvxfer_client._proto import admin_pb2, admin_pb2_grpc
 
 NO_DIRECT = {"KVXFERD_SAME_HOST_DIRECT_READ": "false"}
 LANES = ("--tcp-lanes", "always", "--chunk-bytes", str(1 << 20))
 # 8 layers of K and V, 64 KiB blocks: a fragmented (b16-like) pull of 24 blocks is 12 MiB.
 LAYOUT = Layout.paged_kv(num_layers=8, num_blocks=64, block_bytes=64 << 10)
-
-
-def _transfers(daemon: Daemon) -> list[admin_pb2.TransferInfo]:
-    with grpc.insecure_channel("unix:" + daemon.socket) as channel:
-        stub = admin_pb2_grpc.AdminServiceStub(channel)
-        return list(stub.ListTransfers(admin_pb2.ListTransfersRequest(include_finished=True), timeout=5).transfers)
-
-
-def _row(daemon: Daemon, transfer_id: str) -> admin_pb2.TransferInfo:
-    [row] = [t for t in _transfers(daemon) if t.transfer_id == transfer_id]
-    return row
 
 
 async def _until(condition: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
@@ -74,7 +61,7 @@ async def test_fragmented_blocks_land_byte_exact_over_the_lanes(cluster: Cluster
         assert result.bytes == 24 * LAYOUT.bytes_per_block
         assert _blocks(LAYOUT, dst_bufs, dst_ids) == _blocks(LAYOUT, src_bufs, src_ids)
         for daemon in (a, b):
-            assert _row(daemon, "lanes-1").transport == f"tcp-lanes:{lanes}"
+            assert daemon.transfer("lanes-1").transport == f"tcp-lanes:{lanes}"
 
 
 @pytest.mark.parametrize("env", ["tcp-only", "shared-memory"])
@@ -124,7 +111,7 @@ async def test_a_remapped_partial_pull_goes_over_the_lanes_checked_where_it_land
         ticket = await p.offer(src, [9, 3, 5, 11, 2])
         result = await d.pull(ticket, dst, [0, 1, 2], offer_block_indices=[1, 2, 4], transfer_id="remap-lanes")
         assert result.mapping and result.transport == "tcp-lanes:4", result
-        row = _row(b, "remap-lanes")
+        row = b.transfer("remap-lanes")
         assert (row.integrity_mode, row.integrity_blocks, row.integrity_result) == ("full", 3, "ok"), row
         # The same blocks over UCX, into another daemon's pool: the same bytes land.
         plain = cluster.daemon("c", env=NO_DIRECT)
@@ -142,7 +129,7 @@ async def test_the_lane_port_serves_no_stranger(cluster: Cluster) -> None:
     a = cluster.daemon("a", *LANES, "--peer-timeout-s", "1", env=NO_DIRECT)
     b = cluster.daemon("b", *LANES, env=NO_DIRECT)
     host, port = a.info["lanes_address"].rsplit(":", 1)
-    assert (await _settled(a)).lanes_address == a.info["lanes_address"]  # kvxferctl status shows it
+    assert (await a.settled()).lanes_address == a.info["lanes_address"]  # kvxferctl status shows it
     strangers = []
     for payload in (
         b"GET / HTTP/1.1\r\n\r\n" + b"x" * 100,
@@ -206,20 +193,9 @@ async def test_a_daemon_lost_mid_lane_fails_the_transfer_typed_on_the_other_side
             moving.cancel()
             survivor = a
         assert time.monotonic() - started < 15
-        left = await _settled(survivor)
+        left = await survivor.settled()
         assert (left.active_offers, left.active_transfers) == (0, 0), left
         assert (left.staging_send_in_use, left.staging_receive_in_use) == (0, 0), left
     finally:
         await d.close()
         await p.close()
-
-
-async def _settled(daemon: Daemon, timeout_s: float = 10.0) -> admin_pb2.StatusResponse:
-    deadline = time.monotonic() + timeout_s
-    async with grpc.aio.insecure_channel("unix:" + daemon.socket) as channel:
-        stub = admin_pb2_grpc.AdminServiceStub(channel)
-        while True:
-            s = await stub.Status(admin_pb2.StatusRequest(), timeout=5)
-            if (s.active_offers, s.active_transfers) == (0, 0) or time.monotonic() > deadline:
-                return s
-            await asyncio.sleep(0.05)

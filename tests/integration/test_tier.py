@@ -67,8 +67,7 @@ def blocks(layout: Layout, buffers: list[HostBuffer], ids: list[int]) -> list[by
 
 
 def tier_of(daemon: Daemon) -> admin_pb2.ListTierResponse:
-    with grpc.insecure_channel("unix:" + daemon.socket) as channel:
-        return admin_pb2_grpc.AdminServiceStub(channel).ListTier(admin_pb2.ListTierRequest(), timeout=5)
+    return daemon.admin("ListTier", admin_pb2.ListTierRequest())
 
 
 def rss_bytes(pid: int) -> int:
@@ -243,8 +242,7 @@ async def test_a_killed_engines_stored_blocks_are_still_served(cluster: Cluster)
 
 
 def _pools_of(daemon: Daemon) -> int:
-    with grpc.insecure_channel("unix:" + daemon.socket) as channel:
-        return len(admin_pb2_grpc.AdminServiceStub(channel).ListPools(admin_pb2.ListPoolsRequest(), timeout=5).pools)
+    return len(daemon.admin("ListPools", admin_pb2.ListPoolsRequest()).pools)
 
 
 async def test_a_restarted_daemon_starts_with_an_empty_tier(cluster: Cluster) -> None:
