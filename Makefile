@@ -10,14 +10,14 @@ STAMP  := $(VENV)/.installed
 VLLM_VENV  := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: all demo test lint typecheck unit pytest proto bench faults clean promtool vllm-venv vllm-test
+.PHONY: all demo test lint typecheck docs docs-reference unit pytest proto bench faults clean promtool vllm-venv vllm-test vllm-engines-test vllm-load-test
 
 all: test
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -c constraints.txt -e '.[ucx,test,e2e]'
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[ucx,test,e2e,docs]'
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -42,26 +42,36 @@ lint: $(STAMP) promtool
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
+# The documentation site, built strictly (a broken link or anchor fails); its reference pages
+# are generated from the code (tests/unit/test_docs.py fails when they are stale).
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir site
+
+docs-reference: $(STAMP)
+	$(BIN)/python tools/gen_docs.py
+
 pytest: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 # make test: lint, types and the suite in .venv while, in the background, .venv-vllm is built
-# (mostly downloads) and vLLM's tests run as soon as both venvs exist; their log is printed at
-# the end. make vllm-test runs them alone.
+# (mostly downloads) and vLLM's engine tests run as soon as both venvs exist; their log is
+# printed at the end. Then the served-load tests (four vLLM servers under a soak, whose busy
+# loops would starve the suite's timing checks) run alone. make vllm-test runs all vLLM tests.
 test:
 	@rm -f $(VLLM_VENV).rc $(VLLM_VENV)-test.rc $(VLLM_VENV).main-done
 	@( $(MAKE) --no-print-directory vllm-venv > $(VLLM_VENV).log 2>&1; rc=$$?; echo $$rc > $(VLLM_VENV).rc; \
 	   while [ ! -f $(STAMP) ] && [ ! -f $(VLLM_VENV).main-done ]; do sleep 2; done; \
 	   if [ $$rc = 0 ] && [ -f $(STAMP) ]; then \
-	     $(MAKE) --no-print-directory vllm-test > $(VLLM_VENV)-test.log 2>&1; echo $$? > $(VLLM_VENV)-test.rc; \
+	     $(MAKE) --no-print-directory vllm-engines-test > $(VLLM_VENV)-test.log 2>&1; echo $$? > $(VLLM_VENV)-test.rc; \
 	   else echo "vLLM tests not run: a venv is missing" > $(VLLM_VENV)-test.log; echo 1 > $(VLLM_VENV)-test.rc; fi ) & \
-	$(MAKE) --no-print-directory lint typecheck pytest; status=$$?; touch $(VLLM_VENV).main-done; \
+	$(MAKE) --no-print-directory lint typecheck docs pytest; status=$$?; touch $(VLLM_VENV).main-done; \
 	while [ ! -f $(VLLM_VENV)-test.rc ]; do sleep 2; done; \
 	if [ "$$(cat $(VLLM_VENV).rc)" != 0 ]; then tail -50 $(VLLM_VENV).log; echo "building $(VLLM_VENV) failed"; exit 1; fi; \
 	cat $(VLLM_VENV)-test.log; \
-	[ $$status = 0 ] && [ "$$(cat $(VLLM_VENV)-test.rc)" = 0 ]
+	$(MAKE) --no-print-directory vllm-load-test; load=$$?; \
+	[ $$status = 0 ] && [ "$$(cat $(VLLM_VENV)-test.rc)" = 0 ] && [ $$load = 0 ]
 
-# Regenerate kvxfer_client/_proto from proto/ (tests/unit/test_proto_stubs.py checks it is current).
+# Regenerate kvxfer/proto from proto/ (tests/unit/test_proto_stubs.py checks it is current).
 proto: $(STAMP)
 	$(BIN)/python tools/gen_proto.py
 
@@ -85,11 +95,17 @@ $(VLLM_STAMP): constraints-vllm.txt pyproject.toml
 
 vllm-venv: $(VLLM_STAMP)
 
-# vLLM's own scheduler driving the connector (in .venv-vllm), then two real vLLM engines
-# (in .venv-vllm) handing off through real daemons (run from .venv).
-vllm-test: $(STAMP) $(VLLM_STAMP)
+# vLLM's own scheduler driving the connector (in .venv-vllm), then real vLLM engines (in
+# .venv-vllm) handing off through real daemons (run from .venv); then served engines under
+# load (-s shows their figures: bursts, soak, restarts).
+vllm-test: vllm-engines-test vllm-load-test
+
+vllm-engines-test: $(STAMP) $(VLLM_STAMP)
 	KVXFER_DAEMON_PYTHON=$(BIN)/python $(VLLM_VENV)/bin/python -m pytest -q -o addopts="-p no:cacheprovider" --doctest-modules kvxfer_client/vllm tests/vllm/in_engine
-	KVXFER_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(BIN)/python -m pytest -q -m vllm tests/vllm
+	KVXFER_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(BIN)/python -m pytest -q -m vllm tests/vllm --ignore=tests/vllm/test_served_load.py
+
+vllm-load-test: $(STAMP) $(VLLM_STAMP)
+	KVXFER_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(BIN)/python -m pytest -q -s -m vllm tests/vllm/test_served_load.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .mypy_cache .ruff_cache .pytest_cache

@@ -101,14 +101,14 @@ class Daemon:
         """One AdminService call over the daemon's Unix socket (``Status``, ``ListTier``, ...)."""
         import grpc
 
-        from kvxfer_client._proto import admin_pb2_grpc
+        from kvxfer.proto import admin_pb2_grpc
 
         with grpc.insecure_channel("unix:" + self.socket) as channel:
             return getattr(admin_pb2_grpc.AdminServiceStub(channel), method)(request, timeout=5)
 
     def transfer(self, transfer_id: str) -> Any:
         """The daemon's record of one transfer, running or finished (``TransferInfo``)."""
-        from kvxfer_client._proto import admin_pb2
+        from kvxfer.proto import admin_pb2
 
         listed = self.admin("ListTransfers", admin_pb2.ListTransfersRequest(include_finished=True))
         [row] = [t for t in listed.transfers if t.transfer_id == transfer_id]
@@ -120,7 +120,7 @@ class Daemon:
 
         import grpc
 
-        from kvxfer_client._proto import admin_pb2, admin_pb2_grpc
+        from kvxfer.proto import admin_pb2, admin_pb2_grpc
 
         deadline = time.monotonic() + timeout_s
         async with grpc.aio.insecure_channel("unix:" + self.socket) as channel:

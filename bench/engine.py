@@ -138,7 +138,7 @@ class Engine:
                 # vLLM's flash-attention KV tensor: [2, num_blocks, block_size, kv_heads, head_dim]
                 # fp16, its layout read off the tensor by the connector's own code.
                 from kvxfer_client import layout_from_tensors
-                from kvxfer_client.vllm._worker import block_dim_of
+                from kvxfer_client.vllm._tensors import block_dim_of
 
                 heads, head_dim = shape["block_bytes"] // (16 * 128 * 2), 128
                 dims = (2, shape["blocks"], 16, heads, head_dim)

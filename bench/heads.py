@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvxfer.geometry import HeadRange
 from kvxfer_client import KvGeometry, Layout, ModelInfo
-from kvxfer_client._geometry import HeadRange
 from kvxferd.dataplane.plan import RegionTable
 from kvxferd.dataplane.remap import Side
 

@@ -176,7 +176,7 @@ async def run_async(
 async def _tier(socket_path: str) -> dict[str, int]:
     import grpc
 
-    from kvxfer_client._proto import admin_pb2, admin_pb2_grpc
+    from kvxfer.proto import admin_pb2, admin_pb2_grpc
 
     async with grpc.aio.insecure_channel("unix:" + socket_path) as channel:
         resp = await admin_pb2_grpc.AdminServiceStub(channel).ListTier(admin_pb2.ListTierRequest(), timeout=5)

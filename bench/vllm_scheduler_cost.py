@@ -18,9 +18,10 @@ import time
 
 import numpy as np
 
+from kvxfer.ticket import Ticket
 from kvxfer_client import KvxferClient, Layout
-from kvxfer_client._ticket import Ticket
-from kvxfer_client.vllm._plan import RankPool, SchedulerPlan
+from kvxfer_client.vllm._messages import RankPool
+from kvxfer_client.vllm._plan import SchedulerPlan
 
 from .cluster import Cluster
 

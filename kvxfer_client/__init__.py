@@ -5,11 +5,8 @@ and gets a JSON :class:`Ticket`, the decode side pulls the ticket into its own b
 prefill side receives an :class:`OfferReleased` event once it may free them.
 """
 
-from ._blocking import KvxferClient
-from ._client import AsyncKvxferClient
-from ._config import default_socket_path
-from ._connector import ConnectorMetadata, ConnectorScheduler, ConnectorWorker, LoadSpec, SendSpec
-from ._errors import (
+from kvxfer.defaults import default_socket_path
+from kvxfer.errors import (
     AlreadyExistsError,
     CancelledError,
     DataLossError,
@@ -19,27 +16,29 @@ from ._errors import (
     InvalidRequestError,
     KvxferError,
     NotFoundError,
+    OfferExpiredError,
+    OfferTakenError,
     PermissionDeniedError,
     ResourceExhaustedError,
     UnavailableError,
 )
+from kvxfer.geometry import KvGeometry
+from kvxfer.host_memory import HostBuffer
+from kvxfer.layout import Layout, ModelInfo, Region
+from kvxfer.ticket import Ticket
+from kvxfer.version import __version__
+
+from ._blocking import KvxferClient
+from ._client import AsyncKvxferClient
 from ._events import OfferReleased, ReleaseReason, TransferFailed
-from ._geometry import KvGeometry
-from ._layout import Layout, ModelInfo, Region
-from ._memory import HostBuffer
 from ._results import CancelResult, Pool, PullResult, PushResult
 from ._tensor_layout import layout_from_tensors
-from ._ticket import Ticket
-from ._version import __version__
 
 __all__ = [
     "AlreadyExistsError",
     "AsyncKvxferClient",
     "CancelResult",
     "CancelledError",
-    "ConnectorMetadata",
-    "ConnectorScheduler",
-    "ConnectorWorker",
     "DataLossError",
     "DeadlineExceededError",
     "HostBuffer",
@@ -50,10 +49,11 @@ __all__ = [
     "KvxferClient",
     "KvxferError",
     "Layout",
-    "LoadSpec",
     "ModelInfo",
     "NotFoundError",
+    "OfferExpiredError",
     "OfferReleased",
+    "OfferTakenError",
     "PermissionDeniedError",
     "Pool",
     "PullResult",
@@ -61,7 +61,6 @@ __all__ = [
     "Region",
     "ReleaseReason",
     "ResourceExhaustedError",
-    "SendSpec",
     "Ticket",
     "TransferFailed",
     "UnavailableError",

@@ -7,18 +7,21 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvxfer.cuda import describe_cuda_tensor, is_cuda_tensor
+from kvxfer.errors import InvalidRequestError
+from kvxfer.host_memory import HostBuffer
+from kvxfer.proto import common_pb2
+
 from ._config import huge_pages_enabled
-from ._cuda import describe_cuda_tensor, is_cuda_tensor
-from ._errors import InvalidRequestError
 from ._host_tensor import advise_huge_pages, host_tensor_extent, is_host_tensor
-from ._memory import HostBuffer
-from ._proto import common_pb2
 
 __all__ = ["buffer_spec"]
 
 
-def buffer_spec(buf: Any) -> common_pb2.BufferSpec:
-    """A :class:`HostBuffer`, a CPU tensor or a GPU tensor as the daemon's ``BufferSpec``."""
+def buffer_spec(buf: Any, advise: bool = True) -> common_pb2.BufferSpec:
+    """A :class:`HostBuffer`, a CPU tensor or a GPU tensor as the daemon's ``BufferSpec``;
+    ``advise``: ask for huge pages under a CPU tensor (not again when registering it again:
+    collapsing a 1 GiB KV cache took over 20 s on a loaded machine, and the pages stay huge)."""
     if isinstance(buf, HostBuffer):
         return common_pb2.BufferSpec(kind=common_pb2.MEMORY_KIND_HOST_SHM, size=buf.size)
     if not is_cuda_tensor(buf):
@@ -28,7 +31,7 @@ def buffer_spec(buf: Any) -> common_pb2.BufferSpec:
                 "(numpy, torch: __array_interface__ or DLPack) or GPU tensors (__cuda_array_interface__ or DLPack)"
             )
         address, size = host_tensor_extent(buf)
-        if huge_pages_enabled():
+        if advise and huge_pages_enabled():
             advise_huge_pages(address, size)
         return common_pb2.BufferSpec(kind=common_pb2.MEMORY_KIND_HOST_PROCESS, size=size, process_address=address)
     spec = describe_cuda_tensor(buf)

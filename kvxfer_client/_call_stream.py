@@ -24,14 +24,14 @@ from typing import Any
 
 import grpc
 
-from ._errors import (
+from kvxfer.errors import (
     DeadlineExceededError,
     UnavailableError,
     error_from_rpc,
     error_from_status,
     status_code,
 )
-from ._proto import engine_pb2, engine_pb2_grpc
+from kvxfer.proto import engine_pb2, engine_pb2_grpc
 
 __all__ = ["CallStream", "CallStreamUnsupportedError"]
 
@@ -93,6 +93,7 @@ class CallStream:
                 transfer_id=e.transfer_id,
                 offer_id=e.offer_id,
                 may_still_write=e.may_still_write,
+                reason=e.reason,
             )
         if result != kind:
             raise UnavailableError(f"kvxferd answered a {kind} call with {result!r}")

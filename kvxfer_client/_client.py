@@ -13,43 +13,28 @@ engine's session with the daemon (pools die with it).
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Hashable, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
-import grpc
 import numpy as np
 
-from ._buffers import buffer_spec
-from ._call_stream import CallStream, CallStreamUnsupportedError
-from ._config import call_stream_enabled, channel_options, default_socket_path
-from ._errors import (
-    DeadlineExceededError,
+from kvxfer.errors import (
     InvalidRequestError,
-    KvxferError,
     UnavailableError,
-    error_from_rpc,
 )
-from ._events import LayersLanded, OfferReleased, TransferFailed, event_from_proto
-from ._fds import attach_process, pass_fds
-from ._host_tensor import allow_daemon
-from ._layout import MAX_BLOCKS, Layout
+from kvxfer.layout import MAX_BLOCKS
+from kvxfer.proto import engine_pb2
+from kvxfer.ticket import Ticket
+
+from ._events import OfferReleased
+from ._inbox import MAX_QUEUED_EVENTS, Event
 from ._marks import LayerMarks
-from ._memory import HostBuffer
-from ._proto import common_pb2, engine_pb2, engine_pb2_grpc
+from ._pools import PoolClient
 from ._results import CancelResult, Pool, PullResult, PushResult, pull_result
-from ._ticket import Ticket
 from ._tier import TierCalls
 
-__all__ = ["AsyncKvxferClient"]
+__all__ = ["MAX_QUEUED_EVENTS", "AsyncKvxferClient", "Event"]
 
-T = TypeVar("T")
-Event = OfferReleased | TransferFailed
-_RELEASED_MEMORY = 100_000  # released events kept for late wait_released() calls
-_LANDED_MEMORY = 10_000  # layer-wise transfers whose landed layers are remembered
-#: Events kept for events()/next_event(); past it the oldest go (counted in events_dropped),
-#: so an engine that only calls wait_released() holds a bounded amount.
-MAX_QUEUED_EVENTS = 10_000
 #: Seconds a pull's RPC may outlast its ``timeout_s``. After the deadline the daemon cancels
 #: the receives and waits up to 5 s (``kvxferd``'s ``CANCEL_CONFIRM_S``) for UCX to confirm
 #: that nothing more will be written; its answer then carries ``may_still_write``, which the
@@ -78,7 +63,7 @@ def _as_ticket(ticket: Ticket | str | dict[str, Any]) -> Ticket:
     return ticket
 
 
-class AsyncKvxferClient(TierCalls):
+class AsyncKvxferClient(PoolClient, TierCalls):
     """Asyncio client of the node's kvxferd, over its Unix socket.
 
     ``socket_path`` defaults to :func:`kvxfer_client.default_socket_path`; ``timeout_s``
@@ -88,255 +73,18 @@ class AsyncKvxferClient(TierCalls):
     results and errors are the same either way.
 
     When the daemon restarts, the session ends: calls raise :class:`UnavailableError` until
-    :meth:`reconnect`, which opens a new session and registers the client's pools again
-    (same memory, same :class:`Pool` objects). With ``auto_reconnect`` the next call does
-    that itself, retrying with backoff for up to ``timeout_s``. Offers and tickets of the old
-    daemon died with it: a pull of one raises :class:`NotFoundError`.
+    :meth:`reconnect`, which opens a new session and registers the client's pools again (same
+    memory, same :class:`Pool` objects, same pool ids and offer keys). With ``auto_reconnect``
+    the client does that itself as soon as the session is lost, retrying with backoff (50 ms
+    doubling to 2 s) until it is back or closed, and a call made meanwhile waits for it up to
+    ``timeout_s``; :attr:`connected` says whether a session is up now. Offers and tickets of
+    the old daemon died with it: a pull of one raises :class:`NotFoundError`. Losses and
+    reconnections are logged to ``logger`` (default: the ``kvxfer_client`` logger).
     """
 
-    def __init__(
-        self,
-        socket_path: str | None = None,
-        *,
-        engine_name: str = "",
-        timeout_s: float = 30.0,
-        call_stream: bool | None = None,
-        auto_reconnect: bool = False,
-    ) -> None:
-        self.socket_path = socket_path or default_socket_path()
-        self.auto_reconnect = auto_reconnect
-        self.engine_name = engine_name
-        self.timeout_s = timeout_s
-        self.call_stream = call_stream_enabled() if call_stream is None else call_stream
-        self.session_id = ""
-        self.daemon_id = ""
-        #: Where peers reach the daemon (tickets name it); from the session's first event.
-        self.peer_address = ""
+    def _setup(self) -> None:
+        super()._setup()
         self._marks = LayerMarks(self._send_layers_ready)
-        self._channel: grpc.aio.Channel | None = None
-        self._stub: engine_pb2_grpc.EngineServiceStub | None = None
-        self._calls: CallStream | None = None
-        self._events: asyncio.Queue[Event] = asyncio.Queue(MAX_QUEUED_EVENTS)
-        #: Events dropped, oldest first, because nobody read them (see MAX_QUEUED_EVENTS).
-        self.events_dropped = 0
-        self._released: dict[str, OfferReleased] = {}
-        #: Layers landed per layer-wise transfer into this session's pools (LayersLanded).
-        self._landed: dict[str, int] = {}
-        self._landed_changed = asyncio.Event()
-        self._waiters: dict[str, asyncio.Future[OfferReleased]] = {}
-        self._reader: asyncio.Task[None] | None = None
-        self._session_lost: KvxferError | None = None
-        #: Registered pools, registered again by :meth:`reconnect`.
-        self._pools: list[Pool] = []
-        #: The session this process is attached to (its CPU tensors can be registered).
-        self._attached_session = ""
-
-    async def connect(self) -> AsyncKvxferClient:
-        """Open the channel and the event stream (the session); idempotent."""
-        if self._stub is not None:
-            return self
-        self._channel = grpc.aio.insecure_channel(f"unix:{self.socket_path}", options=channel_options())
-        self._stub = engine_pb2_grpc.EngineServiceStub(self._channel)
-        self._calls = CallStream(self._stub) if self.call_stream else None
-        stream = self._stub.WatchEvents(engine_pb2.WatchEventsRequest(engine_name=self.engine_name))
-        try:
-            first = await asyncio.wait_for(stream.read(), self.timeout_s)
-        except TimeoutError:
-            await self.close()
-            raise DeadlineExceededError(f"no session from kvxferd at {self.socket_path}") from None
-        except grpc.RpcError as exc:
-            await self.close()
-            err = error_from_rpc(exc)
-            raise type(err)(f"cannot reach kvxferd at {self.socket_path}: {err}") from None
-        if first is grpc.aio.EOF or first.WhichOneof("event") != "session_started":
-            await self.close()
-            raise UnavailableError("kvxferd did not start a session")
-        self.session_id = first.session_started.session_id
-        self.daemon_id = first.session_started.daemon_id
-        self.peer_address = first.session_started.peer_address
-        self._session_lost = None
-        self._reader = asyncio.create_task(self._read_events(stream))
-        return self
-
-    @property
-    def connected(self) -> bool:
-        """True while this client holds a live session with the daemon."""
-        return self._stub is not None and self._session_lost is None
-
-    async def reconnect(self) -> AsyncKvxferClient:
-        """Open a new session (after the daemon restarted, say) and register every pool of
-        this client again from the memory it already has; each :class:`Pool` keeps working."""
-        await self.close()
-        await self.connect()
-        for pool in self._pools:
-            fresh = await self._register(list(pool.buffers), pool.layout, pool.name)
-            pool.pool_id, pool.fingerprint = fresh.pool_id, fresh.fingerprint
-        return self
-
-    async def _ready(self) -> None:
-        """Connect on first use; after a lost session, reconnect when ``auto_reconnect``."""
-        if self._stub is None:
-            await self.connect()
-        elif self._session_lost is not None and self.auto_reconnect:
-            delay, deadline = 0.05, asyncio.get_running_loop().time() + self.timeout_s
-            while True:
-                try:
-                    await self.reconnect()
-                    return
-                except (UnavailableError, DeadlineExceededError):
-                    if asyncio.get_running_loop().time() + delay > deadline:
-                        raise
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, 2.0)
-
-    async def _read_events(self, stream: Any) -> None:
-        try:
-            while True:
-                msg = await stream.read()
-                if msg is grpc.aio.EOF:
-                    break
-                event = event_from_proto(msg)
-                if event is None:
-                    continue
-                if isinstance(event, LayersLanded):
-                    self._layers_landed(event)  # many per transfer: kept out of events()
-                    continue
-                if isinstance(event, OfferReleased):
-                    # Kept even when someone waits: a waiter that gave up (its timeout) and
-                    # asks again must still hear of it.
-                    if len(self._released) >= _RELEASED_MEMORY:
-                        self._released.pop(next(iter(self._released)))
-                    self._released[event.offer_id] = event
-                    waiter = self._waiters.pop(event.offer_id, None)
-                    if waiter is not None and not waiter.done():
-                        waiter.set_result(event)
-                if self._events.full():
-                    self._events.get_nowait()
-                    self.events_dropped += 1
-                self._events.put_nowait(event)
-            self._session_lost = UnavailableError("kvxferd closed the session")
-        except grpc.RpcError as exc:
-            self._session_lost = UnavailableError(f"session with kvxferd lost: {error_from_rpc(exc)}")
-        except asyncio.CancelledError:
-            self._session_lost = UnavailableError("client closed")
-            raise
-        finally:
-            for waiter in self._waiters.values():
-                if not waiter.done():
-                    waiter.set_exception(self._session_lost or UnavailableError("session lost"))
-            self._waiters.clear()
-            self._landed_changed.set()  # wait_layers() then sees the session lost
-
-    async def close(self) -> None:
-        """End the session: the daemon deregisters this client's pools."""
-        if self._reader is not None:
-            self._reader.cancel()
-            try:
-                await self._reader
-            except asyncio.CancelledError:
-                pass
-            self._reader = None
-        if self._calls is not None:
-            await self._calls.close()
-            self._calls = None
-        if self._channel is not None:
-            await self._channel.close()
-        self._channel = None
-        self._stub = None
-
-    async def __aenter__(self) -> AsyncKvxferClient:
-        return await self.connect()
-
-    async def __aexit__(self, *exc: Any) -> None:
-        await self.close()
-
-    async def _call(self, method: Any, request: Any, timeout_s: float | None = None) -> Any:
-        await self._ready()
-        if self._session_lost is not None:
-            raise self._session_lost
-        try:
-            return await method(request, timeout=timeout_s or self.timeout_s)
-        except grpc.RpcError as exc:
-            raise error_from_rpc(exc) from None
-
-    async def _hot_call(self, kind: str, unary: Any, request: Any, timeout_s: float | None = None) -> Any:
-        """Offer and Pull: on the call stream while the daemon has one, else a unary call."""
-        await self._ready()
-        if self._calls is not None and not self._calls.unsupported:
-            if self._session_lost is not None:
-                raise self._session_lost
-            try:
-                return await self._calls.call(kind, request, timeout_s or self.timeout_s)
-            except CallStreamUnsupportedError:
-                pass  # an older kvxferd: nothing ran, send it unary
-        return await self._call(unary, request, timeout_s)
-
-    @property
-    def _engine(self) -> engine_pb2_grpc.EngineServiceStub:
-        assert self._stub is not None
-        return self._stub
-
-    async def register_pool(self, buffers: Sequence[Any], layout: Layout, *, name: str = "") -> Pool:
-        """Register buffers and their layout; the daemon maps them.
-
-        ``buffers`` are all of one kind: :class:`HostBuffer` (POSIX shared memory); CPU tensors
-        this process owns (numpy arrays, torch CPU tensors: ``__array_interface__`` or DLPack;
-        contiguous and writable; the daemon reaches them through the kernel, see
-        ``kvxfer_client._host_tensor``); or GPU tensors of one GPU (``__cuda_array_interface__``
-        or DLPack: torch, CuPy, ...; contiguous, allocated with ``cudaMalloc`` so that a legacy
-        CUDA IPC handle exists).
-        Several buffers per pool are normal (vLLM keeps one tensor per layer). The engine
-        keeps tensors alive until the pool is deregistered, and offers blocks only after
-        the stream that wrote them has been synchronised.
-
-        Host buffers go to the daemon as open file descriptors (never names), so the daemon
-        maps only memory this engine can open; the same buffers may be registered again, e.g.
-        after the daemon restarted.
-        """
-        await self._ready()
-        pool = await self._register(buffers, layout, name)
-        self._pools.append(pool)
-        return pool
-
-    async def _register(self, buffers: Sequence[Any], layout: Layout, name: str) -> Pool:
-        if not buffers:
-            raise InvalidRequestError("a pool needs at least one buffer")
-        specs = [buffer_spec(b) for b in buffers]
-        layout.validate([s.size for s in specs])
-        host = [i for i, b in enumerate(buffers) if isinstance(b, HostBuffer)]
-        if host:
-            fds = [buffers[i].fd for i in host]
-            if min(fds) < 0:
-                raise InvalidRequestError("host buffers must come from HostBuffer.create (they pass their descriptor)")
-            handles = await asyncio.to_thread(pass_fds, self.socket_path + ".fds", self.session_id, fds, self.timeout_s)
-            for i, handle in zip(host, handles, strict=True):
-                specs[i].fd_handle = handle
-        if any(s.kind == common_pb2.MEMORY_KIND_HOST_PROCESS for s in specs):
-            await self._attach_process()
-        req = engine_pb2.RegisterPoolRequest(
-            session_id=self.session_id, buffers=specs, layout=layout.to_proto(), name=name
-        )
-        resp = await self._call(self._engine.RegisterPool, req)
-        return Pool(resp.pool_id, layout, tuple(buffers), resp.fingerprint, name, bytes(resp.offer_key))
-
-    async def _attach_process(self) -> None:
-        """Attach this process to the session (once per session) so the daemon may reach the
-        memory of its CPU tensors, and let it past Yama where that is on."""
-        if self._attached_session == self.session_id:
-            return
-        path = self.socket_path + ".fds"
-        daemon_pid = await asyncio.to_thread(attach_process, path, self.session_id, self.timeout_s)
-        allow_daemon(daemon_pid)
-        self._attached_session = self.session_id
-
-    async def deregister_pool(self, pool: Pool | str) -> int:
-        """Deregister a pool; returns how many of its offers were released."""
-        await self._ready()
-        pool_id = pool.pool_id if isinstance(pool, Pool) else pool
-        self._pools = [p for p in self._pools if p.pool_id != pool_id]
-        req = engine_pb2.DeregisterPoolRequest(pool_id=pool_id, session_id=self.session_id)
-        resp = await self._call(self._engine.DeregisterPool, req)
-        return int(resp.released_offers)
 
     async def offer(
         self,
@@ -552,48 +300,27 @@ class AsyncKvxferClient(TierCalls):
         resp = await self._call(self._engine.ExtendLease, req)
         return float(resp.lease_remaining_s)
 
+    @property
+    def events_dropped(self) -> int:
+        """Events dropped, oldest first, because nobody read them (see ``MAX_QUEUED_EVENTS``)."""
+        return self._inbox.dropped
+
     async def next_event(self, timeout_s: float | None = None) -> Event:
         """The next event of this session (released offers, failed transfers)."""
-        try:
-            return await asyncio.wait_for(self._events.get(), timeout_s)
-        except TimeoutError:
-            raise DeadlineExceededError("no event before the deadline") from None
+        return await self._inbox.next_event(timeout_s)
 
     async def events(self) -> AsyncIterator[Event]:
         """Iterate over this session's events until it ends."""
-        while (self._reader is not None and not self._reader.done()) or not self._events.empty():
-            yield await self._events.get()
-
-    def _layers_landed(self, event: LayersLanded) -> None:
-        if len(self._landed) >= _LANDED_MEMORY and event.transfer_id not in self._landed:
-            self._landed.pop(next(iter(self._landed)))
-        self._landed[event.transfer_id] = max(self._landed.get(event.transfer_id, 0), event.layers)
-        changed, self._landed_changed = self._landed_changed, asyncio.Event()
-        changed.set()
+        while (self._reader is not None and not self._reader.done()) or not self._inbox.queue.empty():
+            yield await self._inbox.queue.get()
 
     async def wait_layers(self, transfer_id: str, layers: int, timeout_s: float | None = None) -> int:
         """Wait until the first ``layers`` layers of a layer-wise transfer into this engine's
         pool (its pull or receive, under ``transfer_id``) have landed; returns how many have.
         The pull's own answer still says when the whole transfer has (and whether it failed):
         a layer that landed belongs to a transfer that may yet fail."""
-        try:
-            async with asyncio.timeout(timeout_s):
-                while self._landed.get(transfer_id, 0) < layers:
-                    if self._session_lost is not None:
-                        raise self._session_lost
-                    await self._landed_changed.wait()
-        except TimeoutError:
-            raise DeadlineExceededError(f"{layers} layers of transfer {transfer_id} did not land in time") from None
-        return self._landed[transfer_id]
+        return await self._inbox.wait_layers(transfer_id, layers, timeout_s, lambda: self._session_lost)
 
     async def wait_released(self, offer_id: str, timeout_s: float | None = None) -> OfferReleased:
         """Wait until the daemon releases ``offer_id`` and return why."""
-        if offer_id in self._released:
-            return self._released.pop(offer_id)
-        if self._session_lost is not None:
-            raise self._session_lost
-        fut = self._waiters.setdefault(offer_id, asyncio.get_running_loop().create_future())
-        try:
-            return await asyncio.wait_for(asyncio.shield(fut), timeout_s)
-        except TimeoutError:
-            raise DeadlineExceededError(f"offer {offer_id} was not released in time") from None
+        return await self._inbox.wait_released(offer_id, timeout_s, self._session_lost)

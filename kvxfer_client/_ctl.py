@@ -27,53 +27,20 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ._config import channel_options, default_socket_path
-from ._memory import MEMORY_KIND_NAMES
-from ._proto import admin_pb2, admin_pb2_grpc, common_pb2
-from ._tls import TlsFiles
-from ._version import PROTOCOL_VERSION, __version__
+from kvxfer.defaults import channel_options, default_socket_path
+from kvxfer.host_memory import MEMORY_KIND_NAMES
+from kvxfer.proto import admin_pb2, admin_pb2_grpc
+from kvxfer.tls import TlsFiles
+from kvxfer.version import PROTOCOL_VERSION, __version__
 
-EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
+from . import _ctl_views as views
+from ._ctl_views import human_bytes as size
 
-
-def _table(rows: list[dict[str, Any]], columns: Sequence[str]) -> str:
-    if not rows:
-        return "(none)"
-    cells = [[str(r.get(c, "")) for c in columns] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
-    lines = ["  ".join(c.upper().ljust(w) for c, w in zip(columns, widths, strict=True))]
-    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)) for row in cells]
-    return "\n".join(lines)
-
-
-def _bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    return str(n)
-
-
-def _state(value: int) -> str:
-    return common_pb2.TransferState.Name(value).removeprefix("TRANSFER_STATE_").lower()  # type: ignore[arg-type]
-
-
-def _path(value: int) -> str:
-    return common_pb2.TransferPath.Name(value).removeprefix("TRANSFER_PATH_").lower()  # type: ignore[arg-type]
-
-
-def _fields(msg: Any) -> dict[str, Any]:
-    """A message's fields by name with their raw values (numbers stay numbers, unlike
-    ``MessageToDict``, which writes 64-bit integers as strings)."""
-    out: dict[str, Any] = {}
-    for field in msg.DESCRIPTOR.fields:
-        value = getattr(msg, field.name)
-        out[field.name] = list(value) if field.is_repeated else value
-    return out
+EXIT_OK, EXIT_ERROR, EXIT_UNREACHABLE = 0, 1, 3  # 2: usage (argparse's own)
 
 
 class Ctl:
-    """Rows for scripts: raw numbers in base units (bytes, seconds, unix times); :data:`SHOW`
+    """Rows for scripts: raw numbers in base units (bytes, seconds, unix times); :data:`~._ctl_views.SHOW`
     turns them into the table's strings."""
 
     def __init__(
@@ -123,9 +90,9 @@ class Ctl:
             {
                 "transfer": t.transfer_id,
                 "role": t.role,
-                "path": _path(t.path),
+                "path": views.path(t.path),
                 "transport": t.transport,
-                "state": _state(t.state),
+                "state": views.state(t.state),
                 "bytes": t.bytes,
                 "duration_s": t.duration_s,
                 "gb_per_s": round(t.bytes / t.duration_s / 1e9, 3) if t.duration_s > 0 else None,
@@ -135,7 +102,7 @@ class Ctl:
                 "mapping": t.mapping,
                 "mode": t.mode,
                 "mode_reason": t.mode_reason,
-                "integrity": _integrity(t),
+                "integrity": views.integrity(t),
                 "integrity_mode": t.integrity_mode,
                 "integrity_blocks": t.integrity_blocks,
                 "integrity_result": t.integrity_result,
@@ -182,31 +149,6 @@ class Ctl:
         ]
 
 
-#: How the table shows a raw value (columns not named here are shown as they are).
-SHOW: dict[str, Any] = {
-    "bytes": _bytes,
-    "fingerprint": lambda v: v[:12],
-    "lease_left_s": lambda v: f"{v:.1f}",
-    "duration_s": lambda v: f"{v:.4f}",
-    "gb_per_s": lambda v: "" if v is None else f"{v:.2f}",
-    "transports": ",".join,
-    "hello_age_s": lambda v: f"{v:.0f}",
-}
-
-
-def _shown(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [{k: SHOW[k](v) if k in SHOW else v for k, v in row.items()} for row in rows]
-
-
-def _print(args: argparse.Namespace, title: str, rows: list[dict[str, Any]], columns: Sequence[str]) -> None:
-    if args.json:
-        print(json.dumps(rows))
-    else:
-        if title:
-            print(f"{title}:")
-        print(_table(_shown(rows), columns))
-
-
 def run(args: argparse.Namespace, ctl: Ctl) -> int:
     if args.command == "status":
         s = ctl.call("Status", admin_pb2.StatusRequest())
@@ -214,7 +156,7 @@ def run(args: argparse.Namespace, ctl: Ctl) -> int:
             print(
                 json.dumps(
                     {
-                        "status": {**_fields(s), "state": "draining" if s.draining else "serving"},
+                        "status": {**views.fields(s), "state": "draining" if s.draining else "serving"},
                         "pools": ctl.pools(),
                         "offers": ctl.offers(),
                         "peers": ctl.peers(),
@@ -235,43 +177,43 @@ def run(args: argparse.Namespace, ctl: Ctl) -> int:
         )
         print(
             f"totals      {s.transfers_succeeded} transfers ok, {s.transfers_failed} failed, "
-            f"{_bytes(s.bytes_moved)} moved, {s.lease_expiries} leases expired"
+            f"{size(s.bytes_moved)} moved, {s.lease_expiries} leases expired"
         )
         print()
-        _print(args, f"pools ({s.pools}, {_bytes(s.registered_bytes)})", ctl.pools(), POOL_COLUMNS)
+        views.show_rows(args, f"pools ({s.pools}, {size(s.registered_bytes)})", ctl.pools(), views.POOL_COLUMNS)
         print()
-        _print(args, f"offers ({s.active_offers})", ctl.offers(), OFFER_COLUMNS)
+        views.show_rows(args, f"offers ({s.active_offers})", ctl.offers(), views.OFFER_COLUMNS)
         print()
-        _print(args, f"peers ({s.peers})", ctl.peers(), PEER_COLUMNS)
+        views.show_rows(args, f"peers ({s.peers})", ctl.peers(), views.PEER_COLUMNS)
         print()
-        _print(args, f"transfers ({s.active_transfers} running)", ctl.transfers(False), TRANSFER_COLUMNS)
+        views.show_rows(args, f"transfers ({s.active_transfers} running)", ctl.transfers(False), views.TRANSFER_COLUMNS)
         return EXIT_OK
     if args.command == "pools":
-        _print(args, "", ctl.pools(), POOL_COLUMNS)
+        views.show_rows(args, "", ctl.pools(), views.POOL_COLUMNS)
     elif args.command == "offers":
-        _print(args, "", ctl.offers(), OFFER_COLUMNS)
+        views.show_rows(args, "", ctl.offers(), views.OFFER_COLUMNS)
     elif args.command == "peers":
-        _print(args, "", ctl.peers(), PEER_COLUMNS)
+        views.show_rows(args, "", ctl.peers(), views.PEER_COLUMNS)
     elif args.command == "tier" and args.events:
         for n, batch in enumerate(ctl.stub.WatchTier(admin_pb2.WatchTierRequest()), 1):
-            print(json.dumps(_tier_batch(batch)), flush=True)
+            print(json.dumps(views.tier_batch(batch)), flush=True)
             if n == args.count:
                 break
     elif args.command == "tier":
         resp, rows = ctl.tier()
         if args.json:
-            print(json.dumps({**_fields(resp), "namespaces": rows}))
+            print(json.dumps({**views.fields(resp), "namespaces": rows}))
         elif not resp.limit_bytes:
             print("the KV tier is off (tier_host_bytes is 0)")
         else:
-            title = f"host tier: {_bytes(resp.used_bytes)} of {_bytes(resp.limit_bytes)}"
+            title = f"host tier: {size(resp.used_bytes)} of {size(resp.limit_bytes)}"
             if resp.disk_limit_bytes:
-                title += f"; disk: {_bytes(resp.disk_used_bytes)} of {_bytes(resp.disk_limit_bytes)}"
-            _print(args, title, rows, TIER_COLUMNS)
+                title += f"; disk: {size(resp.disk_used_bytes)} of {size(resp.disk_limit_bytes)}"
+            views.show_rows(args, title, rows, views.TIER_COLUMNS)
     elif args.command == "transfers" and args.watch:
         return _watch(args, ctl)
     elif args.command == "transfers":
-        _print(args, "", ctl.transfers(args.all), TRANSFER_COLUMNS)
+        views.show_rows(args, "", ctl.transfers(args.all), views.TRANSFER_COLUMNS)
     elif args.command == "health":
         return _health(args, ctl)
     elif args.command == "cancel":
@@ -282,15 +224,6 @@ def run(args: argparse.Namespace, ctl: Ctl) -> int:
         ctl.call("Drain", admin_pb2.DrainRequest())
         print(json.dumps({"draining": True}) if args.json else "draining")
     return EXIT_OK
-
-
-def _tier_batch(batch: admin_pb2.TierEventBatch) -> dict[str, Any]:
-    """A tier event batch as JSON: keys in hex, by namespace."""
-    return {
-        "stored": {t.namespace: [k.hex() for k in t.keys] for t in batch.stored},
-        "removed": {t.namespace: [k.hex() for k in t.keys] for t in batch.removed},
-        "overflowed": batch.overflowed,
-    }
 
 
 def _health(args: argparse.Namespace, ctl: Ctl) -> int:
@@ -331,58 +264,13 @@ def _watch(args: argparse.Namespace, ctl: Ctl) -> int:
                 if sys.stdout.isatty():
                     print("\x1b[H\x1b[2J", end="")  # home + clear: a live view, not a scroll
                 print(f"{time.strftime('%H:%M:%S')}  transfers ({len(rows)})")
-                print(_table(_shown(rows), TRANSFER_COLUMNS), flush=True)
+                print(views.table(views.shown(rows), views.TRANSFER_COLUMNS), flush=True)
             shown += 1
             if args.count == 0 or shown < args.count:
                 time.sleep(args.interval)
     except KeyboardInterrupt:
         pass
     return EXIT_OK
-
-
-POOL_COLUMNS = ("pool", "engine", "memory", "device", "blocks", "regions", "bytes", "offers", "fingerprint")
-OFFER_COLUMNS = ("offer", "pool", "blocks", "bytes", "state", "lease_left_s")
-PEER_COLUMNS = ("peer", "address", "host", "state", "version", "transports", "hello_age_s")
-TIER_COLUMNS = (
-    "namespace",
-    "label",
-    "chunks",
-    "bytes",
-    "hits",
-    "misses",
-    "hit_rate",
-    "evictions",
-    "disk_chunks",
-    "disk_hits",
-    "disk_failures",
-)
-TRANSFER_COLUMNS = (
-    "transfer",
-    "role",
-    "mode",
-    "path",
-    "transport",
-    "state",
-    "bytes",
-    "duration_s",
-    "gb_per_s",
-    "peer",
-    "mapping",
-    "integrity",
-    "detail",
-)
-
-
-def _integrity(t: admin_pb2.TransferInfo) -> str:
-    """The transfer's block checks in a word or three: ``full 64 ok``, ``sampled 4 mismatch``,
-    ``not checked`` (the JSON fields say why).
-
-    >>> _integrity(admin_pb2.TransferInfo(integrity_mode="sampled", integrity_blocks=4, integrity_result="ok"))
-    'sampled 4 ok'
-    """
-    if not t.integrity_result or t.integrity_result.startswith("not checked"):
-        return "not checked" if t.integrity_result else ""
-    return f"{t.integrity_mode} {t.integrity_blocks} {t.integrity_result}"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from ._proto import common_pb2, engine_pb2
+from kvxfer.proto import common_pb2, engine_pb2
 
 __all__ = ["LayersLanded", "OfferReleased", "ReleaseReason", "TransferFailed", "event_from_proto"]
 

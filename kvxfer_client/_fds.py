@@ -14,7 +14,7 @@ import socket
 import struct
 from collections.abc import Sequence
 
-from ._errors import InvalidRequestError, UnavailableError
+from kvxfer.errors import InvalidRequestError, UnavailableError
 
 __all__ = ["attach_process", "pass_fds"]
 

@@ -29,8 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from ._dlpack import KDL_CPU, KDL_CUDA_HOST, NOT_CONTIGUOUS, c_contiguous, dlpack_extent
-from ._errors import InvalidRequestError
+from kvxfer.dlpack import KDL_CPU, KDL_CUDA_HOST, NOT_CONTIGUOUS, c_contiguous, dlpack_extent
+from kvxfer.errors import InvalidRequestError
 
 __all__ = ["advise_huge_pages", "allow_daemon", "host_tensor_extent", "is_host_tensor"]
 

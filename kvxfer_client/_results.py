@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._layout import Layout
-from ._proto import common_pb2, engine_pb2
-from ._ticket import Ticket
+from kvxfer.layout import Layout
+from kvxfer.proto import common_pb2, engine_pb2
+from kvxfer.ticket import Ticket
 
 __all__ = ["CancelResult", "Pool", "PullResult", "PushResult", "pull_result"]
 

@@ -31,9 +31,9 @@ from typing import Any
 
 import numpy as np
 
-from ._dlpack import c_contiguous, dlpack_geometry
-from ._errors import InvalidRequestError
-from ._layout import MAX_REGIONS, Layout, ModelInfo, Region
+from kvxfer.dlpack import c_contiguous, dlpack_geometry
+from kvxfer.errors import InvalidRequestError
+from kvxfer.layout import MAX_REGIONS, Layout, ModelInfo, Region
 
 __all__ = ["layout_from_tensors", "tensor_geometry"]
 

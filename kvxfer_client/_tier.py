@@ -21,9 +21,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from ._proto import engine_pb2
+from kvxfer.proto import engine_pb2
+from kvxfer.ticket import Ticket
+
 from ._results import Pool
-from ._ticket import Ticket
 
 __all__ = ["TierCalls"]
 

@@ -1,17 +1,33 @@
 """kvxferd: the per-node daemon that moves KV-cache blocks between serving engines.
 
-Layout of the package:
+Layout of the package, top (what starts the process) to bottom (what moves bytes):
 
-* ``control/`` — gRPC services (engine, peer, admin), listeners, the peer directory;
-* ``dataplane/`` — segment plans, host copies, staging memory, the UCX transport;
-* ``memory/`` — engine pools mapped into the daemon;
-* ``_node`` — the daemon's state and handoff logic; ``_daemon`` — process lifecycle;
-* ``_config`` — settings (defaults < YAML < ``KVXFERD_*`` < flags); ``_log`` — structured logs.
+* ``_daemon`` — process lifecycle: settings, listeners, the node, signals, drain;
+* ``control/`` — the engine and admin gRPC services, the checks of what they receive
+  (``wire``), one error-to-status mapping (``_rpc``), the fd socket, the listeners;
+* ``peer/`` — the peer protocol, both ends: the service other daemons call and our calls
+  and transfer streams to them;
+* ``_node`` — the daemon's state and its acts (register, offer, pull, push, release);
+  ``_sessions``, ``_offers``, ``_transfers`` — its tables; ``_snapshot`` — what readers
+  outside the loop see;
+* ``handoff/`` — the handoff acts: a pull, local copies, the two sides of a remote transfer,
+  pushes, shared reads, block integrity;
+* ``transports/`` — how bytes cross between daemons, one room per transport (UCX tagged
+  messages, same-host direct reads, TCP lanes) with one face, chosen once per transfer;
+* ``tier/`` — the node's KV tier: stored prefixes in host memory and on disk, offered like
+  any offer;
+* ``dataplane/`` — segment plans, host and GPU copies, staging memory, UCX and TCP lanes;
+* ``memory/`` — engine pools mapped into the daemon (shared memory, process memory, CUDA IPC);
+* ``_wiring`` — the composition root; ``_parts``, ``_services`` — parts built for the node and
+  what the handoff rooms share;
+* ``_config`` — settings (defaults < YAML < ``KVXFERD_*`` < flags); ``_log``, ``_metrics``,
+  ``_faults`` — logs, metrics, fault-injection points.
 
+What the daemon shares with the SDK (errors, tickets, layouts, protos) is in :mod:`kvxfer`.
 Engines never import this package; they use :mod:`kvxfer_client`.
 """
 
-from kvxfer_client._version import __version__
+from kvxfer.version import __version__
 
 from ._config import Settings, load_settings
 

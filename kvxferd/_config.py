@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from kvxfer_client._config import default_socket_path
+from kvxfer.defaults import default_socket_path
 
 __all__ = ["Settings", "load_settings"]
 
@@ -91,24 +91,31 @@ class Settings:
     local_single_pass: bool = _setting(
         True,
         "Local host copies between two fragmented sides in one pass, by the kernel (process_vm_readv on the "
-        "daemon itself); off, or where the kernel refuses it: numpy gather and scatter through scratch.",
+        "daemon itself); off, or where the kernel refuses it: numpy gather and scatter through scratch. Turn "
+        "off where a seccomp profile or kernel audits or slows process_vm_readv on the daemon itself.",
     )
     ucx_error_handling: str = _setting(
         "auto",
         'UCX endpoint error handling: "auto" (off towards a peer on this host, so UCX may use shared memory and CMA; '
-        'on otherwise), "on" or "off".',
+        'on otherwise), "on" or "off". "on" everywhere trades same-host speed for endpoints that report a dead '
+        'peer; "off" everywhere lets UCX pick any transport, for fabrics where error handling disables the fast one.',
     )
     ucx_iov_receive: bool = _setting(
-        True, "Receive fragmented chunks straight into the pool with UCP IOV receives; off: into staging, then unpack."
+        True,
+        "Receive fragmented chunks straight into the pool with UCP IOV receives; off: into staging, then unpack "
+        "(as with UCXX's thread progress mode). Turn off for a UCX build or transport that mishandles IOV messages.",
     )
     ucx_iov_send: bool = _setting(
-        True, "Send fragmented chunks straight from the pool with UCP IOV sends; off: pack each into staging first."
+        True,
+        "Send fragmented chunks straight from the pool with UCP IOV sends; off: pack each into staging first (as "
+        "with UCXX's thread progress mode). Turn off for a UCX build or transport that mishandles IOV messages.",
     )
     same_host_direct_read: bool = _setting(
         True,
         "Between daemons on one host, the decode daemon reads offered host blocks straight from the offering "
         "daemon's memory (process_vm_readv) once a probe proves it may; the offering daemon then does no work "
-        "per byte. Off, or where the probe fails: UCX's shared-memory transport.",
+        "per byte. Off, or where the probe fails: UCX's shared-memory transport. Turn off where policy forbids "
+        "one daemon reading another's memory even when the kernel allows it.",
     )
     # UCX over TCP moves a large message over one connection (1.2 GB/s here for 256 MiB);
     # several connections at once, one thread each, go faster where the host has the cores.

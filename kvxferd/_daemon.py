@@ -1,4 +1,5 @@
-"""Process lifecycle: start the listeners, serve, drain on SIGTERM, exit 0."""
+"""Process lifecycle: load the settings, start (:mod:`._wiring` builds the daemon), serve, drain
+on SIGTERM, exit 0."""
 
 from __future__ import annotations
 
@@ -16,32 +17,23 @@ from typing import Any
 
 import uvloop
 
-from kvxfer_client._proto import admin_pb2, admin_pb2_grpc, engine_pb2, engine_pb2_grpc, peer_pb2_grpc
-from kvxfer_client._tls import TlsFiles
-from kvxfer_client._version import PROTOCOL_VERSION, __version__
+from kvxfer.tls import TlsFiles
+from kvxfer.version import PROTOCOL_VERSION, __version__
 
+from . import _wiring as wiring
 from ._config import Settings, load_settings
 from ._log import configure, log_event
-from ._metrics import serve_metrics
-from ._node import Node
 from ._systemd import Notifier
-from .control.admin_service import AdminService
-from .control.engine_service import EngineService
-from .control.fd_socket import FdSocket
-from .control.listen_errors import ListenError, explain
-from .control.peer_service import PeerService
-from .control.server import Listener, start_listener
+from ._wiring import PEER_SERVICE, Running
+from .control.listen_errors import ListenError
 from .dataplane.ucx import UcxTransport
 from .dataplane.ucx_setup import ucx_available
 from .memory.cuda_ipc import gpu_support, init_cuda
 
 __all__ = ["main", "serve"]
 
-ENGINE_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["EngineService"].full_name
-PEER_SERVICE = "kvxfer.v1.PeerService"
 #: Seconds past ``drain_grace_s`` that the rest of a shutdown may take before it is forced.
 SHUTDOWN_EXTRA_S = 5.0
-ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name
 
 
 def _socket_in_use(path: str) -> bool:
@@ -58,22 +50,14 @@ def _socket_in_use(path: str) -> bool:
 
 async def serve(settings: Settings) -> int:
     """Run the daemon until SIGTERM/SIGINT (or an admin Drain); return the exit code."""
-    ucx = None
-    gpus = init_cuda()
-    log_event("gpu.probe", gpus=",".join(gpus) or "none", detail=gpu_support() or "GPU pools supported")
-    if not settings.ucx_enabled:
-        log_event("ucx.disabled", logging.WARNING, detail="ucx_enabled is off: local pulls only")
-    elif ucx_available():
-        ucx = UcxTransport(iov_receive=settings.ucx_iov_receive, iov_send=settings.ucx_iov_send)
-    else:
-        log_event("ucx.missing", logging.WARNING, detail="remote pulls disabled: install kvxfer[ucx]")
-    node = Node(settings, ucx)
+    ucx = _data_plane(settings)
     stop = asyncio.Event()
+    running: Running | None = None
 
     def request_drain() -> None:
-        if not node.draining:
+        if running is not None and not running.node.draining:
             log_event("daemon.drain", grace_s=settings.drain_grace_s)
-        node.draining = True
+            running.node.draining = True
         stop.set()
 
     loop = asyncio.get_running_loop()
@@ -84,59 +68,13 @@ async def serve(settings: Settings) -> int:
     if _socket_in_use(settings.engine_socket):
         log_event("daemon.socket_in_use", logging.ERROR, path=settings.engine_socket)
         return 2
-    listeners: list[Listener] = []
     try:
         tls = TlsFiles.from_paths(settings.tls_cert, settings.tls_key, settings.tls_ca)
     except ValueError as exc:
         log_event("daemon.tls_invalid", logging.ERROR, detail=str(exc))
         return 2
-    server_creds = tls.server_credentials() if tls else None
-    add_admin = admin_pb2_grpc.add_AdminServiceServicer_to_server
-    local_admin = (add_admin, AdminService(node, request_drain, allow_changes=True), ADMIN_SERVICE)
-    # Over TCP, cancel and drain need a client certificate signed by our CA.
-    tcp_admin = (add_admin, AdminService(node, request_drain, allow_changes=tls is not None), ADMIN_SERVICE)
     try:
-        peer_listener = await start_listener(
-            "peer",
-            settings.peer_listen,
-            [(peer_pb2_grpc.add_PeerServiceServicer_to_server, PeerService(node), PEER_SERVICE)],
-            server_creds,
-        )
-        listeners.append(peer_listener)
-        node.peer_address = settings.peer_advertise or peer_listener.address
-        node.start_peers(tls.channel_credentials() if tls else None)
-        if node.remote is not None and settings.tcp_lanes != "off":
-            address = settings.tcp_lanes_listen or peer_listener.address.rsplit(":", 1)[0] + ":0"
-            try:
-                node.lanes_address = node.remote.start_lanes(address)
-            except (OSError, ValueError) as exc:
-                raise explain("tcp lanes", address, exc) from None
-        listeners.append(
-            await start_listener(
-                "engine socket",
-                "unix:" + settings.engine_socket,
-                [
-                    (engine_pb2_grpc.add_EngineServiceServicer_to_server, EngineService(node), ENGINE_SERVICE),
-                    local_admin,
-                ],
-                socket_group=settings.engine_socket_group,
-            )
-        )
-        fd_socket = FdSocket(settings.engine_socket + ".fds", node.sessions.find, settings.engine_socket_group)
-        try:
-            fd_socket.start()
-        except (OSError, KeyError) as exc:
-            raise explain("fd socket", "unix:" + fd_socket.path, exc) from None
-        if settings.admin_listen:
-            admin_listener = await start_listener("admin", settings.admin_listen, [tcp_admin], server_creds)
-            listeners.append(admin_listener)
-            node.admin_address = admin_listener.address
-        metrics_server, metrics_address = None, ""
-        if settings.metrics_listen:
-            try:
-                metrics_server, metrics_address = serve_metrics(node.metrics, settings.metrics_listen)
-            except OSError as exc:
-                raise explain("metrics", settings.metrics_listen, exc) from None
+        running = await wiring.start(settings, ucx, tls, request_drain)
     except ListenError as exc:
         log_event(
             "daemon.listen_failed",
@@ -146,30 +84,13 @@ async def serve(settings: Settings) -> int:
             reason=exc.reason,
             fix=exc.fix,
         )
-        for listener in listeners:
-            await listener.server.stop(None)
         return 2
-
-    ready: dict[str, Any] = {
-        "daemon_id": node.daemon_id,
-        "pid": os.getpid(),
-        "engine_socket": settings.engine_socket,
-        "peer_address": node.peer_address,
-        "admin_address": node.admin_address,
-        "lanes_address": node.lanes_address,
-        "metrics_address": metrics_address,
-        "ucx_transports": ucx.transports if ucx else [],
-        "tls": tls is not None,
-    }
-    log_event("daemon.ready", **ready)
-    if settings.ready_file:
-        tmp = settings.ready_file + ".tmp"
-        with open(tmp, "w") as fh:
-            json.dump(ready, fh)
-        os.replace(tmp, settings.ready_file)
-    health_watch = asyncio.create_task(_watch_data_plane(node, peer_listener, listeners), name="data-plane-health")
+    if stop.is_set():  # asked to stop while starting
+        request_drain()
+    _announce_ready(settings, running, ucx, tls is not None)
+    health_watch = asyncio.create_task(_watch_data_plane(running), name="data-plane-health")
     systemd = Notifier()
-    systemd.notify(f"READY=1\nSTATUS=serving as {node.daemon_id}\nMAINPID={os.getpid()}")
+    systemd.notify(f"READY=1\nSTATUS=serving as {running.node.daemon_id}\nMAINPID={os.getpid()}")
     systemd.start_watchdog()
 
     await stop.wait()
@@ -177,34 +98,74 @@ async def serve(settings: Settings) -> int:
     # Whatever peers and UCX do from here (a frozen peer can block a channel or endpoint close
     # for as long as it stays frozen), the process is gone by this deadline.
     _exit_by(settings.drain_grace_s + SHUTDOWN_EXTRA_S)
-
-    # Drain: health says NOT_SERVING, no new offers or pulls, running transfers get the grace
-    # period, then whatever is left is cancelled and every offer released.
     health_watch.cancel()
-    for listener in listeners:
+    finished = await _drain(settings, running, ucx)
+    systemd.stop()
+    log_event("daemon.exit", transfers_cancelled=not finished)
+    if settings.ready_file and os.path.exists(settings.ready_file):
+        os.unlink(settings.ready_file)
+    return 0
+
+
+def _data_plane(settings: Settings) -> UcxTransport | None:
+    """The GPUs and UCX this daemon moves bytes with (None: local handoffs only)."""
+    gpus = init_cuda()
+    log_event("gpu.probe", gpus=",".join(gpus) or "none", detail=gpu_support() or "GPU pools supported")
+    if not settings.ucx_enabled:
+        log_event("ucx.disabled", logging.WARNING, detail="ucx_enabled is off: local pulls only")
+        return None
+    if not ucx_available():
+        log_event("ucx.missing", logging.WARNING, detail="remote pulls disabled: install kvxfer[ucx]")
+        return None
+    return UcxTransport(iov_receive=settings.ucx_iov_receive, iov_send=settings.ucx_iov_send)
+
+
+def _announce_ready(settings: Settings, running: Running, ucx: UcxTransport | None, tls: bool) -> None:
+    """The ``daemon.ready`` log line, and the ready file where one is asked for."""
+    node = running.node
+    ready: dict[str, Any] = {
+        "daemon_id": node.daemon_id,
+        "pid": os.getpid(),
+        "engine_socket": settings.engine_socket,
+        "peer_address": node.peer_address,
+        "admin_address": node.admin_address,
+        "lanes_address": node.lanes_address,
+        "metrics_address": running.metrics_address,
+        "ucx_transports": ucx.transports if ucx else [],
+        "tls": tls,
+    }
+    log_event("daemon.ready", **ready)
+    if settings.ready_file:
+        tmp = settings.ready_file + ".tmp"
+        with open(tmp, "w") as fh:
+            json.dump(ready, fh)
+        os.replace(tmp, settings.ready_file)
+
+
+async def _drain(settings: Settings, running: Running, ucx: UcxTransport | None) -> bool:
+    """Health says NOT_SERVING, no new offers or pulls, running transfers get the grace
+    period, then whatever is left is cancelled and every offer released; then everything
+    closes. True when every transfer finished by itself."""
+    node = running.node
+    for listener in running.listeners:
         await listener.set_serving(False)
     finished = await node.transfers.wait_idle(settings.drain_grace_s)
     if not finished:
         node.transfers.abort_all(f"daemon {node.daemon_id} is shutting down (drain grace over)")
         await node.transfers.wait_idle(2.0)
     node.shutdown()
-    fd_socket.close()
-    for listener in listeners:
+    running.fd_socket.close()
+    for listener in running.listeners:
         await listener.server.stop(grace=1.0)
     if node.remote is not None:
         await node.remote.close()
-    if node.peers is not None:
-        await node.peers.close()
+    await node.peers.close()
     if ucx is not None:
         await ucx.close()
-    if metrics_server is not None:
-        metrics_server.shutdown()
-    systemd.stop()
+    if running.metrics_server is not None:
+        running.metrics_server.shutdown()
     node.executor.shutdown(wait=True)
-    log_event("daemon.exit", transfers_cancelled=not finished)
-    if settings.ready_file and os.path.exists(settings.ready_file):
-        os.unlink(settings.ready_file)
-    return 0
+    return finished
 
 
 def _exit_by(seconds: float) -> None:
@@ -233,18 +194,16 @@ def _dump_tasks() -> None:
         log_event("debug.task", name=task.get_name(), stack=" > ".join(frames))
 
 
-async def _watch_data_plane(
-    node: Node, peer_listener: Listener, listeners: Sequence[Listener], interval_s: float = 1.0
-) -> None:
+async def _watch_data_plane(running: Running, interval_s: float = 1.0) -> None:
     """Health follows the data plane: without a working UCX the peer port is NOT_SERVING, and
     every listener says kvxfer.v1.PeerService is (so ``kvxferctl health`` over the Unix socket
     tells the same story as the log)."""
-    reported: bool | None = None
+    node, reported = running.node, None
     while True:
         ok = node.data_plane_ok and not node.draining
         if ok != reported:
-            await peer_listener.set_serving(ok)
-            for listener in listeners:
+            await running.peer_listener.set_serving(ok)
+            for listener in running.listeners:
                 await listener.set_serving(ok, [PEER_SERVICE])
             if reported is not None or not ok:
                 detail = "draining" if node.draining else node.data_plane_detail
@@ -276,10 +235,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     log_event("daemon.config", **settings.as_dict())
     profile_to = os.environ.get("KVXFERD_PROFILE")
     if not profile_to:
-        code = uvloop.run(serve(settings))
-        # Leave without the interpreter's teardown: UCXX closes endpoints there, and one to a
-        # dead or frozen peer blocks for as long as the peer stays so. Everything the daemon
-        # owes anyone (released offers, closed listeners, the log) is done by now.
+        # Not uvloop.run: after serve() returns it cancels every task left and waits for
+        # them, and for the default executor's threads; a task or thread still inside UCXX
+        # with a frozen peer never finishes, and the exit fell to the backstop timer (code 1).
+        loop = uvloop.new_event_loop()
+        asyncio.set_event_loop(loop)
+        code = loop.run_until_complete(serve(settings))
+        # Leave without the interpreter's teardown either: UCXX closes endpoints there, and one
+        # to a dead or frozen peer blocks for as long as the peer stays so. Everything the
+        # daemon owes anyone (released offers, closed listeners, the log) is done by now.
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()

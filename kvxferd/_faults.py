@@ -44,7 +44,7 @@ import logging
 import re
 from dataclasses import dataclass
 
-from kvxfer_client._errors import UnavailableError
+from kvxfer.errors import UnavailableError
 
 from ._log import log_event
 
@@ -101,9 +101,6 @@ class Faults:
                 count = int(m.group(6)) if m.group(6) else -1
                 points[point] = _Action(failures=count, corrupt=m.group(4) == "corrupt")
         return cls(points)
-
-    def armed(self, point: str) -> bool:
-        return point in self.points
 
     def corrupts(self, point: str, transfer_id: str = "-") -> bool:
         """Whether this hit of ``point`` is to corrupt (a ``corrupt`` action with hits left)."""

@@ -33,7 +33,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvxfer_client._version import PROTOCOL_VERSION, __version__
+from kvxfer.version import PROTOCOL_VERSION, __version__
 
 from ._snapshot import NodeSnapshot
 
@@ -115,6 +115,12 @@ class _StateCollector(Collector):
             "Chunks dropped because their disk write or read failed (or read back other bytes)",
             value=sum(t.disk_failures for t in s.tier),
         )
+        yield GaugeMetricFamily(
+            "kvxfer_ucx_receives_unconfirmed",
+            "UCX receives cancelled but not confirmed ended (a killed same-host sender can leave them until "
+            "restart): their destination memory is held back",
+            value=s.ucx_receives_unconfirmed,
+        )
         yield GaugeMetricFamily("kvxfer_serving", "1 while accepting work, 0 while draining", value=not s.draining)
         info = InfoMetricFamily("kvxfer_build", "Version of this daemon")
         info.add_metric([], {"version": __version__, "protocol_version": str(PROTOCOL_VERSION)})
@@ -124,7 +130,7 @@ class _StateCollector(Collector):
 #: Engine calls answer in microseconds (offer) to a minute (a long pull).
 RPC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5, 30, 60)
 #: Why a transfer failed: a bounded set (see ``failure_reason``).
-REASONS = ("none", "refused", "deadline", "unavailable", "cancelled", "resources", "integrity", "internal")
+REASONS = ("none", "refused", "expired", "deadline", "unavailable", "cancelled", "resources", "integrity", "internal")
 #: Outcomes of a transfer's block checksums, as ``integrity_checks`` counts them.
 INTEGRITY_RESULTS = ("ok", "mismatch", "not_checked")
 

@@ -20,15 +20,17 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvxfer_client._errors import (
+from kvxfer.errors import (
     AlreadyExistsError,
     IncompatibleError,
     InvalidRequestError,
     NotFoundError,
+    OfferExpiredError,
+    OfferTakenError,
     PermissionDeniedError,
     ResourceExhaustedError,
 )
-from kvxfer_client._proto import common_pb2
+from kvxfer.proto import common_pb2
 
 from ._log import log_event
 from ._sessions import check_owner
@@ -46,7 +48,7 @@ DAEMON_OFFER_PREFIX = "off-"
 MAX_AWAITED = 4096
 _ENDED = {
     "expired": "expired: its lease ended before anyone pulled it (extend_lease keeps a waiting offer alive)",
-    "pulled": "was pulled already (an offer is pulled once)",
+    "pulled": "was already pulled by another transfer (an offer is pulled once per reader)",
     "cancelled": "was released or cancelled before anyone pulled it",
     "failed": "ended with a failed pull (the prefill engine may offer the blocks again)",
     "pool_gone": "ended with its pool (deregistered, or its engine went away)",
@@ -209,7 +211,8 @@ class OfferTable:
         if offer is None:
             reason, ended_token = self._ended.get(offer_id, ("", b""))
             if reason and hmac.compare_digest(ended_token, token):
-                raise NotFoundError(f"offer {offer_id!r} {_ENDED.get(reason, 'ended: ' + reason)}")
+                error = {"expired": OfferExpiredError, "pulled": OfferTakenError}.get(reason, NotFoundError)
+                raise error(f"offer {offer_id!r} {_ENDED.get(reason, 'ended: ' + reason)}", offer_id=offer_id)
             raise NotFoundError(
                 f"no offer {offer_id!r} (never made, already pulled, released, expired, or its daemon restarted)"
             )
@@ -257,9 +260,10 @@ class OfferTable:
         has readers left)."""
         offer = self._checked(offer_id, token)
         if offer.pulled + offer.pulling >= offer.readers:
-            raise IncompatibleError(
-                f"offer {offer_id!r} is already being pulled"
-                + (f" by all of its {offer.readers} readers" if offer.readers > 1 else "")
+            raise OfferTakenError(
+                f"offer {offer_id!r} is already being pulled by another transfer"
+                + (f" (all of its {offer.readers} readers are taken)" if offer.readers > 1 else ""),
+                offer_id=offer_id,
             )
         offer.pulling += 1
         offer.state = PULLING

@@ -15,8 +15,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvxfer_client._errors import NotFoundError, PermissionDeniedError, ResourceExhaustedError
-from kvxfer_client._proto import common_pb2, engine_pb2
+from kvxfer.errors import NotFoundError, PermissionDeniedError, ResourceExhaustedError
+from kvxfer.proto import common_pb2, engine_pb2
 
 from ._log import log_event
 from .memory.process import EngineProcess

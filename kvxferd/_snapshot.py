@@ -14,19 +14,24 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import copy
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvxfer_client._memory import MEMORY_KIND_NAMES
+from kvxfer.host_memory import MEMORY_KIND_NAMES
+from kvxfer.version import __version__
 
 if TYPE_CHECKING:
+    from ._node import Node
     from ._offers import Offer
     from ._sessions import Session
     from ._transfers import TransferRecord
-    from .handoff.peers import Peer
+    from .dataplane.staging import StagingPool
     from .memory.pools import Pool
+    from .peer.directory import Peer
 
 __all__ = ["NodeSnapshot", "OfferView", "PeerView", "PoolView", "SnapshotHandover", "StagingView"]
 
@@ -220,3 +225,57 @@ class SnapshotHandover:
         except (RuntimeError, concurrent.futures.TimeoutError):
             pass
         return self._last
+
+
+def node_snapshot(node: Node, history: bool = False) -> NodeSnapshot:
+    """The node's state as one immutable picture (call on the event loop); ``history`` adds
+    copies of the recently finished transfers (up to ``settings.history``)."""
+    now, t = time.time(), node.transfers
+    return NodeSnapshot(
+        daemon_id=node.daemon_id,
+        draining=node.draining,
+        version=__version__,
+        uptime_s=now - node.started,
+        engine_socket=node.settings.engine_socket,
+        peer_address=node.peer_address,
+        admin_address=node.admin_address,
+        lanes_address=node.lanes_address,
+        tier_limit_bytes=node.tier.index.limit_bytes if node.tier else 0,
+        tier_used_bytes=node.tier.index.used_bytes if node.tier else 0,
+        tier_disk_limit_bytes=node.tier.index.disk_limit_bytes if node.tier else 0,
+        tier_disk_used_bytes=node.tier.index.disk_used_bytes if node.tier else 0,
+        tier=node.tier.views() if node.tier else (),
+        ucx_transports=tuple(node.ucx.transports) if node.ucx else (),
+        sessions=len(node.sessions),
+        pools=tuple(PoolView.of(p, node.sessions.find(p.session_id)) for p in node.pools.pools.values()),
+        offers=tuple(OfferView.of(o, now) for o in node.offers.offers.values()),
+        transfers=tuple(copy.copy(r) for r in t.active.values()),
+        finished=tuple(copy.copy(r) for r in t.finished) if history else (),
+        peers=tuple(PeerView.of(p) for p in (node.peers.by_id.values() if node.peers else ())),
+        transfers_succeeded=t.succeeded,
+        transfers_failed=t.failed,
+        bytes_moved=t.bytes_moved,
+        lease_expiries=node.offers.expiries,
+        staging=_staging(node),
+        ucx_endpoints=node.ucx.endpoint_count if node.ucx else 0,
+        ucx_receives_unconfirmed=node.ucx.receives_unconfirmed if node.ucx is not None else 0,
+        data_plane_detail=node.data_plane_detail,
+    )
+
+
+def _staging(node: Node) -> dict[str, StagingView]:
+    def view(pools: list[StagingPool], size: int) -> StagingView:
+        return StagingView(
+            sum(p.in_use for p in pools), sum(p.allocated for p in pools), sum(p.capacity for p in pools), size
+        )
+
+    state = {
+        "send": view([node.send_staging], node.send_staging.buffer_bytes),
+        "receive": view([node.recv_staging], node.recv_staging.buffer_bytes),
+    }
+    if node._gpu is not None:
+        for direction in ("send", "receive"):
+            gpu_pools = node._gpu.staging_pools(direction)
+            if gpu_pools:
+                state["gpu_" + direction] = view(gpu_pools, node._gpu.buffer_bytes)
+    return state

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvxfer_client._errors import (
+from kvxfer.errors import (
     AlreadyExistsError,
     CancelledError,
     DataLossError,
@@ -23,11 +23,12 @@ from kvxfer_client._errors import (
     IncompatibleError,
     InvalidRequestError,
     NotFoundError,
+    OfferExpiredError,
     PermissionDeniedError,
     ResourceExhaustedError,
     UnavailableError,
 )
-from kvxfer_client._proto import admin_pb2, common_pb2
+from kvxfer.proto import admin_pb2, common_pb2
 
 from ._log import log_event
 
@@ -47,6 +48,8 @@ def failure_reason(error: BaseException | None) -> str:
     """
     if error is None:
         return "none"
+    if isinstance(error, OfferExpiredError):
+        return "expired"  # a capacity signal (nobody pulled in time), not a refusal
     if isinstance(error, _REFUSALS):
         return "refused"
     if isinstance(error, DeadlineExceededError | TimeoutError):
@@ -204,7 +207,7 @@ class TransferTable:
         if state == common_pb2.TRANSFER_STATE_SUCCEEDED:
             log_event("transfer.done", **fields)
         else:
-            log_event("transfer.failed", detail=detail, **fields)
+            log_event("transfer.failed", reason=failure_reason(error), detail=detail, **fields)
 
     def abort(self, record: TransferRecord, detail: str) -> None:
         """Cancel a running transfer from this side; the peer is told ``detail`` (a cancelled

@@ -1,9 +1,9 @@
-"""Generate the Python stubs for proto/kvxfer/v1 into kvxfer_client/_proto/.
+"""Generate the Python stubs for proto/kvxfer/v1 into kvxfer/proto/.
 
 Usage: python tools/gen_proto.py [OUTPUT_DIR]
 
 protoc writes absolute imports (``from kvxfer.v1 import common_pb2``); they are rewritten to
-relative ones so the stubs live privately inside the SDK package. ``make proto`` runs this;
+relative ones so the stubs live inside the shared package (``kvxfer.proto``). ``make proto`` runs this;
 ``tests/unit/test_proto_stubs.py`` runs it into a temporary directory and fails when the
 committed stubs differ.
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = ROOT / "proto"
-DEFAULT_OUT = ROOT / "kvxfer_client" / "_proto"
+DEFAULT_OUT = ROOT / "kvxfer" / "proto"
 INIT = '''"""Generated protobuf and gRPC modules for kvxfer.v1 (see proto/)."""
 
 from .kvxfer.v1 import (

@@ -1,7 +1,7 @@
 """One engine process (prefill or decode) of the example, driven by JSON lines on stdin.
 
 It talks to its daemon only through ``kvxfer_client``'s public surface: a
-:class:`~kvxfer_client.ConnectorScheduler` and :class:`~kvxfer_client.ConnectorWorker`, the way
+:class:`~.connector.ConnectorScheduler` and :class:`~.connector.ConnectorWorker`, the way
 an engine's KV-connector plugin would.
 
 Run: ``python -m examples.disagg_llm.engine --role prefill --socket /run/kvxfer/kvxferd.sock``
@@ -18,10 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from kvxfer_client import ConnectorScheduler, ConnectorWorker, KvxferClient, KvxferError
-from kvxfer_client._connector import TICKET_KEY
+from kvxfer_client import KvxferClient, KvxferError
 
 from . import model as m
+from .connector import TICKET_KEY, ConnectorScheduler, ConnectorWorker
 
 
 class BlockAllocator:

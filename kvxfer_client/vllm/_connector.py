@@ -26,6 +26,8 @@ whole, which is correct but does not overlap the prefill.
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -38,14 +40,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvxfer.defaults import default_socket_path
+from kvxfer.layout import ModelInfo
+from kvxfer.ticket import Ticket
+
 from .._blocking import KvxferClient
-from .._config import default_socket_path
-from .._layout import ModelInfo
-from .._ticket import Ticket
-from ._plan import Load, RankPool, SchedulerPlan, Send, Stream
+from ._config_facts import backend_name, backend_shape, head_facts, kv_dtype, total_kv_heads
+from ._leases import LeaseKeeper
+from ._messages import TICKETS_KEY, UNAVAILABLE_KEY, Load, RankPool, Send, Stream
+from ._plan import SchedulerPlan
+from ._refusals import RefusedOffers
 from ._stats import KvxferStats
 from ._tier import TierLoad, TierPlan, TierSave
-from ._worker import SENTINEL_BLOCKS, HeadFacts, WorkerTransfers
+from ._worker import WorkerTransfers
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -110,6 +117,8 @@ class KvxferMetadata(KVConnectorMetadata):
         self.cancels = cancels or []
         self.tier_loads = tier_loads or []
         self.tier_saves = tier_saves or []
+        #: Requests whose offer failed: vLLM already has their blocks back; stop watching them.
+        self.unoffered: list[str] = []
 
 
 class KvxferHandshake(KVConnectorHandshakeMetadata):
@@ -139,11 +148,15 @@ class KvxferConnector(KVConnectorBase_V1):
         self._socket = str(extra["socket"])
         self._lease_s = float(extra["lease_s"])
         self._offerer: KvxferClient | None = None
+        #: Decode side: keeps the offers of requests waiting here alive (see ._leases).
+        self._leases: LeaseKeeper | None = None
         self._tier_salt = str(extra["tier_salt"]).encode()
+        #: Offers the daemon refused: their blocks go back to vLLM (see ._refusals).
+        self._refusals: RefusedOffers | None = None
         self._tier = TierPlan(self._block_size) if extra["tier"] else None
         if role == KVConnectorRole.SCHEDULER:
             decode_tp = int(extra["decode_tp_size"] or vllm_config.parallel_config.tensor_parallel_size)
-            self._plan = SchedulerPlan(self._block_size, _total_kv_heads(vllm_config), decode_tp)
+            self._plan = SchedulerPlan(self._block_size, total_kv_heads(vllm_config), decode_tp)
         else:
             parallel = vllm_config.parallel_config
             self._worker = WorkerTransfers(
@@ -162,15 +175,15 @@ class KvxferConnector(KVConnectorBase_V1):
         config = self._vllm_config
         model = ModelInfo(
             model=str(config.model_config.model),
-            dtype=_kv_dtype(config),
+            dtype=kv_dtype(config),
             block_tokens=self._block_size,
             tp_size=int(config.parallel_config.tensor_parallel_size),
             tp_rank=self._worker.tp_rank,
         )
         num_blocks = int(self._kv_cache_config.num_blocks)
-        shape = _backend_shape(config, self._kv_cache_config)
-        heads = _head_facts(config, self._kv_cache_config)
-        pool = self._worker.register(kv_caches, num_blocks, model, shape, heads, _backend_name(config))
+        shape = backend_shape(config, self._kv_cache_config)
+        heads = head_facts(config, self._kv_cache_config)
+        pool = self._worker.register(kv_caches, num_blocks, model, shape, heads, backend_name(config))
         self._handshake = KvxferHandshake(pool)
 
     def get_handshake_metadata(self) -> KvxferHandshake | None:
@@ -179,6 +192,8 @@ class KvxferConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         assert self._worker is not None
         meta = self._get_connector_metadata()
+        if isinstance(meta, KvxferMetadata) and meta.unoffered:
+            self._worker.forget(meta.unoffered)
         if isinstance(meta, KvxferMetadata) and (meta.loads or meta.sends or meta.streams or meta.cancels):
             self._worker.start(meta.loads, meta.sends, meta.streams, meta.cancels)
         if isinstance(meta, KvxferMetadata) and (meta.tier_loads or meta.tier_saves):
@@ -189,11 +204,11 @@ class KvxferConnector(KVConnectorBase_V1):
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
         assert self._worker is not None
-        self._worker.layer_saved(layer_name)
+        self._worker.pushes.layer_saved(layer_name)
 
     def wait_for_save(self) -> None:
         assert self._worker is not None
-        self._worker.step_saved()
+        self._worker.pushes.step_saved()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)
@@ -219,6 +234,8 @@ class KvxferConnector(KVConnectorBase_V1):
         return KvxferStats(data)
 
     def shutdown(self) -> None:
+        if self._leases is not None:
+            self._leases.close()
         if self._worker is not None:
             self._worker.close()
         if self._offerer is not None:
@@ -231,8 +248,18 @@ class KvxferConnector(KVConnectorBase_V1):
         self._plan.set_pools({rank: m.pool for rank, m in metadata.items() if isinstance(m, KvxferHandshake)})
         if self._plan.pools and self._offerer is None:
             # The scheduler's own session: it offers the workers' blocks (with their pools'
-            # offer keys) the moment a request finishes, without waiting for the reply.
-            self._offerer = KvxferClient(self._socket, engine_name="vllm-scheduler")
+            # offer keys) the moment a request finishes, without waiting for the reply, and
+            # keeps the offers a decode request waits for alive. It outlives daemon restarts
+            # (the workers' pools keep their ids and keys).
+            self._offerer = KvxferClient(self._socket, engine_name="vllm-scheduler", auto_reconnect=True, logger=log)
+            offerer, lease_s = self._offerer, self._lease_s
+
+            def renew(ticket: dict[str, Any]) -> None:
+                future = offerer.start_extend_lease(ticket, lease_s)
+                future.add_done_callback(functools.partial(_log_renewal, str(ticket.get("offer_id", ""))))
+
+            self._leases = LeaseKeeper(renew, lease_s).start()
+            self._refusals = RefusedOffers(offerer.start_release)
         if self._tier is not None and self._offerer is not None and self._plan.pools:
             first, offerer, salt = min(self._plan.pools.items())[1], self._offerer, self._tier_salt
             ranks, lease = len(self._plan.pools), self._lease_s
@@ -250,12 +277,19 @@ class KvxferConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: Any) -> None:
         assert self._plan is not None
         self._plan.received(connector_output.finished_recving or ())
-        if connector_output.finished_sending:
-            connector_output.finished_sending = self._plan.sent(set(connector_output.finished_sending))
+        if self._leases is not None:
+            self._leases.release(connector_output.finished_recving or ())
+        unoffered = self._refusals.take() if self._refusals is not None else set()
+        if connector_output.finished_sending or unoffered:
+            finished = set(connector_output.finished_sending or ()) | unoffered
+            connector_output.finished_sending = self._plan.sent(finished)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._plan is not None
         matched = self._plan.matched_tokens(request.kv_transfer_params, request.num_prompt_tokens, num_computed_tokens)
+        params = request.kv_transfer_params
+        if matched[0] and self._leases is not None and params:  # kept alive while it waits
+            self._leases.claim(request.request_id, params.get(TICKETS_KEY) or ())
         if matched[0] or self._tier is None or _remote(request.kv_transfer_params):
             return matched
         return self._tier.matched_tokens(
@@ -287,11 +321,24 @@ class KvxferConnector(KVConnectorBase_V1):
         loads, sends = self._plan.take()
         streams, cancels = self._plan.take_streams()
         tier_loads, tier_saves = self._tier.take() if self._tier is not None else ([], [])
-        return KvxferMetadata(loads, sends, streams, cancels, tier_loads, tier_saves)
+        meta = KvxferMetadata(loads, sends, streams, cancels, tier_loads, tier_saves)
+        meta.unoffered = self._refusals.for_workers() if self._refusals is not None else []
+        return meta
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._plan is not None
-        delay, params, send = self._plan.finished(request.request_id, request.kv_transfer_params, list(block_ids))
+        if self._leases is not None:
+            self._leases.release([request.request_id])
+        offerer, daemon, away = self._offerer, None, ""
+        if offerer is not None and offerer.connected:
+            daemon = (offerer.daemon_id, offerer.peer_address)
+        elif offerer is not None:
+            away = f"kvxferd at {self._socket} is away (restarting?); the decode engine computes this prompt itself"
+        delay, params, send = self._plan.finished(
+            request.request_id, request.kv_transfer_params, list(block_ids), daemon, away
+        )
+        if away and params and UNAVAILABLE_KEY in params:
+            log.warning("kvxfer: request %s: no KV handed off: %s", request.request_id, away)
         if not delay and send is None and self._tier is not None and not _remote(request.kv_transfer_params):
             # Kept for the next turn: the blocks wait until every worker stored its heads.
             delay = self._tier.finished(
@@ -299,79 +346,30 @@ class KvxferConnector(KVConnectorBase_V1):
             )
         if send is not None:
             assert self._offerer is not None
+            offers = []
             for rank, pool in sorted(self._plan.pools.items()):
                 if send.readers and not send.readers[rank]:
                     continue  # a replica of heads no decode rank takes: its worker frees at once
-                self._offerer.start_offer(
+                offer = self._offerer.start_offer(
                     pool.pool_id,
                     send.block_ids,
                     lease_s=self._lease_s,
                     ticket=Ticket.from_dict(send.tickets[rank]),
                     offer_key=bytes.fromhex(pool.offer_key),
                 )
+                offers.append(offer)
+            assert self._refusals is not None
+            self._refusals.watch(request.request_id, offers)
+        if delay:
+            self._plan.hold(request.request_id)
         return delay, params
+
+
+def _log_renewal(offer_id: str, future: concurrent.futures.Future[Any]) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.warning("kvxfer: could not renew the lease of offer %s: %s", offer_id, future.exception())
 
 
 def _remote(params: dict[str, Any] | None) -> bool:
     """A request of a disaggregated pair (its KV comes from, or goes to, another engine)."""
     return bool(params and (params.get("do_remote_decode") or params.get("do_remote_prefill")))
-
-
-def _kv_dtype(config: VllmConfig) -> str:
-    """The KV cache's element type, as the fingerprint names it: ``cache_dtype`` unless it is
-    ``auto`` (then the model's dtype), so an fp8 cache never meets a bf16 one."""
-    cache_dtype = str(config.cache_config.cache_dtype)
-    return cache_dtype if cache_dtype != "auto" else str(config.model_config.dtype).removeprefix("torch.")
-
-
-def _backend_shape(config: VllmConfig, kv_cache_config: KVCacheConfig) -> tuple[int, ...] | None:
-    """The attention backend's KV shape for :data:`SENTINEL_BLOCKS` blocks, or None when vLLM
-    has no attention layers to ask (the shape alone then decides, see ``block_dim_of``)."""
-    from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
-
-    try:
-        backends = get_current_attn_backends(config)
-        spec: Any = kv_cache_config.kv_cache_groups[0].kv_cache_spec
-        shape = backends[0].get_kv_cache_shape(SENTINEL_BLOCKS, spec.block_size, spec.num_kv_heads, spec.head_size)
-    except (AttributeError, IndexError, NotImplementedError, TypeError, ValueError) as exc:  # the shape decides
-        log.info("kvxfer: the attention backend's KV shape is unknown (%s); reading the tensors' shapes", exc)
-        return None
-    return tuple(int(n) for n in shape)
-
-
-def _backend_name(config: VllmConfig) -> str:
-    """The attention backend's name (part of the pool's KV format), "" when vLLM cannot say."""
-    from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
-
-    try:
-        return str(get_current_attn_backends(config)[0].get_name())
-    except (AttributeError, IndexError, NotImplementedError, TypeError, ValueError):
-        return ""
-
-
-def _total_kv_heads(config: VllmConfig) -> int:
-    """The model's KV heads before the tensor-parallel split (0 when vLLM cannot say). MLA's
-    latent KV is one "head" every rank holds whole, whatever the model's attention heads.
-
-    >>> from types import SimpleNamespace as NS
-    >>> def config(mla):
-    ...     return NS(model_config=NS(use_mla=mla, get_total_num_kv_heads=lambda: 128))
-    >>> _total_kv_heads(config(False)), _total_kv_heads(config(True))
-    (128, 1)
-    """
-    try:
-        if getattr(config.model_config, "use_mla", False):
-            return 1  # vLLM gives each rank one KV "head" then (ModelConfig.get_num_kv_heads)
-        return int(config.model_config.get_total_num_kv_heads())
-    except (AttributeError, TypeError, ValueError):
-        return 0
-
-
-def _head_facts(config: VllmConfig, kv_cache_config: KVCacheConfig) -> HeadFacts | None:
-    """What vLLM's KV cache spec says of this rank's heads (None for specs without heads)."""
-    spec: Any = kv_cache_config.kv_cache_groups[0].kv_cache_spec
-    total = _total_kv_heads(config)
-    heads = getattr(spec, "num_kv_heads", 0)
-    if len(kv_cache_config.kv_cache_groups) != 1 or not total or not heads:
-        return None
-    return HeadFacts(int(spec.block_size), int(heads), total)

@@ -50,102 +50,25 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._errors import IncompatibleError
-from .._geometry import readers
-from .._ticket import Ticket
+from kvxfer.errors import IncompatibleError
+from kvxfer.geometry import readers
+from kvxfer.ticket import Ticket
 
-__all__ = ["STREAM_KEY", "TICKETS_KEY", "Load", "RankPool", "SchedulerPlan", "Send", "Stream", "stream_id"]
+from ._messages import (
+    BLOCK_TOKENS_KEY,
+    STREAM_KEY,
+    TICKETS_KEY,
+    UNAVAILABLE_KEY,
+    Load,
+    RankPool,
+    Send,
+    Stream,
+    stream_of,
+)
 
-#: Key of the per-rank tickets inside ``kv_transfer_params``.
-TICKETS_KEY = "kvxfer_tickets"
-#: Key of the prefill engine's block size (tokens) inside ``kv_transfer_params``.
-BLOCK_TOKENS_KEY = "kvxfer_block_tokens"
-#: Key of the router's streaming request inside ``kv_transfer_params`` (both engines).
-STREAM_KEY = "kvxfer_stream"
-#: The longest transfer id a router may choose (each rank's push adds a suffix, see stream_id).
-MAX_STREAM_ID = 100
+__all__ = ["SchedulerPlan"]
 
 log = logging.getLogger("vllm.kvxfer")
-
-
-def stream_id(transfer_id: str, tp_rank: int) -> str:
-    """The transfer id of one tensor-parallel rank's push (each rank has its own pool).
-
-    >>> stream_id("abc", 1)
-    'abc-r1'
-    """
-    return f"{transfer_id}-r{tp_rank}"
-
-
-def stream_of(params: dict[str, Any] | None, prefill: bool) -> tuple[str, str] | str | None:
-    """``(transfer_id, to_peer_address)`` of a streaming request, None when it does not
-    stream, or why its ``kvxfer_stream`` is malformed (the router's, so checked).
-
-    >>> stream_of({"kvxfer_stream": {"transfer_id": "x" * 200}}, prefill=False)
-    'kvxfer_stream.transfer_id must be 1 to 100 characters'
-    """
-    stream = (params or {}).get(STREAM_KEY)
-    if stream is None:
-        return None
-    if not isinstance(stream, dict):
-        return f"{STREAM_KEY} must be an object"
-    transfer_id, peer = stream.get("transfer_id"), stream.get("to_peer_address", "")
-    if not isinstance(transfer_id, str) or not 0 < len(transfer_id) <= MAX_STREAM_ID:
-        return f"{STREAM_KEY}.transfer_id must be 1 to {MAX_STREAM_ID} characters"
-    if prefill and (not isinstance(peer, str) or not 0 < len(peer) <= 256):
-        return f"{STREAM_KEY}.to_peer_address must name the decode node's kvxferd (host:port)"
-    return transfer_id, str(peer)
-
-
-@dataclass(frozen=True)
-class RankPool:
-    """One tensor-parallel rank's pool, as its worker tells the scheduler (vLLM's handshake)."""
-
-    tp_rank: int
-    daemon_id: str
-    peer_address: str
-    pool_id: str
-    fingerprint: str
-    bytes_per_block: int
-    #: The pool's offer key (hex): the scheduler process offers the worker's blocks with it.
-    offer_key: str
-
-
-@dataclass(frozen=True)
-class Load:
-    """Pull a request's KV into ``block_ids``: the ticket of each rank, positions in it."""
-
-    request_id: str
-    tickets: tuple[dict[str, Any], ...]
-    block_ids: tuple[int, ...]
-    #: Positions in the tickets' block lists (None: all): the blocks this engine lacks.
-    offer_block_indices: tuple[int, ...] | None
-    #: Why this load cannot run (the worker reports it failed; vLLM's policy applies).
-    refused: str = ""
-    #: Receive the push of this transfer id (streaming) rather than pull the tickets.
-    transfer_id: str = ""
-
-
-@dataclass(frozen=True)
-class Send:
-    """Offer a finished prefill's ``block_ids`` under the tickets already handed out."""
-
-    request_id: str
-    block_ids: tuple[int, ...]
-    tickets: tuple[dict[str, Any], ...]
-    #: Decode ranks reading each rank's offer; a rank nobody reads makes no offer.
-    readers: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True)
-class Stream:
-    """Push a prefill's ``block_ids`` (its prompt's) under ``transfer_id``, layer by layer,
-    in the step that computes its last prompt tokens."""
-
-    request_id: str
-    block_ids: tuple[int, ...]
-    transfer_id: str
-    to_peer_address: str
 
 
 @dataclass
@@ -177,6 +100,8 @@ class SchedulerPlan:
         #: transfer ids of those whose request ended meanwhile (their receives to cancel).
         self._receiving: dict[str, str] = {}
         self._cancels: list[str] = []
+        #: Finished requests whose blocks vLLM holds until their send ends.
+        self._held: set[str] = set()
 
     def set_pools(self, pools: dict[int, RankPool]) -> None:
         """Every rank's pool (called once the workers registered their KV caches)."""
@@ -185,11 +110,26 @@ class SchedulerPlan:
     # -- prefill --------------------------------------------------------------------------
 
     def finished(
-        self, request_id: str, params: dict[str, Any] | None, block_ids: list[int]
+        self,
+        request_id: str,
+        params: dict[str, Any] | None,
+        block_ids: list[int],
+        daemon: tuple[str, str] | None = None,
+        away: str = "",
     ) -> tuple[bool, dict[str, Any] | None, Send | None]:
         """A request finished: when a decode engine is to continue it, keep its blocks (True),
         answer with one ticket per rank, made here without a round trip, and return the
-        :class:`Send` to offer under them."""
+        :class:`Send` to offer under them. ``daemon``: the node's kvxferd as the scheduler's
+        session knows it now, ``(daemon_id, peer_address)`` (default: as the workers said at
+        start); ``away``: why it cannot be reached now: then no ticket is made (it would never
+        work), the blocks are freed and the answer says why (:data:`UNAVAILABLE_KEY`).
+
+        >>> plan = SchedulerPlan(block_size=16)
+        >>> plan.set_pools({0: RankPool(0, "d1", "h:1", "pool-1", "f" * 32, 4096, "00" * 16)})
+        >>> delay, params, send = plan.finished("r1", {"do_remote_decode": True}, [4], away="kvxferd is away")
+        >>> delay, params[UNAVAILABLE_KEY], params["do_remote_prefill"], send
+        (False, 'kvxferd is away', False, None)
+        """
         if request_id in self._receiving:  # aborted while its push is awaited: stop waiting
             self._cancels.append(self._receiving.pop(request_id))
         if request_id in self._streamed or request_id in self._expected:
@@ -205,10 +145,11 @@ class SchedulerPlan:
             return False, None, None
         if not self.pools:
             raise IncompatibleError("no worker registered a KV pool with kvxferd (is the daemon running?)")
+        if away:
+            return False, {"do_remote_prefill": False, "do_remote_decode": False, UNAVAILABLE_KEY: away}, None
         tickets = tuple(
             Ticket.in_advance(
-                p.daemon_id,
-                p.peer_address,
+                *(daemon or (p.daemon_id, p.peer_address)),
                 p.fingerprint,
                 len(block_ids),
                 p.bytes_per_block,
@@ -293,13 +234,26 @@ class SchedulerPlan:
         for request_id in finished_recving:
             self._receiving.pop(request_id, None)
 
+    def hold(self, request_id: str) -> None:
+        """vLLM keeps a finished request's blocks for us (``request_finished`` said so) until
+        :meth:`sent` reports it."""
+        self._held.add(request_id)
+
     def sent(self, finished_sending: set[str]) -> set[str]:
-        """The workers' finished sends, less streamed requests vLLM has not finished yet (a
-        push can end within the step that started it, before ``request_finished``): those
-        are remembered, and that request finishes with its blocks free at once."""
+        """The finished sends vLLM is to hear of: those of requests whose blocks it holds for
+        us, each once (vLLM asserts the request exists). Streamed requests vLLM has not
+        finished yet (a push can end within the step that started it, before
+        ``request_finished``) are remembered, and finish with their blocks free at once.
+
+        >>> plan = SchedulerPlan(block_size=16)
+        >>> plan.hold("r1"); plan.sent({"r1", "r2"}), plan.sent({"r1"})
+        ({'r1'}, set())
+        """
         early = finished_sending & self._streamed
         self._sent_early |= early
-        return finished_sending - early
+        done = (finished_sending - early) & self._held
+        self._held -= done
+        return done
 
     # -- decode ---------------------------------------------------------------------------
 

@@ -27,6 +27,7 @@ __all__ = ["COUNTERS", "KvxferStats"]
 COUNTERS = (
     "pulls",
     "pull_failures",
+    "pull_expired",
     "pulled_bytes",
     "pull_seconds",
     "offers",
@@ -56,6 +57,7 @@ class KvxferStats(KVConnectorStats):
         return {
             "pulls": int(d["pulls"]),
             "pull_failures": int(d["pull_failures"]),
+            "pull_expired": int(d["pull_expired"]),
             "offers": int(d["offers"]),
             "pushes": int(d["pushes"]),
             "tier_saves": int(d["tier_saves"]),

@@ -48,7 +48,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .._ticket import Ticket
+from kvxfer.ticket import Ticket
 
 __all__ = ["TierLoad", "TierPlan", "TierSave"]
 

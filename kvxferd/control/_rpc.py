@@ -1,6 +1,6 @@
 """Turning kvxfer errors into gRPC statuses, for every servicer method.
 
-The status code of each error class is defined once, in ``kvxfer_client._errors``; this
+The status code of each error class is defined once, in ``kvxfer.errors``; this
 decorator is the only place the daemon applies it.
 """
 
@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from kvxfer_client._errors import KvxferError, metadata_of
+from kvxfer.errors import KvxferError, metadata_of
 
 from .._log import log_event
 

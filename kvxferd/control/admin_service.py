@@ -7,8 +7,8 @@ import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
-from kvxfer_client._errors import NotFoundError, PermissionDeniedError
-from kvxfer_client._proto import admin_pb2, admin_pb2_grpc
+from kvxfer.errors import NotFoundError, PermissionDeniedError
+from kvxfer.proto import admin_pb2, admin_pb2_grpc
 
 from .._node import Node
 from ._rpc import rpc_method
@@ -140,7 +140,7 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
     async def WatchTier(  # noqa: N802
         self, request: admin_pb2.WatchTierRequest, context: Ctx
     ) -> AsyncIterator[admin_pb2.TierEventBatch]:
-        async for batch in self.node.host_tier().events.subscribe():
+        async for batch in self.node.kv_tier.host().events.subscribe():
             yield batch
 
     @rpc_method

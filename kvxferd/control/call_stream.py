@@ -23,8 +23,8 @@ from typing import Any
 
 import grpc
 
-from kvxfer_client._errors import KvxferError
-from kvxfer_client._proto import engine_pb2
+from kvxfer.errors import KvxferError
+from kvxfer.proto import engine_pb2
 
 from .._log import log_event
 from ._rpc import status_of
@@ -46,6 +46,7 @@ def _error(
         status.may_still_write = exc.may_still_write
         status.transfer_id = exc.transfer_id[:128]
         status.offer_id = exc.offer_id[:128]
+        status.reason = exc.reason
     return engine_pb2.CallResponse(call_id=call_id, error=status)
 
 

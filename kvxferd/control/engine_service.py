@@ -7,13 +7,15 @@ import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
-from kvxfer_client._errors import InvalidRequestError, KvxferError, UnavailableError
-from kvxfer_client._layout import MAX_BLOCKS
-from kvxfer_client._proto import engine_pb2, engine_pb2_grpc
+from kvxfer.errors import InvalidRequestError, KvxferError, UnavailableError
+from kvxfer.layout import MAX_BLOCKS
+from kvxfer.proto import engine_pb2, engine_pb2_grpc
 
+from .._asks import OfferAsk, PullAsk, ReceiveAsk
 from .._node import Node
 from .._transfers import TransferRecord
-from ..memory.pools import check_block_ids
+from ..memory.pools import PoolIdentity, check_block_ids
+from ..tier.acts import TierAsk
 from . import wire
 from ._rpc import rpc_method
 from .call_stream import Handlers, serve_calls
@@ -49,7 +51,8 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
     async def RegisterPool(  # noqa: N802
         self, request: engine_pb2.RegisterPoolRequest, context: Ctx
     ) -> engine_pb2.RegisterPoolResponse:
-        pool = self.node.register_pool(request.session_id, request.buffers, request.layout, request.name)
+        keep = PoolIdentity(request.pool_id, bytes(request.offer_key))
+        pool = self.node.register_pool(request.session_id, request.buffers, request.layout, request.name, keep)
         return engine_pb2.RegisterPoolResponse(
             pool_id=pool.pool_id, fingerprint=pool.fingerprint, offer_key=pool.offer_key
         )
@@ -88,7 +91,7 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
         s = self.node.settings
         lease = wire.lease_s(request.lease_s, s.default_lease_s, s.max_lease_s)
         chosen = wire.chosen_offer(request.offer_id, request.token)
-        offer, ticket = self.node.offer(
+        ask = OfferAsk(
             request.session_id,
             request.pool_id,
             request.block_ids,
@@ -98,6 +101,7 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
             wire.readers(request.readers),
             wire.layers(request.layers),
         )
+        offer, ticket = self.node.offer(ask)
         return engine_pb2.OfferResponse(ticket=ticket.to_proto(), lease_deadline_unix=offer.deadline)
 
     async def _pull_now(self, request: engine_pb2.PullRequest) -> engine_pb2.PullResponse:
@@ -105,9 +109,8 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
         timeout = wire.pull_timeout_s(request.timeout_s, self.node.settings.pull_timeout_s)
         transfer_id = wire.transfer_id(request.transfer_id)
         indices = wire.offer_block_indices(request.offer_block_indices)
-        record = await self.node.pull(
-            request.session_id, request.pool_id, ticket, request.block_ids, timeout, transfer_id, indices
-        )
+        ask = PullAsk(request.session_id, request.pool_id, ticket, request.block_ids, timeout, transfer_id, indices)
+        record = await self.node.pull(ask)
         return _pull_response(record)
 
     async def _push(self, request: engine_pb2.PushRequest) -> engine_pb2.PushResponse:
@@ -120,16 +123,16 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
         s, offer = self.node.settings, request.offer
         if offer.offer_id or offer.token or offer.readers > 1:
             raise InvalidRequestError("a push makes its own offer for one reader: no offer_id, token or readers")
-        pushed = await self.node.pushes.push(
+        ask = OfferAsk(
             offer.session_id,
             offer.pool_id,
             offer.block_ids,
             wire.lease_s(offer.lease_s, s.default_lease_s, s.max_lease_s),
-            wire.transfer_id(request.transfer_id, required=True),
-            wire.peer_address(request.to_peer_address),
-            bytes(offer.offer_key),
-            wire.layers(offer.layers),
+            offer_key=bytes(offer.offer_key),
+            layers=wire.layers(offer.layers),
         )
+        transfer_id = wire.transfer_id(request.transfer_id, required=True)
+        pushed = await self.node.pushes.push(ask, transfer_id, wire.peer_address(request.to_peer_address))
         return engine_pb2.PushResponse(
             ticket=pushed.ticket.to_proto(),
             lease_deadline_unix=pushed.offer.deadline,
@@ -142,7 +145,7 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
             raise UnavailableError("kvxferd is draining: no new pulls")
         if len(request.from_daemon_id) > 256:
             raise InvalidRequestError("from_daemon_id too long")
-        record = await self.node.pushes.receive(
+        ask = ReceiveAsk(
             request.session_id,
             request.pool_id,
             request.block_ids,
@@ -151,6 +154,7 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
             request.from_daemon_id,
             wire.offer_block_indices(request.offer_block_indices),
         )
+        record = await self.node.pushes.receive(ask)
         return _pull_response(record)
 
     async def _layers_ready(self, request: engine_pb2.LayersReadyRequest) -> engine_pb2.LayersReadyResponse:
@@ -179,9 +183,10 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
             raise InvalidRequestError(f"more than {MAX_BLOCKS} keys")
         keys, salt = list(request.keys), bytes(request.salt)
         if request.from_peer:
-            hits = await self.node.tier_from_peer(request.session_id, request.pool_id, request.from_peer, keys, salt)
+            ask = TierAsk(request.session_id, request.pool_id, keys, salt)
+            hits = await self.node.kv_tier.from_peer(ask, request.from_peer)
             return engine_pb2.TierLookupResponse(hits=hits)
-        tier = self.node.host_tier()
+        tier = self.node.kv_tier.host()
         pool = self.node.keyed_pool(request.pool_id, request.session_id, bytes(request.offer_key))
         return engine_pb2.TierLookupResponse(hits=tier.lookup(pool, keys, salt))
 
@@ -200,22 +205,16 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
         if len(request.keys) > MAX_BLOCKS:
             raise InvalidRequestError(f"more than {MAX_BLOCKS} keys")
         lease = wire.lease_s(request.lease_s, s.default_lease_s, s.max_lease_s)
-        offer, ticket = await self.node.tier_offer(
-            request.session_id,
-            request.pool_id,
-            list(request.keys),
-            bytes(request.salt),
-            lease,
-            wire.readers(request.readers),
-            request.prefix,
-            bytes(request.offer_key),
+        ask = TierAsk(
+            request.session_id, request.pool_id, list(request.keys), bytes(request.salt), bytes(request.offer_key)
         )
+        offer, ticket = await self.node.kv_tier.offer(ask, lease, wire.readers(request.readers), request.prefix)
         if offer is None or ticket is None:  # a prefix of nothing: no offer
             return engine_pb2.OfferResponse()
         return engine_pb2.OfferResponse(ticket=ticket.to_proto(), lease_deadline_unix=offer.deadline)
 
     async def _tier_store(self, request: engine_pb2.TierStoreRequest) -> engine_pb2.TierStoreResponse:
-        tier = self.node.host_tier()
+        tier = self.node.kv_tier.host()
         pool = self.node.owned_pool(request.pool_id, request.session_id)
         ids = check_block_ids(request.block_ids, pool.layout.num_blocks, "tier store")
         stored, skipped = await tier.store(pool, ids, list(request.keys), bytes(request.salt))
@@ -224,17 +223,10 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
     async def _tier_load(self, request: engine_pb2.TierLoadRequest) -> engine_pb2.TierLoadResponse:
         if request.from_peer:
             timeout = wire.pull_timeout_s(request.timeout_s, self.node.settings.pull_timeout_s)
-            loaded = await self.node.tier_from_peer(
-                request.session_id,
-                request.pool_id,
-                request.from_peer,
-                list(request.keys),
-                bytes(request.salt),
-                request.block_ids,
-                timeout,
-            )
+            ask = TierAsk(request.session_id, request.pool_id, list(request.keys), bytes(request.salt))
+            loaded = await self.node.kv_tier.from_peer(ask, request.from_peer, request.block_ids, timeout)
             return engine_pb2.TierLoadResponse(loaded=loaded)
-        tier = self.node.host_tier()
+        tier = self.node.kv_tier.host()
         pool = self.node.owned_pool(request.pool_id, request.session_id)
         ids = check_block_ids(request.block_ids, pool.layout.num_blocks, "tier load")
         loaded = await tier.load(pool, ids, list(request.keys), bytes(request.salt))

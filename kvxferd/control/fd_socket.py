@@ -32,7 +32,7 @@ import os
 import socket
 from collections.abc import Callable
 
-from kvxfer_client._errors import InvalidRequestError, KvxferError, NotFoundError
+from kvxfer.errors import InvalidRequestError, KvxferError, NotFoundError
 
 from .._log import log_event
 from .._sessions import Session

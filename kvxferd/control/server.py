@@ -11,19 +11,58 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvxfer_client._config import channel_options
+from kvxfer.defaults import channel_options
 
 from .listen_errors import check_unix_dir, explain
 
-__all__ = ["Listener", "start_listener"]
+__all__ = ["Listener", "Servicer", "bind_listener"]
+
+
+Servicer = tuple[Callable[[Any, grpc.aio.Server], None], Any, str]
 
 
 class Listener:
-    def __init__(self, server: grpc.aio.Server, health_servicer: Any, services: Sequence[str], address: str) -> None:
+    """One gRPC server on one address: bound first (:func:`bind_listener`, so the daemon's
+    parts are built knowing every address), then serving (:meth:`serve`)."""
+
+    def __init__(self, server: grpc.aio.Server, name: str, address: str, bound: str, socket_group: str) -> None:
         self.server = server
-        self.health = health_servicer
-        self.services = services
-        self.address = address
+        self.name = name
+        self.asked = address
+        #: The actual address (the bound port where 0 was asked for).
+        self.address = bound
+        self.socket_group = socket_group
+        self.health = health.aio.HealthServicer()
+        self.services: list[str] = []
+
+    async def serve(self, servicers: Sequence[Servicer]) -> None:
+        """Serve ``servicers`` ((add_XServicer_to_server, servicer, full service name) triples)
+        plus health checking and reflection; a Unix socket gets mode 0660 and, when named,
+        its group. Raises :class:`ListenError` naming the listener."""
+        try:
+            await self._serve(servicers)
+        except (OSError, RuntimeError) as exc:
+            raise explain(self.name, self.asked, exc) from None
+
+    async def _serve(self, servicers: Sequence[Servicer]) -> None:
+        for add, servicer, service in servicers:
+            add(servicer, self.server)
+            self.services.append(service)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection([*self.services, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
+        await self.server.start()
+        if self.asked.startswith("unix:"):
+            path = self.asked.removeprefix("unix:")
+            os.chmod(path, 0o660)
+            if self.socket_group:
+                group = self.socket_group
+                try:
+                    gid = int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
+                    os.chown(path, -1, gid)
+                except (KeyError, OSError) as exc:
+                    await self.server.stop(None)
+                    raise OSError(f"cannot give {path} to group {group!r}: {exc}") from None
+        await self.set_serving(True)
 
     async def set_serving(self, serving: bool, services: Sequence[str] | None = None) -> None:
         """Set the health of ``services`` (default: the listener and each service it serves)."""
@@ -32,42 +71,21 @@ class Listener:
             await self.health.set(name, status)
 
 
-async def start_listener(
-    name: str,
-    address: str,
-    adders: Sequence[tuple[Callable[[Any, grpc.aio.Server], None], Any, str]],
-    credentials: grpc.ServerCredentials | None = None,
-    socket_group: str = "",
+def bind_listener(
+    name: str, address: str, credentials: grpc.ServerCredentials | None = None, socket_group: str = ""
 ) -> Listener:
-    """Bind ``address`` ("unix:/path" or "host:port") and serve the given services on it.
-
-    ``adders`` holds (add_XServicer_to_server, servicer, full service name) triples; a TCP
-    address uses ``credentials`` (mTLS) when given; a Unix socket gets mode 0660 and, when
-    named, ``socket_group``. Returns the listener with its actual address (the bound port when
-    0 was asked for). A bind that fails raises :class:`ListenError` naming listener ``name``.
-    """
+    """Bind ``address`` ("unix:/path" or "host:port"; a TCP address uses ``credentials``, mTLS,
+    when given) without serving yet. A bind that fails raises :class:`ListenError` naming
+    listener ``name``."""
     try:
-        return await _start(address, adders, credentials, socket_group, name)
+        return _bind(name, address, credentials, socket_group)
     except (OSError, RuntimeError) as exc:
         raise explain(name, address, exc) from None
 
 
-async def _start(
-    address: str,
-    adders: Sequence[tuple[Callable[[Any, grpc.aio.Server], None], Any, str]],
-    credentials: grpc.ServerCredentials | None,
-    socket_group: str,
-    name: str,
-) -> Listener:
+def _bind(name: str, address: str, credentials: grpc.ServerCredentials | None, socket_group: str) -> Listener:
     # No SO_REUSEPORT: a second daemon on the same port must fail, not share it.
     server = grpc.aio.server(options=[*channel_options(), ("grpc.so_reuseport", 0)])
-    names = []
-    for add, servicer, service in adders:
-        add(servicer, server)
-        names.append(service)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     if address.startswith("unix:"):
         path = address.removeprefix("unix:")
         check_unix_dir(name, path)
@@ -81,17 +99,4 @@ async def _start(
             raise OSError(f"cannot listen on {address}")
         host = address.rsplit(":", 1)[0]
         bound = f"{host}:{port}"
-    await server.start()
-    if address.startswith("unix:"):
-        path = address.removeprefix("unix:")
-        os.chmod(path, 0o660)
-        if socket_group:
-            try:
-                gid = int(socket_group) if socket_group.isdigit() else grp.getgrnam(socket_group).gr_gid
-                os.chown(path, -1, gid)
-            except (KeyError, OSError) as exc:
-                await server.stop(None)
-                raise OSError(f"cannot give {path} to group {socket_group!r}: {exc}") from None
-    listener = Listener(server, health_servicer, names, bound)
-    await listener.set_serving(True)
-    return listener
+    return Listener(server, name, address, bound, socket_group)

@@ -19,15 +19,15 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from kvxfer_client._errors import InvalidRequestError
-from kvxfer_client._layout import MAX_BLOCKS, MAX_REGIONS
-from kvxfer_client._proto import common_pb2, peer_pb2
-from kvxfer_client._ticket import Ticket
+from kvxfer.errors import InvalidRequestError
+from kvxfer.layout import MAX_BLOCKS, MAX_REGIONS
+from kvxfer.proto import common_pb2, peer_pb2
+from kvxfer.ticket import Ticket
 
 from ..dataplane.tcp_lanes import MAX_LANES
-from ..handoff.direct import NONCE_BYTES
-from ..handoff.serve import ServeRequest
-from ..handoff.steps import MAX_CHUNK, MIN_CHUNK
+from ..peer.serve_request import ServeRequest
+from ..transports.direct_proof import NONCE_BYTES
+from ..transports.steps import MAX_CHUNK, MIN_CHUNK
 
 __all__ = ["lease_s", "pull_timeout_s", "serve_request", "ticket", "transfer_id"]
 

@@ -33,7 +33,7 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from kvxfer_client._errors import UnavailableError
+from kvxfer.errors import UnavailableError
 
 from .aligned import view_like
 from .cma import read_iov, write_iov

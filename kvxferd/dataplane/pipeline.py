@@ -8,7 +8,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from kvxfer_client._errors import UnavailableError
+from kvxfer.errors import UnavailableError
 
 from .plan import ChunkPlan, SidePlan
 from .staging import StagingLease

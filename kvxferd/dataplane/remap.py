@@ -14,7 +14,7 @@ one token when the orders differ (the conversion happens in the same copy, no se
 Everything is numpy arithmetic over the units, no Python loop over blocks, tokens or heads.
 
 >>> import numpy as np
->>> from kvxfer_client._geometry import HeadRange
+>>> from kvxfer.geometry import HeadRange
 >>> two_heads = RegionTable.from_regions([(0, 0, 64, 64)])  # blocks of 4 tokens x 2 heads x 8 bytes
 >>> one_head = RegionTable.from_regions([(0, 0, 32, 32)])
 >>> src = Side(two_heads, np.array([1, 0]), block_tokens=4, heads=HeadRange(0, 2), head_bytes=8, order="HND")
@@ -32,10 +32,10 @@ from typing import Literal, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from kvxfer_client._errors import IncompatibleError, InvalidRequestError
-from kvxfer_client._geometry import HeadRange, KvGeometry, rank_heads
-from kvxfer_client._layout import Layout, ModelInfo
-from kvxfer_client._proto import common_pb2
+from kvxfer.errors import IncompatibleError, InvalidRequestError
+from kvxfer.geometry import HeadRange, KvGeometry, rank_heads
+from kvxfer.layout import Layout, ModelInfo
+from kvxfer.proto import common_pb2
 
 from .plan import RegionTable, SidePlan, plan_segments
 

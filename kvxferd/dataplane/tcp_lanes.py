@@ -40,7 +40,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvxfer_client._errors import UnavailableError
+from kvxfer.errors import UnavailableError
 
 from .._log import log_event
 from .hostmem import HostMemory

@@ -26,7 +26,7 @@ from typing import cast
 import numpy as np
 import numpy.typing as npt
 
-from kvxfer_client._errors import UnavailableError
+from kvxfer.errors import UnavailableError
 
 from .hostcopy import chunk_iov, contiguous_iov
 
@@ -34,7 +34,7 @@ __all__ = ["UcpTagIov", "chunk_iov", "contiguous_iov", "iov_supported"]
 
 #: Seconds a cancelled receive waits for UCX to confirm it will write no more; past that the
 #: destination is reported as possibly still written (``may_still_write``). The SDK's answer
-#: margin on a pull (``kvxfer_client._client.PULL_ANSWER_MARGIN_S``) must stay above it.
+#: margin on a pull (``PULL_ANSWER_MARGIN_S`` in the SDK's client) must stay above it.
 CANCEL_CONFIRM_S = 5.0
 
 U8 = npt.NDArray[np.uint8]

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvxfer_client._errors import UnavailableError
+from kvxfer.errors import UnavailableError
 
 from .._log import log_event
 from .gpucopy import GpuCopier, UploadedSide, settle
@@ -117,10 +117,6 @@ class UcxTransport:
         """The cached endpoint to ``peer_id`` if it is open, else None (no waiting)."""
         ep = self._endpoints.get(peer_id)
         return ep if ep is not None and not ep.closed else None
-
-    @property
-    def sends_pending(self) -> int:
-        return len(self.sends)
 
     @property
     def receives_unconfirmed(self) -> int:

@@ -34,9 +34,10 @@ import struct
 import sys
 from collections import OrderedDict
 
-from kvxfer_client._errors import IncompatibleError
+from kvxfer.errors import IncompatibleError
 
 from .._log import log_event
+from .spawn import SpawnedChild, spawn_child
 
 __all__ = ["MAX_ADDRESS_BYTES", "AddressProbe", "check_worker_address"]
 
@@ -46,6 +47,8 @@ MAX_ADDRESS_BYTES = 16 << 10
 _KNOWN_VERSIONS = (0, 1)
 #: Seconds one probe may take before the child is killed and the address refused.
 PROBE_TIMEOUT_S = 10.0
+#: Seconds the child may take to start (it imports UCX: about a second here).
+PROBE_START_S = 30.0
 _VERDICTS_KEPT = 4096
 _CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ucx_probe_child.py")
 
@@ -74,8 +77,8 @@ class AddressProbe:
     """
 
     def __init__(self) -> None:
-        self._proc: asyncio.subprocess.Process | None = None
-        self._starting: asyncio.Task[asyncio.subprocess.Process] | None = None
+        self._proc: SpawnedChild | None = None
+        self._starting: asyncio.Task[SpawnedChild] | None = None
         self._lock = asyncio.Lock()
         self._verdicts: OrderedDict[bytes, str] = OrderedDict()  # digest -> "" (fine) or why not
         self.crashes = 0
@@ -114,6 +117,10 @@ class AddressProbe:
             proc.stdin.write(struct.pack(">IB", len(address), int(error_handling)) + address)
             await proc.stdin.drain()
             answer = await asyncio.wait_for(proc.stdout.readexactly(1), PROBE_TIMEOUT_S)
+        except ProbeUnavailableError as exc:
+            await self.close()
+            log_event("ucx.probe_unavailable", logging.ERROR, detail=str(exc))
+            return f"the address probe could not run ({exc}); local handoffs are unaffected"
         except (asyncio.IncompleteReadError, ConnectionError, RuntimeError, TimeoutError) as exc:
             self.crashes += 1
             await self.close()
@@ -128,7 +135,7 @@ class AddressProbe:
             return "the probe process answered out of turn"
         return ""
 
-    async def _child(self) -> asyncio.subprocess.Process:
+    async def _child(self) -> SpawnedChild:
         if self._proc is None or self._proc.returncode is not None:
             if self._starting is None or (self._starting.done() and self._proc is not None):
                 self.start()  # never started, or the child it started has died since
@@ -136,24 +143,25 @@ class AddressProbe:
             self._proc = await self._starting
         return self._proc
 
-    async def _spawn(self) -> asyncio.subprocess.Process:
+    async def _spawn(self) -> SpawnedChild:
         # Run by path with -P: the child imports UCX and the standard library only (not this
         # package, which imports gRPC; a gRPC in the child crashed it in gRPC's poller).
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-P",
-            _CHILD,
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.DEVNULL,
-        )
-        assert proc.stdout is not None
+        # posix_spawn, never fork: see .spawn.
         try:
-            if await proc.stdout.readexactly(1) != b"R":
-                raise ConnectionError("the probe process did not start")
+            proc = await spawn_child([sys.executable, "-P", _CHILD])
+        except OSError as exc:
+            raise ProbeUnavailableError(f"cannot start {sys.executable}: {exc.strerror}") from None
+        try:
+            ready = await asyncio.wait_for(proc.stdout.readexactly(1), PROBE_START_S)
+        except (asyncio.IncompleteReadError, TimeoutError):
+            await _stop(proc)
+            raise ProbeUnavailableError(f"the probe process did not start within {PROBE_START_S:g}s") from None
         except BaseException:
             await _stop(proc)
             raise
+        if ready != b"R":
+            await _stop(proc)
+            raise ProbeUnavailableError("the probe process did not start")
         self._proc = proc
         return proc
 
@@ -168,7 +176,11 @@ class AddressProbe:
             await _stop(proc)
 
 
-async def _stop(proc: asyncio.subprocess.Process) -> None:
+class ProbeUnavailableError(ConnectionError):
+    """The probe child could not be started (or did not say it was ready in time)."""
+
+
+async def _stop(proc: SpawnedChild) -> None:
     with contextlib.suppress(ProcessLookupError):  # it may have died (a probe crash) unreaped
         proc.kill()
     await proc.wait()

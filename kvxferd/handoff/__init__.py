@@ -1,1 +1,4 @@
-"""The handoff paths: a local copy, the decode side of a remote pull, the offering side."""
+"""The handoff acts: a pull checked and run (``pull``, its value ``order``), a local copy
+(``local``), the decode side of a remote pull (``remote_pull``) and the offering side
+(``serve``), both moving their bytes through :mod:`kvxferd.transports`; pushes (``push``),
+shared reads (``shared``) and block integrity (``integrity``)."""

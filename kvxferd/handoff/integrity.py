@@ -48,8 +48,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvxfer_client._errors import DataLossError, InvalidRequestError, KvxferError
-from kvxfer_client._proto import peer_pb2
+from kvxfer.errors import DataLossError, InvalidRequestError, KvxferError
+from kvxfer.proto import peer_pb2
 
 from .._config import Settings
 from .._faults import Faults

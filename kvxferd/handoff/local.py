@@ -7,59 +7,41 @@ own process memory), anything touching a GPU by one kernel launch over every seg
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import Executor
 from typing import Any
 
 import numpy as np
 
-from kvxfer_client._errors import IncompatibleError
-from kvxfer_client._layout import mapping_between, signature_mismatch
-from kvxfer_client._proto import common_pb2
-from kvxfer_client._ticket import Ticket
+from kvxfer.errors import IncompatibleError
+from kvxfer.layout import mapping_between, signature_mismatch
+from kvxfer.proto import common_pb2
+from kvxfer.ticket import Ticket
 
-from .._faults import Faults
 from .._offers import Offer, OfferTable
+from .._services import Services
 from .._transfers import TransferRecord
-from ..dataplane.aligned import CACHE_LINE, aligned_empty
 from ..dataplane.gpu_kernel import BlockSide
-from ..dataplane.gpucopy import GpuDevices
-from ..dataplane.hostmem import HostMemory, copy_between
 from ..dataplane.plan import SidePlan, build_layered_plan, build_plan, sub_plan
 from ..dataplane.remap import remap_plans
+from ..dataplane.threaded_copy import copy_in_threads
 from ..memory.pools import PROCESS_MEMORY_OFF_GPU, Pool
-from .integrity import Integrity
-from .layers import layer_batches, layer_sizes
+from ..transports.layers import layer_batches, layer_sizes
 
-__all__ = ["INLINE_COPY_BYTES", "LocalHandoff"]
-
-#: Local host handoffs up to this size are copied on the event loop (about 10 us at memory
-#: speed); larger ones go to the copy threads.
-INLINE_COPY_BYTES = 128 << 10
+__all__ = ["LocalHandoff"]
 
 
 class LocalHandoff:
-    def __init__(
-        self,
-        offers: OfferTable,
-        chunk_bytes: int,
-        copy_threads: int,
-        executor: Executor,
-        single_pass: bool,
-        gpu: Callable[[], GpuDevices],
-        faults: Faults,
-        integrity: Integrity,
-    ) -> None:
+    def __init__(self, services: Services, offers: OfferTable, single_pass: bool) -> None:
+        """``single_pass``: host copies between two fragmented sides in one pass, by the kernel
+        (the caller checked that the kernel allows it)."""
         self.offers = offers
-        self.chunk_bytes = chunk_bytes
-        self.copy_threads = copy_threads
-        self.executor = executor
+        self.chunk_bytes = services.settings.local_chunk_bytes
+        self.copy_threads = services.settings.copy_threads
+        self.executor = services.executor
         self.single_pass = single_pass
-        self._gpu = gpu
-        self.faults = faults
-        self.integrity = integrity
+        self._gpu = services.gpu
+        self.faults = services.faults
+        self.integrity = services.integrity
 
     async def pull(
         self,
@@ -192,66 +174,3 @@ class LocalHandoff:
             BlockSide.of(src_dev, src.base, src.regions, src_ids),
             BlockSide.of(device, dst.base, dst.regions, dst_ids),
         )
-
-
-async def copy_in_threads(
-    executor: Executor,
-    threads: int,
-    src: tuple[HostMemory, SidePlan],
-    dst: tuple[HostMemory, SidePlan],
-    single_pass: bool,
-) -> None:
-    """Copy a stream between two host memories: inline when small, else the chunks dealt
-    round-robin to ``threads`` copy threads (a lone handoff uses them all)."""
-    (src_mem, src_plan), (dst_mem, dst_plan) = src, dst
-    if src_plan.total_bytes <= INLINE_COPY_BYTES:
-        # Microseconds of copying: the hop to a copy thread and back would cost more.
-        copy_plan(src_mem, src_plan, dst_mem, dst_plan, single_pass)
-        return
-    stop = threading.Event()
-    parts = min(threads, len(src_plan.chunks))
-    loop = asyncio.get_running_loop()
-    copying = [
-        loop.run_in_executor(executor, copy_plan, src_mem, src_plan, dst_mem, dst_plan, single_pass, stop, k, parts)
-        for k in range(parts)
-    ]
-    try:
-        await asyncio.shield(asyncio.gather(*copying))
-    except BaseException:
-        # Every copy thread stops at its next chunk; wait for them all, so that nobody hears
-        # "failed" or "cancelled" (and reuses the destination) while one can still write there.
-        stop.set()
-        await asyncio.wait(copying)
-        raise
-
-
-def copy_plan(
-    src_memory: HostMemory,
-    src: SidePlan,
-    dst_memory: HostMemory,
-    dst: SidePlan,
-    single_pass: bool,
-    stop: threading.Event | None = None,
-    part: int = 0,
-    parts: int = 1,
-) -> None:
-    """Copy chunks ``part``, ``part + parts``, ... of the plan (one copy thread's share),
-    until ``stop`` is set."""
-    scratch = _scratch(src.chunk_bytes)  # two engines' processes, numpy's copies, small pieces
-    for a, b in zip(src.chunks[part::parts], dst.chunks[part::parts], strict=True):
-        if stop is not None and stop.is_set():
-            return
-        copy_between(src_memory, a, dst_memory, b, scratch, single_pass)
-
-
-_SCRATCH: dict[tuple[int, int], Any] = {}
-
-
-def _scratch(nbytes: int) -> Any:
-    """One reusable scratch buffer per copy thread (runs inside the executor)."""
-    key = (threading.get_ident(), nbytes)
-    buf = _SCRATCH.get(key)
-    if buf is None:
-        buf = _SCRATCH[key] = aligned_empty(nbytes + CACHE_LINE)
-        buf.fill(0)
-    return buf

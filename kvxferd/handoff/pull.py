@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from kvxfer_client._errors import (
+from kvxfer.errors import (
     AlreadyExistsError,
     CancelledError,
     DeadlineExceededError,
@@ -25,13 +25,15 @@ from kvxfer_client._errors import (
     KvxferError,
     UnavailableError,
 )
-from kvxfer_client._layout import signature_mismatch
-from kvxfer_client._proto import common_pb2
-from kvxfer_client._ticket import Ticket
+from kvxfer.layout import signature_mismatch
+from kvxfer.proto import common_pb2
+from kvxfer.ticket import Ticket
 
+from .._asks import PullAsk
 from .._transfers import TransferRecord, TransferTable
 from ..memory.pools import Pool, check_block_ids
 from .local import LocalHandoff
+from .order import PullOrder
 from .remote_pull import RemotePull
 from .shared import SharedReads
 
@@ -55,20 +57,13 @@ class Pulls:
         self.remote = remote
         self.shared = SharedReads(local.copy_blocks)
 
-    async def pull(
-        self,
-        ticket: Ticket,
-        dst: Pool,
-        dst_ids: np.ndarray[Any, Any],
-        timeout_s: float,
-        transfer_id: str = "",
-        indices: np.ndarray[Any, Any] | None = None,
-        pushed_by: str = "",
-    ) -> TransferRecord:
-        """Move the ticket's blocks (those at ``indices`` of its list, or all) into ``dst_ids``
-        of ``dst`` within ``timeout_s``; returns the finished record. ``transfer_id`` names a
-        retryable pull (empty: a fresh id); ``pushed_by``: the daemon that announced it, for a
-        push (:mod:`.push`)."""
+    async def pull(self, ask: PullAsk, dst: Pool) -> TransferRecord:
+        """Move the ticket's blocks (those at ``ask.indices`` of its list, or all) into the
+        destination blocks ``ask.block_ids`` (checked against ``dst``) within its timeout;
+        returns the finished record (see :class:`~kvxferd._asks.PullAsk`)."""
+        ticket, transfer_id, indices, timeout_s = ask.ticket, ask.transfer_id, ask.indices, ask.timeout_s
+        dst_ids = np.asarray(ask.block_ids, dtype=np.int64)
+        pushed_by = ask.pushed_by
         offered = self.local.offers.offers.get(ticket.offer_id) if ticket.daemon_id == self.daemon_id else None
         _check_against(ticket, dst, dst_ids, indices, offered.pool if offered is not None else None)
         dst_key = _destination_key(dst.pool_id, dst_ids, indices)
@@ -105,10 +100,11 @@ class Pulls:
                 # Only this deadline raises TimeoutError here: every step's own deadline raises
                 # DeadlineExceededError naming that step (see ``steps.within``).
                 async with asyncio.timeout(timeout_s) as deadline:
+                    order = PullOrder(record, ticket, dst, dst_ids, indices, timeout_s, deadline)
                     if local:
                         await self.local.pull(record, ticket, dst, dst_ids, indices)
                     else:
-                        await self._pull_remote(record, ticket, dst, dst_ids, indices, timeout_s, deadline)
+                        await self._pull_remote(order)
         except KvxferError as exc:  # before TimeoutError: DeadlineExceededError is one
             self.transfers.end(record, common_pb2.TRANSFER_STATE_FAILED, str(exc), exc)
             raise _about(exc, record) from None
@@ -127,19 +123,12 @@ class Pulls:
         self.transfers.end(record, common_pb2.TRANSFER_STATE_SUCCEEDED)
         return record
 
-    async def _pull_remote(
-        self,
-        record: TransferRecord,
-        ticket: Ticket,
-        dst: Pool,
-        dst_ids: np.ndarray[Any, Any],
-        indices: np.ndarray[Any, Any] | None,
-        timeout_s: float,
-        deadline: asyncio.Timeout,
-    ) -> None:
+    async def _pull_remote(self, order: PullOrder) -> None:
         """A remote pull, sharing its wire transfer with other readers of the same bytes
         behind this daemon where the ticket has several readers (:mod:`.shared`)."""
-        assert self.remote is not None
+        assert self.remote is not None and order.deadline is not None
+        record, ticket, dst, dst_ids, indices = order.record, order.ticket, order.dst, order.dst_ids, order.indices
+        deadline = order.deadline
         lead = None
         if ticket.readers > 1:
             key = SharedReads.key(ticket, dst, dst_ids, indices)
@@ -148,7 +137,7 @@ class Pulls:
             lead = self.shared.lead(key, record, dst, dst_ids, ticket.readers)
         hand_on = lead.serve_joiners if lead is not None else None
         try:
-            await self.remote.pull(record, ticket, dst, dst_ids, indices, timeout_s, deadline, hand_on)
+            await self.remote.pull(order, hand_on)
         except BaseException as exc:
             if lead is not None:
                 lead.ended(exc)

@@ -28,32 +28,29 @@ decode engine named; both tables are bounded.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import numpy as np
-import numpy.typing as npt
-
-from kvxfer_client._errors import (
+from kvxfer.errors import (
     AlreadyExistsError,
     CancelledError,
     DeadlineExceededError,
     KvxferError,
     PermissionDeniedError,
     ResourceExhaustedError,
-    UnavailableError,
 )
-from kvxfer_client._proto import peer_pb2
-from kvxfer_client._ticket import Ticket
+from kvxfer.proto import peer_pb2
+from kvxfer.ticket import Ticket
 
+from .._asks import OfferAsk, PullAsk, ReceiveAsk
 from .._config import Settings
 from .._log import log_event
 from .._offers import Offer
 from .._transfers import TransferRecord
 from ..memory.pools import Pool, check_block_ids
-from .peers import PeerDirectory
+from ..peer.directory import PeerDirectory
 
 __all__ = ["Announcement", "PushHandoff", "PushTable", "Pushed"]
 
@@ -65,7 +62,7 @@ MAX_WAITING = 4096
 class Announcement:
     """An offer announced for a transfer id: its ticket and who announced it."""
 
-    ticket: Any  # kvxfer_client._ticket.Ticket (anything, for the table)
+    ticket: Any  # kvxfer.ticket.Ticket (anything, for the table)
     from_daemon_id: str
     timer: asyncio.TimerHandle | None = field(default=None, repr=False)
 
@@ -171,34 +168,14 @@ class PushNode(Protocol):
     daemon_id: str
     peer_address: str
     settings: Settings
-    peers: PeerDirectory | None
+    peers: PeerDirectory
     ucx: Any
 
-    def offer(
-        self,
-        session_id: str,
-        pool_id: str,
-        block_ids: Sequence[int],
-        lease_s: float,
-        chosen: tuple[str, bytes] | None = None,
-        offer_key: bytes = b"",
-        readers: int = 1,
-        layers: int = 0,
-    ) -> tuple[Offer, Ticket]: ...
+    def offer(self, ask: OfferAsk) -> tuple[Offer, Ticket]: ...
 
     def owned_pool(self, pool_id: str, session_id: str) -> Pool: ...
 
-    async def pull(
-        self,
-        session_id: str,
-        pool_id: str,
-        ticket: Ticket,
-        block_ids: Sequence[int],
-        timeout_s: float,
-        transfer_id: str = "",
-        offer_block_indices: npt.NDArray[np.int64] | None = None,
-        pushed_by: str = "",
-    ) -> TransferRecord: ...
+    async def pull(self, ask: PullAsk) -> TransferRecord: ...
 
 
 @dataclass(frozen=True)
@@ -218,27 +195,18 @@ class PushHandoff:
         self.node = node
         self.table = PushTable()
 
-    async def push(
-        self,
-        session_id: str,
-        pool_id: str,
-        block_ids: Sequence[int],
-        lease_s: float,
-        transfer_id: str,
-        to_peer_address: str,
-        offer_key: bytes = b"",
-        layers: int = 0,
-    ) -> Pushed:
+    async def push(self, ask: OfferAsk, transfer_id: str, to_peer_address: str) -> Pushed:
         """Offer the blocks and announce them for ``transfer_id`` to the daemon at
         ``to_peer_address`` (this one, for an engine beside us). Where that daemon cannot take
         the push, the offer stands and the answer says "pull" and why."""
         node = self.node
-        offer, ticket = node.offer(session_id, pool_id, block_ids, lease_s, None, offer_key, 1, layers)
+        offer, ticket = node.offer(dataclasses.replace(ask, chosen=None, readers=1))
+        lease_s = ask.lease_s
         offer.pushed_to = f"pushed to {to_peer_address} as transfer {transfer_id}"
         if to_peer_address == node.peer_address:
             self.table.announce(transfer_id, ticket, lease_s, node.daemon_id)
             return Pushed(offer, ticket, "push", "the decode engine shares this daemon")
-        if node.peers is None or node.ucx is None:
+        if node.ucx is None:
             return Pushed(offer, ticket, "pull", "this daemon has no UCX data plane: a local engine pulls the ticket")
         announcement = peer_pb2.PushAnnouncement(
             transfer_id=transfer_id, ticket=ticket.to_proto(), lease_s=lease_s, daemon_id=node.daemon_id
@@ -251,44 +219,33 @@ class PushHandoff:
             return Pushed(offer, ticket, "pull", f"{to_peer_address} did not take the push ({exc}): pull the ticket")
         return Pushed(offer, ticket, "push", f"announced to {peer.daemon_id}")
 
-    async def receive(
-        self,
-        session_id: str,
-        pool_id: str,
-        block_ids: Sequence[int],
-        transfer_id: str,
-        timeout_s: float,
-        from_daemon_id: str = "",
-        offer_block_indices: npt.NDArray[np.int64] | None = None,
-    ) -> TransferRecord:
+    async def receive(self, ask: ReceiveAsk) -> TransferRecord:
         """Wait for the push of ``transfer_id`` and pull it (or the pushed blocks at
         ``offer_block_indices``) into the blocks: one deadline for both. The destination is
         checked before the wait, so a wrong one fails at once."""
-        pool = self.node.owned_pool(pool_id, session_id)
-        check_block_ids(block_ids, pool.layout.num_blocks, "receive destination")
+        pool = self.node.owned_pool(ask.pool_id, ask.session_id)
+        check_block_ids(ask.block_ids, pool.layout.num_blocks, "receive destination")
         loop = asyncio.get_running_loop()
-        ends_at = loop.time() + timeout_s
-        announced = await self.table.wait(transfer_id, session_id, from_daemon_id, timeout_s)
+        ends_at = loop.time() + ask.timeout_s
+        announced = await self.table.wait(ask.transfer_id, ask.session_id, ask.from_daemon_id, ask.timeout_s)
         left = max(ends_at - loop.time(), 1e-3)
-        return await self.node.pull(
-            session_id,
-            pool_id,
+        pull = PullAsk(
+            ask.session_id,
+            ask.pool_id,
             announced.ticket,
-            block_ids,
+            ask.block_ids,
             left,
-            transfer_id,
-            offer_block_indices,
+            ask.transfer_id,
+            ask.indices,
             announced.from_daemon_id,
         )
+        return await self.node.pull(pull)
 
     def announced(self, transfer_id: str, ticket: Ticket, lease_s: float, daemon_id: str) -> bool:
         """A peer's Announce (its fields checked for form): the peer said Hello, and the ticket
         is its own offer at its own address, so a push makes this daemon dial only the daemon
         that pushed. True when an engine was waiting for it."""
-        peers = self.node.peers
-        if peers is None:
-            raise UnavailableError("daemon is starting")
-        peer = peers.known(daemon_id)
+        peer = self.node.peers.known(daemon_id)
         if ticket.daemon_id != peer.daemon_id or ticket.peer_address != peer.address:
             raise PermissionDeniedError(
                 f"daemon {peer.daemon_id} announced an offer of {ticket.daemon_id!r} at {ticket.peer_address}: "

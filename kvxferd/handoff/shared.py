@@ -15,8 +15,8 @@ copies, or a copy into the joiner fails, the joiner pulls on its own (the offer 
 there unless the failure released it, and then its own pull says so). Joining stops when the
 leader starts copying: a later pull reads on its own.
 
->>> from kvxfer_client._geometry import KvGeometry
->>> from kvxfer_client._layout import Layout, ModelInfo
+>>> from kvxfer.geometry import KvGeometry
+>>> from kvxfer.layout import Layout, ModelInfo
 >>> def sig(tp, rank):
 ...     g = KvGeometry(16, total_kv_heads=1, head_bytes=1152, order="HND")  # MLA: one latent "head"
 ...     m = ModelInfo("deepseek", "bf16", 16, tp, rank)
@@ -35,10 +35,10 @@ from typing import Any
 
 import numpy as np
 
-from kvxfer_client._errors import KvxferError, UnavailableError
-from kvxfer_client._geometry import KvGeometry, rank_heads
-from kvxfer_client._proto import common_pb2
-from kvxfer_client._ticket import Ticket
+from kvxfer.errors import KvxferError, UnavailableError
+from kvxfer.geometry import KvGeometry, rank_heads
+from kvxfer.proto import common_pb2
+from kvxfer.ticket import Ticket
 
 from .._log import log_event
 from .._transfers import TransferRecord

@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvxfer_client._cuda import IPC_HANDLE_BYTES, driver
-from kvxfer_client._errors import InvalidRequestError, KvxferError, UnavailableError
-from kvxfer_client._proto import common_pb2
+from kvxfer.cuda import IPC_HANDLE_BYTES, driver
+from kvxfer.errors import InvalidRequestError, KvxferError, UnavailableError
+from kvxfer.proto import common_pb2
 
 __all__ = ["GpuBuffer", "IpcMappings", "gpu_support"]
 

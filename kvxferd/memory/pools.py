@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
 import secrets
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -20,15 +21,16 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvxfer_client._errors import IncompatibleError, InvalidRequestError, NotFoundError
-from kvxfer_client._layout import Layout
-from kvxfer_client._memory import HostBuffer
-from kvxfer_client._proto import common_pb2
+from kvxfer.errors import AlreadyExistsError, IncompatibleError, InvalidRequestError, NotFoundError
+from kvxfer.host_memory import HostBuffer
+from kvxfer.layout import Layout
+from kvxfer.proto import common_pb2
 
 from .._sessions import Session
 from ..dataplane.hostmem import HostMemory, MappedMemory, ProcessMemory
 from ..dataplane.plan import RegionTable
 from .process import EngineProcess
+from .seals import seal_against_shrinking
 
 __all__ = ["PROCESS_MEMORY_OFF_GPU", "Pool", "PoolRegistry", "check_block_ids", "mapped_pool", "regions_of"]
 
@@ -38,6 +40,19 @@ PROCESS_MEMORY_OFF_GPU = (
     "a GPU pool cannot be copied to or from an engine's own process memory on one daemon (GPU kernels "
     "reach only memory mapped here): register that host memory as shared memory (kvxfer_client.HostBuffer)"
 )
+
+
+#: Bytes of a pool's offer key.
+OFFER_KEY_BYTES = 16
+_POOL_ID = re.compile(r"pool-[0-9a-f]{12}")
+
+
+@dataclass(frozen=True)
+class PoolIdentity:
+    """What references a pool from outside its session: its id and offer key."""
+
+    pool_id: str
+    offer_key: bytes = field(repr=False)
 
 
 @dataclass
@@ -62,7 +77,7 @@ class Pool:
     #: Process pools: the engine process whose memory this is.
     process: EngineProcess | None = None
     #: Lets another session of the same engine offer this pool's blocks (OfferRequest.offer_key).
-    offer_key: bytes = field(default_factory=lambda: secrets.token_bytes(16), repr=False)
+    offer_key: bytes = field(default_factory=lambda: secrets.token_bytes(OFFER_KEY_BYTES), repr=False)
     offers: set[str] = field(default_factory=set)
     #: Transfers currently reading or writing this pool's memory.
     busy: int = 0
@@ -191,8 +206,16 @@ class PoolRegistry:
         return self._gpu_unsupported
 
     def register(
-        self, session: Session, buffers: Sequence[common_pb2.BufferSpec], layout_msg: common_pb2.Layout, name: str
+        self,
+        session: Session,
+        buffers: Sequence[common_pb2.BufferSpec],
+        layout_msg: common_pb2.Layout,
+        name: str,
+        keep: PoolIdentity | None = None,
     ) -> Pool:
+        """Map a pool; ``keep``: the id and offer key it had before the daemon restarted (the
+        engine's other sessions still hold them), else fresh ones."""
+        identity = self._identity(keep)
         if not buffers or len(buffers) > MAX_BUFFERS:
             raise InvalidRequestError(f"a pool needs 1..{MAX_BUFFERS} buffers")
         if len(name) > 256:
@@ -216,7 +239,8 @@ class PoolRegistry:
         else:
             raise InvalidRequestError(f"unknown memory kind {kind}")
         pool = Pool(
-            pool_id="pool-" + secrets.token_hex(6),
+            pool_id=identity.pool_id,
+            offer_key=identity.offer_key,
             name=name,
             session_id=session.session_id,
             layout=layout,
@@ -233,6 +257,21 @@ class PoolRegistry:
         )
         self.pools[pool.pool_id] = pool
         return pool
+
+    def _identity(self, keep: PoolIdentity | None) -> PoolIdentity:
+        """``keep`` checked (an engine's word: its shape, and no pool of that id here), or a
+        fresh id and key."""
+        if keep is None or not (keep.pool_id or keep.offer_key):
+            return PoolIdentity("pool-" + secrets.token_hex(6), secrets.token_bytes(OFFER_KEY_BYTES))
+        if not _POOL_ID.fullmatch(keep.pool_id) or len(keep.offer_key) != OFFER_KEY_BYTES:
+            raise InvalidRequestError(
+                f"a pool registered again keeps the id and offer key an earlier registration returned "
+                f"('pool-' and 12 hex digits, and {OFFER_KEY_BYTES} bytes): got {keep.pool_id[:40]!r} and "
+                f"{len(keep.offer_key)} bytes"
+            )
+        if keep.pool_id in self.pools:
+            raise AlreadyExistsError(f"pool {keep.pool_id} is registered already: register it again only once")
+        return keep
 
     @staticmethod
     def _map_host(
@@ -254,6 +293,7 @@ class PoolRegistry:
                         f"buffer {i}: unknown fd_handle {spec.fd_handle[:40]!r} (pass the descriptor on the fd "
                         "socket first, in this session; each handle registers once)"
                     )
+                seal_against_shrinking(fd, f"buffer {i}")  # else the engine could SIGBUS the daemon
                 mappings.append(HostBuffer.map_fd(fd, spec.size, f"buffer {i}"))
         except BaseException:
             for m in mappings:

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvxfer_client._errors import InvalidRequestError, PermissionDeniedError, UnavailableError
+from kvxfer.errors import InvalidRequestError, PermissionDeniedError, UnavailableError
 
 from ..dataplane.cma import read_iov
 

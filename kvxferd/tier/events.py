@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
-from kvxfer_client._proto import admin_pb2
+from kvxfer.proto import admin_pb2
 
 __all__ = ["FLUSH_S", "MAX_KEYS", "MAX_PENDING", "TierEvents"]
 

@@ -27,7 +27,6 @@ slot needs new pages. The daemon's resident memory for the tier stays within the
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import mmap
 import time
@@ -38,25 +37,24 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from kvxfer_client._errors import IncompatibleError, InvalidRequestError, KvxferError, NotFoundError
-from kvxfer_client._geometry import KvGeometry, rank_heads
-from kvxfer_client._layout import Layout, ModelInfo, Region
+from kvxfer.errors import IncompatibleError, InvalidRequestError, KvxferError, NotFoundError
+from kvxfer.geometry import KvGeometry, rank_heads
+from kvxfer.layout import Layout, Region
 
-from .._faults import Faults
 from .._log import log_event
+from .._services import Services
 from .._snapshot import TierView
 from ..dataplane.remap import remap_plans
 from ..handoff.local import LocalHandoff
 from ..memory.pools import Pool, mapped_pool
+from .chunks import canonical, check_keys, namespace_name
 from .disk import DiskStore
 from .events import TierEvents
 from .index import Chunk, Namespace, TierIndex
 
-__all__ = ["MAX_KEY_BYTES", "MAX_SALT_BYTES", "HostTier", "TierNamespace"]
+__all__ = ["HostTier", "TierNamespace"]
 
 I64 = npt.NDArray[np.int64]
-MAX_KEY_BYTES = 64
-MAX_SALT_BYTES = 64
 #: Namespaces one daemon keeps at once (each reserves address space, not memory).
 MAX_NAMESPACES = 64
 _PAGE = mmap.PAGESIZE
@@ -82,22 +80,24 @@ class TierNamespace:
 class HostTier:
     def __init__(
         self,
-        limit_bytes: int,
-        high: float,
-        low: float,
+        services: Services,
         local: LocalHandoff,
         count: Callable[[str, int, int, float], None] = lambda op, blocks, nbytes, seconds: None,
         disk: DiskStore | None = None,
-        disk_limit_bytes: int = 0,
-        faults: Faults | None = None,
     ) -> None:
+        """The tier's sizes come from the settings (``tier_host_bytes``, its watermarks,
+        ``tier_disk_bytes`` when there is a ``disk``); ``count`` hears of every copy."""
+        s = services.settings
+        disk_limit = s.tier_disk_bytes if disk is not None else 0
         #: Keys stored and removed, for routers (``AdminService.WatchTier``).
         self.events = TierEvents()
-        self.index = TierIndex(limit_bytes, high, low, disk_limit_bytes if disk is not None else 0, self._changed)
+        self.index = TierIndex(
+            s.tier_host_bytes, s.tier_high_watermark, s.tier_low_watermark, disk_limit, self._changed
+        )
         self.local = local
         self.disk = disk
-        self.executor: Executor = local.executor
-        self.faults = faults or Faults()
+        self.executor: Executor = services.executor
+        self.faults = services.faults
         self._count = count
         self._spaces: dict[str, TierNamespace] = {}
 
@@ -107,7 +107,7 @@ class HostTier:
         """Copy blocks ``ids`` of ``pool`` into the tier under ``keys`` (one per block). Returns
         (blocks copied, blocks left out: already there or no room). The blocks are free for
         the engine once this returns."""
-        _check(keys, salt, len(ids))
+        check_keys(keys, salt, len(ids))
         space, heads = self._space(pool, salt, create=True)
         assert space is not None
         started = time.perf_counter()
@@ -132,7 +132,7 @@ class HostTier:
     def lookup(self, pool: Pool | Layout, keys: list[bytes], salt: bytes) -> int:
         """How many of ``keys``, from the first, the tier holds for the namespace of ``pool``
         (or of the layout a peer described for its pool). Never makes one."""
-        _check(keys, salt, len(keys))
+        check_keys(keys, salt, len(keys))
         space, _ = self._space(pool, salt, create=False)
         return 0 if space is None else self.index.lookup(space.ns, keys)
 
@@ -140,7 +140,7 @@ class HostTier:
         """Copy the chunks of the longest stored prefix of ``keys`` into blocks ``ids`` of
         ``pool`` (``ids[j]`` takes ``keys[j]``); returns how many were loaded (the engine
         computes the rest). A loaded chunk cannot be evicted while it is copied out."""
-        _check(keys, salt, len(ids))
+        check_keys(keys, salt, len(ids))
         started = time.perf_counter()
         view, slots, unpin = await self.hold(pool, keys, salt, prefix=True)
         if view is None:
@@ -160,7 +160,7 @@ class HostTier:
         prefix of them; read back from disk where needed), pinned until the returned callable
         is called: the tier's memory and slots, to be offered like a pool's blocks.
         NotFoundError when not all of them are stored (without ``prefix``)."""
-        _check(keys, salt, len(keys))
+        check_keys(keys, salt, len(keys))
         space, _ = self._space(pool, salt, create=False)
         held = self._stored_prefix(space.ns, keys) if space is not None else []
         if not prefix and (space is None or len(held) != len(keys)):
@@ -310,7 +310,7 @@ class HostTier:
         pool_layout = pool.layout if isinstance(pool, Pool) else pool
         layout = canonical(pool_layout)
         geometry = layout.geometry
-        name, label = _namespace_name(pool_layout, layout, salt)
+        name, label = namespace_name(pool_layout, layout, salt)
         space = self._spaces.get(name)
         heads = 1
         if geometry is not None:
@@ -358,60 +358,9 @@ class HostTier:
             await self.local.copy_blocks(src, src_ids, dst, dst_ids, plans)
 
 
-def canonical(layout: Layout) -> Layout:
-    """The layout of a tier chunk of ``layout``'s blocks (one block, regions back to back);
-    for a pool that declares a geometry, every KV head, heads-major.
-
-    >>> from kvxfer_client import KvGeometry, Layout, ModelInfo
-    >>> rank = Layout.paged_kv(num_layers=2, num_blocks=8, block_bytes=16 * 2 * 128,
-    ...     model=ModelInfo("m", "bf16", 16, tp_size=4, tp_rank=1), geometry=KvGeometry(16, 8, 128, "NHD"))
-    >>> chunk = canonical(rank)
-    >>> [r.block_bytes for r in chunk.regions], chunk.geometry.order, chunk.model.tp_size
-    ([16384, 16384, 16384, 16384], 'HND', 1)
-    """
-    g = layout.geometry
-    if g is None:
-        sizes = [r.block_bytes for r in layout.regions]
-        geometry = None
-    else:
-        sizes = [g.block_tokens * g.total_kv_heads * g.head_bytes] * len(layout.regions)
-        geometry = KvGeometry(g.block_tokens, g.total_kv_heads, g.head_bytes, "HND")
-    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).tolist()
-    regions = tuple(Region(0, int(o), sum(sizes), n) for o, n in zip(offsets, sizes, strict=True))
-    m = layout.model
-    model = ModelInfo(m.model, m.dtype, m.block_tokens, 1, 0, m.kv_format) if g is not None else m
-    return Layout(1, regions, model, geometry)
-
-
-def _namespace_name(pool_layout: Layout, chunk: Layout, salt: bytes) -> tuple[str, str]:
-    """What keys mean: everything about a chunk's bytes, and the engine's salt. Pools without
-    a geometry add their whole signature (TP rank included): their blocks are kept as they are."""
-    described = chunk.model.to_proto().SerializeToString(deterministic=True)
-    parts = [described, repr([r.block_bytes for r in chunk.regions]).encode()]
-    if chunk.geometry is not None:
-        parts.append(chunk.geometry.to_proto().SerializeToString(deterministic=True))
-    else:
-        parts.append(pool_layout.signature().SerializeToString(deterministic=True))
-    digest = hashlib.sha256(b"\0".join([*parts, salt])).hexdigest()[:16]
-    m = chunk.model
-    return digest, f"{m.model or '?'} {m.dtype or '?'} x{m.block_tokens or '?'}"
-
-
 def _all_heads(geometry: KvGeometry | None) -> int:
     return 1 if geometry is None else (1 << geometry.total_kv_heads) - 1
 
 
 def _slots(chunks: list[Chunk]) -> I64:
     return np.array([c.slot for c in chunks], dtype=np.int64)
-
-
-def _check(keys: list[bytes], salt: bytes, blocks: int) -> None:
-    """An engine's keys and salt: one key per block, each 1..64 bytes, no key twice."""
-    if len(keys) != blocks:
-        raise InvalidRequestError(f"{len(keys)} keys for {blocks} blocks: one key per block")
-    if len(salt) > MAX_SALT_BYTES:
-        raise InvalidRequestError(f"salt longer than {MAX_SALT_BYTES} bytes")
-    if any(not 0 < len(k) <= MAX_KEY_BYTES for k in keys):
-        raise InvalidRequestError(f"each key must be 1..{MAX_KEY_BYTES} bytes")
-    if len(set(keys)) != len(keys):
-        raise InvalidRequestError("a key appears twice in one call")

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kvxfer_client._layout import Layout
-from kvxfer_client._ticket import Ticket
+from kvxfer.layout import Layout
+from kvxfer.ticket import Ticket
 
 from .._offers import Offer, OfferTable
 from ..memory.pools import Pool

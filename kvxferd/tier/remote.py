@@ -17,14 +17,14 @@ from collections.abc import Awaitable, Callable
 import numpy as np
 import numpy.typing as npt
 
-from kvxfer_client._errors import IncompatibleError, InvalidRequestError
-from kvxfer_client._geometry import KvGeometry
-from kvxfer_client._layout import MAX_BLOCKS, MAX_REGIONS, Layout, ModelInfo, Region
-from kvxfer_client._proto import common_pb2, peer_pb2
-from kvxfer_client._ticket import Ticket
+from kvxfer.errors import IncompatibleError, InvalidRequestError
+from kvxfer.geometry import KvGeometry
+from kvxfer.layout import MAX_BLOCKS, MAX_REGIONS, Layout, ModelInfo, Region
+from kvxfer.proto import common_pb2, peer_pb2
+from kvxfer.ticket import Ticket
 
-from ..handoff.peers import Peer
 from ..memory.pools import Pool
+from ..peer.directory import Peer
 from .host import HostTier
 from .offers import TierOffers
 

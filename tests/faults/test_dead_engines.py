@@ -17,8 +17,8 @@ import grpc
 import pytest
 
 from bench.cluster import Cluster, Daemon
+from kvxfer.proto import admin_pb2, admin_pb2_grpc
 from kvxfer_client import AsyncKvxferClient, HostBuffer, KvxferError, Layout
-from kvxfer_client._proto import admin_pb2, admin_pb2_grpc
 
 SHAPE = {"layers": 32, "blocks": 32, "block_bytes": 32 << 10}  # 64 MiB per pool
 BOUND_S = 10.0
@@ -27,7 +27,7 @@ BOUND_S = 10.0
 def _shm_mappings(daemon: Daemon) -> int:
     assert daemon.proc is not None
     with open(f"/proc/{daemon.proc.pid}/maps") as fh:
-        return len(set(re.findall(r"/dev/shm/(kvxfer-\S+)", fh.read())))
+        return len(set(re.findall(r"/memfd:(kvxfer-\S+)", fh.read())))  # host buffers are memfds
 
 
 def _rss_mib(daemon: Daemon) -> float:

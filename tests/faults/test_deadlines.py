@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from bench.cluster import Cluster, Daemon
+from kvxfer.proto import admin_pb2, admin_pb2_grpc
 from kvxfer_client import AsyncKvxferClient, DeadlineExceededError, HostBuffer, KvxferError, Layout, ReleaseReason
 from kvxfer_client._client import PULL_ANSWER_MARGIN_S
-from kvxfer_client._proto import admin_pb2, admin_pb2_grpc
 from kvxferd.dataplane.sends import SEND_LINGER_S
 from kvxferd.dataplane.ucp_iov import CANCEL_CONFIRM_S
 

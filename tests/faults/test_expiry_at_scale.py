@@ -10,9 +10,9 @@ from collections import Counter
 import grpc
 
 from bench.cluster import Cluster, Daemon
+from kvxfer.proto import admin_pb2, admin_pb2_grpc
 from kvxfer_client import AsyncKvxferClient, HostBuffer, Layout, Pool
 from kvxfer_client._client import MAX_QUEUED_EVENTS
-from kvxfer_client._proto import admin_pb2, admin_pb2_grpc
 
 OFFERS = 10_000
 NEVER_PULLED = OFFERS // 10

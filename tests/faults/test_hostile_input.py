@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from bench.cluster import Cluster, Daemon
-from kvxfer_client._proto import (
+from kvxfer.proto import (
     admin_pb2,
     admin_pb2_grpc,
     common_pb2,

@@ -30,7 +30,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.cluster import Cluster, Daemon, EngineProcess
-from kvxfer_client._proto import admin_pb2, admin_pb2_grpc
+from kvxfer.proto import admin_pb2, admin_pb2_grpc
 
 KILLS = int(os.environ.get("KVXFER_FAULT_KILLS", "20"))
 SEED = int(os.environ.get("KVXFER_FAULT_SEED", "2026"))

@@ -20,6 +20,8 @@ from kvxfer_client import (
     KvxferError,
     Layout,
     NotFoundError,
+    OfferExpiredError,
+    OfferTakenError,
     PermissionDeniedError,
     Pool,
     ReleaseReason,
@@ -36,6 +38,7 @@ class Pair:
     src: Pool
     dst: Pool
     dst_buffers: list[HostBuffer]
+    decode_daemon: Daemon
 
 
 @pytest.fixture
@@ -47,7 +50,7 @@ async def pair(two_daemons: Cluster) -> AsyncIterator[Pair]:
     for i, buf in enumerate(src):
         buf.array()[:] = np.random.default_rng(i).integers(0, 256, buf.size, dtype=np.uint8)
     dst = [HostBuffer.create(s) for s in LAYOUT.buffer_sizes()]
-    yield Pair(p, d, await p.register_pool(src, LAYOUT), await d.register_pool(dst, LAYOUT), dst)
+    yield Pair(p, d, await p.register_pool(src, LAYOUT), await d.register_pool(dst, LAYOUT), dst, b)
     await p.close()
     await d.close()
 
@@ -66,13 +69,24 @@ async def test_a_heartbeat_keeps_a_short_lease_alive_across_daemons(pair: Pair) 
 async def test_without_the_heartbeat_the_lease_expires_and_the_pull_finds_nothing(pair: Pair) -> None:
     ticket = await pair.prefill.offer(pair.src, [4], lease_s=0.3)
     assert (await pair.prefill.wait_released(ticket.offer_id, 5)).reason is ReleaseReason.EXPIRED
-    with pytest.raises(NotFoundError, match="expired: its lease ended"):
+    with pytest.raises(OfferExpiredError, match="expired: its lease ended"):
         await pair.decode.extend_lease(ticket, 1.0)
-    with pytest.raises(NotFoundError, match="expired: its lease ended"):
+    with pytest.raises(OfferExpiredError, match="expired: its lease ended"):  # typed across daemons
         await pair.decode.pull(ticket, pair.dst, [4])
     forged = Ticket(**{**ticket.__dict__, "token": b"\1" * 16})
-    with pytest.raises(NotFoundError, match="no offer"):  # without its token, nothing is told
+    with pytest.raises(NotFoundError, match="no offer") as refused:  # without its token, nothing is told
         await pair.decode.pull(forged, pair.dst, [4])
+    assert not isinstance(refused.value, OfferExpiredError)
+    # Counted apart from refusals and transport failures: operators read it as capacity.
+    b = pair.decode_daemon
+    metrics = await asyncio.to_thread(_scrape, b.info["metrics_address"])
+    expired = [
+        line
+        for line in metrics.splitlines()
+        if line.startswith("kvxfer_transfers_total") and 'reason="expired"' in line
+    ]
+    assert expired and float(expired[0].rsplit(" ", 1)[1]) == 1.0, expired
+    assert "reason=expired" in b.log()
 
 
 async def test_a_heartbeat_with_a_wrong_token_is_refused_and_changes_nothing(pair: Pair) -> None:
@@ -110,7 +124,7 @@ async def _paused_pair(cluster: Cluster, fault: str) -> tuple[Pair, Daemon]:
     d = await AsyncKvxferClient(b.socket, engine_name="d").connect()
     src = [HostBuffer.create(s) for s in LAYOUT.buffer_sizes()]
     dst = [HostBuffer.create(s) for s in LAYOUT.buffer_sizes()]
-    return Pair(p, d, await p.register_pool(src, LAYOUT), await d.register_pool(dst, LAYOUT), dst), a
+    return Pair(p, d, await p.register_pool(src, LAYOUT), await d.register_pool(dst, LAYOUT), dst, b), a
 
 
 async def _paused(daemon: Daemon, hits: int = 1) -> None:
@@ -182,3 +196,15 @@ async def _active_transfers(metrics_address: str, settle_s: float = 2.0) -> floa
 def _scrape(metrics_address: str) -> str:
     with urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=5) as resp:
         return str(resp.read().decode())
+
+
+async def test_the_loser_of_two_concurrent_pulls_of_one_offer_always_hears_the_same_thing(pair: Pair) -> None:
+    """Two pulls of one ticket race (whether the winner is still pulling or already done when
+    the loser arrives): the loser gets OfferTakenError naming the other transfer, every time."""
+    for round_ in range(20):
+        ticket = await pair.prefill.offer(pair.src, [round_ % 8])
+        pulls = [pair.decode.pull(ticket, pair.dst, [16 + i]) for i in range(2)]
+        results = await asyncio.gather(*pulls, return_exceptions=True)
+        lost = [r for r in results if isinstance(r, BaseException)]
+        assert len(lost) == 1, results
+        assert isinstance(lost[0], OfferTakenError) and "by another transfer" in str(lost[0]), repr(lost[0])

@@ -11,6 +11,7 @@ import grpc
 import pytest
 
 from bench.cluster import Cluster, Daemon
+from kvxfer.proto import admin_pb2, admin_pb2_grpc
 from kvxfer_client import (
     AsyncKvxferClient,
     CancelledError,
@@ -21,7 +22,6 @@ from kvxfer_client import (
     ReleaseReason,
     UnavailableError,
 )
-from kvxfer_client._proto import admin_pb2, admin_pb2_grpc
 
 LAYOUT = Layout.paged_kv(num_layers=2, num_blocks=32, block_bytes=64 << 10)
 

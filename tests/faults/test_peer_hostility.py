@@ -5,6 +5,8 @@ under test are real processes."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator
 
@@ -12,7 +14,9 @@ import grpc
 import numpy as np
 import pytest
 
-from bench.cluster import Cluster, Daemon
+from bench.cluster import ROOT, Cluster, Daemon, _env
+from kvxfer.proto import common_pb2, peer_pb2, peer_pb2_grpc
+from kvxfer.version import PROTOCOL_VERSION
 from kvxfer_client import (
     AsyncKvxferClient,
     HostBuffer,
@@ -22,8 +26,6 @@ from kvxfer_client import (
     Ticket,
     UnavailableError,
 )
-from kvxfer_client._proto import common_pb2, peer_pb2, peer_pb2_grpc
-from kvxfer_client._version import PROTOCOL_VERSION
 from kvxferd.dataplane.ucx_address import AddressProbe
 
 LAYOUT = Layout.paged_kv(num_layers=2, num_blocks=32, block_bytes=16 << 10)
@@ -262,3 +264,38 @@ async def test_malformed_messages_on_a_transfer_stream_get_typed_refusals_and_th
         call.cancel()
     assert a.proc is not None and a.proc.poll() is None, a.log()
     await _local_handoff_works(a)
+
+
+#: In its own process: UCX loaded, uvloop running, and a fork handler that never returns in the
+#: child (as UCX's memory hook spun on a lock another thread held at the fork). A probe started
+#: by fork() would never reach exec, and the event loop would wait for it forever.
+_WEDGED_FORK = """
+import asyncio, ctypes, sys, time
+import uvloop, ucxx
+from kvxferd.dataplane.ucx_address import AddressProbe
+own = bytes(ucxx.get_worker_address())
+libc = ctypes.CDLL(None)
+libc.__register_atfork.argtypes = [ctypes.c_void_p] * 4
+assert libc.__register_atfork(None, None, ctypes.cast(libc.pause, ctypes.c_void_p), None) == 0
+
+async def main():
+    probe = AddressProbe()
+    started = time.monotonic()
+    probe.start()  # at daemon start and again after every probe crash or timeout
+    await asyncio.wait_for(probe.check(own, False, "self"), 20)
+    await probe.close()
+    print(f"probe ready in {time.monotonic() - started:.2f}s", flush=True)
+
+uvloop.run(main())
+"""
+
+
+def test_the_probe_child_starts_even_when_a_fork_would_wedge_in_its_fork_handlers() -> None:
+    """Regression: the probe was spawned with fork (uvloop's uv_spawn), whose child runs the
+    parent's fork handlers before exec; one that spins (UCX's memory hook on a lock held at
+    the fork) wedged the daemon's loop for good. posix_spawn runs none: the probe starts, and
+    answers, with such a handler installed."""
+    done = subprocess.run(
+        [sys.executable, "-c", _WEDGED_FORK], capture_output=True, text=True, timeout=60, env=_env(), cwd=ROOT
+    )
+    assert done.returncode == 0 and "probe ready" in done.stdout, done.stderr[-2000:]

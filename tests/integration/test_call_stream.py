@@ -20,6 +20,7 @@ import pytest
 
 from bench.cluster import Cluster, Daemon
 from bench.engine import blocks_of
+from kvxfer.proto import admin_pb2, admin_pb2_grpc, common_pb2, engine_pb2, engine_pb2_grpc
 from kvxfer_client import (
     AsyncKvxferClient,
     DeadlineExceededError,
@@ -30,7 +31,6 @@ from kvxfer_client import (
     PermissionDeniedError,
     Pool,
 )
-from kvxfer_client._proto import admin_pb2, admin_pb2_grpc, common_pb2, engine_pb2, engine_pb2_grpc
 
 LAYOUT = Layout.paged_kv(num_layers=2, num_blocks=64, block_bytes=64 << 10)  # 16 MiB per pool
 

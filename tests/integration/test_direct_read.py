@@ -9,7 +9,7 @@ import numpy as np
 
 from bench.cluster import Cluster, Daemon, wait_for
 from bench.heads import Pool, engine_with, logical_kv, pool_bytes
-from kvxfer_client._geometry import rank_heads
+from kvxfer.geometry import rank_heads
 
 TOKENS = 45
 ON = {"KVXFERD_SAME_HOST_DIRECT_READ": "true"}

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from bench.cluster import Cluster
+from kvxfer.proto import engine_pb2
 from kvxfer_client import (
     AlreadyExistsError,
     AsyncKvxferClient,
@@ -20,7 +21,6 @@ from kvxfer_client import (
     Layout,
     NotFoundError,
 )
-from kvxfer_client._proto import engine_pb2
 
 LAYOUT = Layout.paged_kv(num_layers=2, num_blocks=16, block_bytes=4096)
 WAIT_S = 2.0  # within half of the default peer_timeout_s (5 s), so used as given

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from bench.cluster import Cluster, EngineProcess
+from kvxfer.proto import common_pb2, engine_pb2
 from kvxfer_client import AsyncKvxferClient, HostBuffer, InvalidRequestError, Layout
-from kvxfer_client._proto import common_pb2, engine_pb2
 
 PATHS = ["local", "remote"]
 

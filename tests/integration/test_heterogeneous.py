@@ -20,7 +20,7 @@ import pytest
 
 from bench.cluster import Cluster, Daemon, wait_for
 from bench.heads import HEAD_BYTES, LAYERS, POOL_BLOCKS, Pool, engine_with, logical_kv, pool_bytes
-from kvxfer_client._geometry import head_sources, rank_heads, readers
+from kvxfer.geometry import head_sources, rank_heads, readers
 
 TOKENS = 45  # three blocks of 16, the last partly filled
 

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from bench.cluster import Cluster, Daemon
+from kvxfer.proto import common_pb2
 from kvxfer_client import (
     AsyncKvxferClient,
     DataLossError,
@@ -25,7 +26,6 @@ from kvxfer_client import (
     Pool,
     ReleaseReason,
 )
-from kvxfer_client._proto import common_pb2
 
 LAYOUT = Layout.paged_kv(num_layers=2, num_blocks=32, block_bytes=8 << 10)
 SRC, DST = [3, 9, 1, 20, 7, 11], [0, 5, 6, 30, 2, 8]

@@ -12,6 +12,7 @@ import grpc
 import pytest
 
 from bench.cluster import Cluster, Daemon
+from kvxfer.proto import admin_pb2, admin_pb2_grpc, common_pb2, engine_pb2, engine_pb2_grpc
 from kvxfer_client import (
     AsyncKvxferClient,
     HostBuffer,
@@ -21,7 +22,6 @@ from kvxfer_client import (
     ReleaseReason,
     Ticket,
 )
-from kvxfer_client._proto import admin_pb2, admin_pb2_grpc, common_pb2, engine_pb2, engine_pb2_grpc
 
 LAYOUT = Layout.contiguous(num_blocks=16, block_bytes=4096)
 

@@ -18,7 +18,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.cluster import Cluster, Daemon, _env
-from kvxfer_client._version import PROTOCOL_VERSION
+from kvxfer.version import PROTOCOL_VERSION
 
 
 def scrape(address: str) -> str:
@@ -78,6 +78,7 @@ def test_metrics_count_transfers_bytes_offers_pools_and_expiries(cluster: Cluste
     assert sample(text, "kvxfer_offers_active") == 0
     assert sample(text, "kvxfer_transfers_active", role="decode") == 0
     assert sample(text, "kvxfer_serving") == 1
+    assert sample(text, "kvxfer_ucx_receives_unconfirmed") == 0
     assert sample(text, "kvxfer_engine_rpc_duration_seconds_count", method="pull", code="OK") == 1
     assert sample(text, "kvxfer_engine_rpc_duration_seconds_count", method="offer", code="OK") == 2
     assert sample(text, "process_resident_memory_bytes") > 0

@@ -21,6 +21,7 @@ import pytest
 
 from bench.cluster import ROOT, Cluster
 from bench.engine import MODEL
+from kvxfer.proto import common_pb2, engine_pb2
 from kvxfer_client import (
     AsyncKvxferClient,
     HostBuffer,
@@ -29,7 +30,6 @@ from kvxfer_client import (
     KvxferError,
     Layout,
 )
-from kvxfer_client._proto import common_pb2, engine_pb2
 
 SHAPE = {"layers": 3, "blocks": 48, "block_bytes": 5000}
 

@@ -15,6 +15,7 @@ import pytest
 
 from bench.cluster import Cluster, Daemon
 from bench.engine import blocks_of
+from kvxfer.proto import admin_pb2, admin_pb2_grpc, common_pb2, peer_pb2, peer_pb2_grpc
 from kvxfer_client import (
     AsyncKvxferClient,
     CancelledError,
@@ -25,7 +26,6 @@ from kvxfer_client import (
     ReleaseReason,
     UnavailableError,
 )
-from kvxfer_client._proto import admin_pb2, admin_pb2_grpc, common_pb2, peer_pb2, peer_pb2_grpc
 
 LAYOUT = Layout.paged_kv(num_layers=2, num_blocks=32, block_bytes=8 << 10)
 

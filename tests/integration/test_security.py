@@ -37,7 +37,8 @@ class Identity:
 
 
 def _identity(ca: trustme.CA, directory: str, name: str) -> Identity:
-    cert = ca.issue_cert("127.0.0.1", "localhost")
+    """A certificate for 127.0.0.1 and ``name`` (a daemon's certificate names its daemon id)."""
+    cert = ca.issue_cert("127.0.0.1", "localhost", name)
     paths = {kind: os.path.join(directory, f"{name}.{kind}.pem") for kind in ("cert", "key", "ca")}
     cert.cert_chain_pems[0].write_to_path(paths["cert"])
     cert.private_key_pem.write_to_path(paths["key"])
@@ -50,7 +51,8 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Identity]:
     directory = str(tmp_path_factory.mktemp("pki"))
     ours, theirs = trustme.CA(), trustme.CA()
     return {
-        "daemon": _identity(ours, directory, "daemon"),
+        "daemon": _identity(ours, directory, "a"),
+        "daemon-b": _identity(ours, directory, "b"),
         "operator": _identity(ours, directory, "operator"),
         "stranger": _identity(theirs, directory, "stranger"),
     }
@@ -60,7 +62,7 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Identity]:
 def tls_cluster(pki: dict[str, Identity]) -> Iterator[Cluster]:
     with Cluster() as cluster:
         cluster.daemon("a", *pki["daemon"].flags())
-        cluster.daemon("b", *pki["daemon"].flags())
+        cluster.daemon("b", *pki["daemon-b"].flags())
         yield cluster
 
 
@@ -136,3 +138,36 @@ def test_the_engine_socket_is_0660_and_owned_by_the_configured_group(cluster: Cl
 def test_a_daemon_with_half_a_tls_configuration_refuses_to_start(cluster: Cluster, pki: dict[str, Identity]) -> None:
     with pytest.raises(RuntimeError, match="tls_cert, tls_key and tls_ca"):
         cluster.daemon("a", "--tls-cert", pki["daemon"].cert)
+
+
+def test_a_peer_cannot_claim_another_daemons_id_under_mtls(tls_cluster: Cluster, pki: dict[str, Identity]) -> None:
+    """Daemon b's certificate (of the cluster's CA) gets in, but a Hello, a transfer or a tier
+    request claiming daemon a's id is refused: the id must be named by the certificate."""
+    from kvxfer.proto import peer_pb2, peer_pb2_grpc
+    from kvxfer.version import PROTOCOL_VERSION
+
+    a = tls_cluster.daemons[0]
+    with grpc.secure_channel(a.info["peer_address"], pki["daemon-b"].credentials()) as channel:
+        peer = peer_pb2_grpc.PeerServiceStub(channel)
+
+        def hello(daemon_id: str) -> peer_pb2.HelloResponse:
+            identity = peer_pb2.PeerIdentity(daemon_id=daemon_id, protocol_version=PROTOCOL_VERSION)
+            return peer.Hello(peer_pb2.HelloRequest(identity=identity), timeout=10)
+
+        for forged in ("a", "somebody-else"):
+            with pytest.raises(grpc.RpcError) as refused:
+                hello(forged)
+            assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert "does not name daemon id" in (refused.value.details() or "")
+        with pytest.raises(grpc.RpcError) as refused:
+            peer.TierOffer(peer_pb2.PeerTierOfferRequest(daemon_id="a"), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        start = peer_pb2.TransferStart(
+            transfer_id="t-forged", offer_id="off-x", receiver_daemon_id="a", chunk_bytes=1 << 20
+        )
+        answers = peer.Transfers(
+            iter([peer_pb2.TransferClientMessage(transfer_id="t-forged", start=start)]), timeout=10
+        )
+        failed = next(iter(answers)).failed
+        assert failed.code == grpc.StatusCode.PERMISSION_DENIED.value[0], failed
+    assert a.proc is not None and a.proc.poll() is None

@@ -23,6 +23,8 @@ import pytest
 from bench.cluster import ROOT, Cluster, Daemon
 from bench.heads import HEAD_BYTES, LAYERS, POOL_BLOCKS, logical_kv
 from bench.heads import Pool as HeadsPool
+from kvxfer.geometry import rank_heads
+from kvxfer.proto import admin_pb2, admin_pb2_grpc, common_pb2, peer_pb2, peer_pb2_grpc
 from kvxfer_client import (
     AsyncKvxferClient,
     HostBuffer,
@@ -35,8 +37,6 @@ from kvxfer_client import (
     Pool,
     UnavailableError,
 )
-from kvxfer_client._geometry import rank_heads
-from kvxfer_client._proto import admin_pb2, admin_pb2_grpc, common_pb2, peer_pb2, peer_pb2_grpc
 
 LAYOUT = Layout.paged_kv(num_layers=4, num_blocks=64, block_bytes=16 << 10, model=ModelInfo("m", "bf16", 16))
 BLOCK = LAYOUT.bytes_per_block  # 128 KiB

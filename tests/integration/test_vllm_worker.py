@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from bench.cluster import Cluster
+from kvxfer.layout import ModelInfo
 from kvxfer_client import UnavailableError
-from kvxfer_client._layout import ModelInfo
-from kvxfer_client.vllm._plan import Load
+from kvxfer_client.vllm._messages import Load
 from kvxfer_client.vllm._worker import WorkerTransfers, _Loading
 
 NUM_BLOCKS = 16

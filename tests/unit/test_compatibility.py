@@ -5,9 +5,9 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from kvxfer.proto import peer_pb2
 from kvxfer_client import IncompatibleError
-from kvxfer_client._proto import peer_pb2
-from kvxferd.handoff.peers import check_compatible
+from kvxferd.peer.directory import check_compatible
 
 #: Shaped like a UCX worker address (version byte, then payload); real ones are ~200 bytes.
 WORKER = b"\x20" + bytes(range(1, 64))

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvxfer_client import ConnectorScheduler, InvalidRequestError, Ticket
+from examples.disagg_llm.connector import ConnectorScheduler
+from kvxfer_client import InvalidRequestError, Ticket
 
 TICKET = Ticket("d", "127.0.0.1:1", "offer-1", b"\x01" * 16, 3, "f" * 16, 3 * 4096)
 

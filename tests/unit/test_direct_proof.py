@@ -9,11 +9,19 @@ import sys
 import numpy as np
 import pytest
 
-from kvxfer_client._errors import IncompatibleError, InvalidRequestError, UnavailableError
-from kvxfer_client._proto import common_pb2, peer_pb2
+from kvxfer.errors import IncompatibleError, InvalidRequestError, UnavailableError
+from kvxfer.proto import common_pb2, peer_pb2
 from kvxferd.dataplane.cma import self_copy_works
 from kvxferd.dataplane.plan import RegionTable, build_plan
-from kvxferd.handoff.direct import NONCE_BYTES, SLOTS, ProofSlots, new_nonce, nonce_missing, probe_peer, source_plan
+from kvxferd.transports.direct_proof import (
+    NONCE_BYTES,
+    SLOTS,
+    ProofSlots,
+    new_nonce,
+    nonce_missing,
+    probe_peer,
+    source_plan,
+)
 
 REGIONS = [(0, 0, 4096, 1024), (1, 512, 4096, 2048)]  # (buffer, offset, stride, bytes per block)
 

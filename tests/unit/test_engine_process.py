@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvxfer_client._errors import InvalidRequestError, PermissionDeniedError, UnavailableError
+from kvxfer.errors import InvalidRequestError, PermissionDeniedError, UnavailableError
 from kvxferd.dataplane.cma import self_copy_works
 from kvxferd.dataplane.hostmem import MappedMemory, ProcessMemory, copy_between
 from kvxferd.dataplane.plan import RegionTable, build_plan

@@ -10,9 +10,9 @@ from typing import Any
 import grpc
 import pytest
 
+from kvxfer.errors import UnavailableError, error_from_rpc
+from kvxfer.proto import engine_pb2, engine_pb2_grpc
 from kvxfer_client._call_stream import CallStream
-from kvxfer_client._errors import UnavailableError, error_from_rpc
-from kvxfer_client._proto import engine_pb2, engine_pb2_grpc
 from kvxferd.control._rpc import rpc_method
 from kvxferd.control.call_stream import serve_calls
 

@@ -6,7 +6,7 @@ import grpc
 import pytest
 
 import kvxfer_client as kx
-from kvxfer_client._errors import error_from_status
+from kvxfer.errors import error_from_status
 
 MAPPING = [
     (kx.InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
@@ -45,7 +45,7 @@ def test_errors_are_also_the_matching_builtin() -> None:
 
 
 def test_typed_fields_travel_as_trailing_metadata_and_come_back_as_attributes() -> None:
-    from kvxfer_client._errors import error_from_rpc, metadata_of
+    from kvxfer.errors import error_from_rpc, metadata_of
 
     sent = kx.UnavailableError("peer gone", transfer_id="t-1", offer_id="off-2", may_still_write=True)
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvxfer_client._cuda import describe_cuda_tensor, format_uuid, is_cuda_tensor
-from kvxfer_client._errors import InvalidRequestError
+from kvxfer.cuda import describe_cuda_tensor, format_uuid, is_cuda_tensor
+from kvxfer.errors import InvalidRequestError
 from kvxferd.dataplane.gpu_kernel import BlockSide, piece_for
 from kvxferd.dataplane.hostcopy import gather_chunk, scatter_chunk
 from kvxferd.dataplane.plan import RegionTable, build_plan, stream_plan

@@ -9,16 +9,15 @@ from kvxfer_client import HostBuffer
 TWO_MIB = 2 << 20
 
 
-def _tmpfs_allows_huge_pages() -> bool:
-    """``/dev/shm`` mounted with ``huge=advise|always|within_size`` (the mount option rules
-    tmpfs mounts; ``shmem_enabled`` only rules the kernel's internal mount)."""
-    huge = ""
-    with open("/proc/mounts") as fh:
-        for line in fh:  # the last mount on /dev/shm is the one in use
-            fields = line.split()
-            if len(fields) > 3 and fields[1] == "/dev/shm":
-                huge = dict(o.partition("=")[::2] for o in fields[3].split(",")).get("huge", "")
-    return huge in {"advise", "always", "within_size"}
+def _memfds_allow_huge_pages() -> bool:
+    """Host buffers are memfds, on the kernel's internal shmem mount: ``shmem_enabled``
+    (``[advise]`` or more) rules whether a mapping may ask for huge pages."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/shmem_enabled") as fh:
+            chosen = fh.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return False
+    return chosen in {"advise", "always", "within_size", "force"}
 
 
 def _pmd_mapped_kib(address: int) -> int:
@@ -38,8 +37,8 @@ def _address(buf: HostBuffer) -> int:
     return int(buf.array().__array_interface__["data"][0])
 
 
-@pytest.mark.skipif(not _tmpfs_allows_huge_pages(), reason="/dev/shm is not mounted with huge=advise")
-def test_buffers_sit_on_huge_pages_on_both_sides_when_dev_shm_allows_them() -> None:
+@pytest.mark.skipif(not _memfds_allow_huge_pages(), reason="shmem_enabled allows no huge pages for memfds")
+def test_buffers_sit_on_huge_pages_on_both_sides_when_shmem_allows_them() -> None:
     """Copies between processes walk both sides' pages: 2 MiB pages make that walk short."""
     buf = HostBuffer.create(8 * TWO_MIB)
     try:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from kvxfer.layout import signature_mismatch
 from kvxfer_client import InvalidRequestError, Layout, ModelInfo, Region
-from kvxfer_client._layout import signature_mismatch
 
 
 def test_paged_kv_has_k_and_v_region_per_layer() -> None:

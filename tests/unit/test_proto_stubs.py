@@ -1,4 +1,4 @@
-"""The committed stubs in kvxfer_client/_proto are exactly what proto/ generates."""
+"""The committed stubs in kvxfer/proto are exactly what proto/ generates."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ def test_generated_stubs_are_current(tmp_path: Path) -> None:
     subprocess.run(
         [sys.executable, str(ROOT / "tools" / "gen_proto.py"), str(tmp_path)], check=True, capture_output=True
     )
-    committed = ROOT / "kvxfer_client" / "_proto"
+    committed = ROOT / "kvxfer" / "proto"
     fresh = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file())
     existing = sorted(
         p.relative_to(committed) for p in committed.rglob("*") if p.is_file() and "__pycache__" not in p.parts

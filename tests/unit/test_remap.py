@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from bench.heads import HEAD_BYTES, LAYERS, POOL_BLOCKS, Pool, logical_kv
-from kvxfer_client._errors import IncompatibleError, InvalidRequestError
-from kvxfer_client._geometry import HeadRange, head_sources, rank_heads, readers
+from kvxfer.errors import IncompatibleError, InvalidRequestError
+from kvxfer.geometry import HeadRange, head_sources, rank_heads, readers
 from kvxferd.dataplane.checksum import window_sums
 from kvxferd.dataplane.hostmem import MappedMemory
 from kvxferd.dataplane.plan import build_plan, window_pieces

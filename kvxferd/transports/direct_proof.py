@@ -1,0 +1,197 @@
+"""One-sided reads between two daemons on one host: the decode daemon copies the offered blocks
+straight out of the offering daemon's memory (``process_vm_readv``), and the offering daemon
+does no work per byte.
+
+Over UCX's shared-memory transport both daemons copy every byte (the sender into a shared
+FIFO, the receiver out of it) and each waits on the other, so on a busy host a transfer runs
+only while both are scheduled at once: with one busy process beside them two daemons kept 0.3
+of their quiet throughput (``python -m bench.lean``, ``contended``). A direct read needs only
+the reader.
+
+Who may read whom is proved, never assumed. Once per peer (``PeerService.ProbeDirectRead``)
+the reader sends a fresh random nonce, the offering daemon copies it into its own memory and
+names its pid and the address, and the reader reads it back from that pid: a probe that fails
+(another pid namespace, another user, Yama, a seccomp profile) leaves that peer on UCX. Then
+every transfer proves itself the same way: ``TransferStart.direct_read_nonce`` is copied
+beside the blocks, and the reader finds it at the pid and address the offering daemon names
+before it reads a byte. Only a process the offering daemon can write holds the nonce, so what
+the reader reads there, at addresses the offering daemon names, is memory the offering
+daemon could have sent anyway (a recycled pid reads as a missing nonce).
+
+>>> proofs = ProofSlots()
+>>> pid, address = proofs.write(b"0123456789abcdef")
+>>> found = np.zeros(16, dtype=np.uint8)
+>>> from kvxferd.dataplane.cma import read_iov, self_copy_works
+>>> if self_copy_works():
+...     read_iov(pid, np.array([[found.ctypes.data, 16]], dtype=np.uint64), np.array([[address, 16]], dtype=np.uint64))
+...     print(found.tobytes())
+... else:
+...     print(b"0123456789abcdef")
+b'0123456789abcdef'
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import secrets
+
+import numpy as np
+import numpy.typing as npt
+
+from kvxfer.errors import IncompatibleError, InvalidRequestError, UnavailableError
+from kvxfer.proto import common_pb2, peer_pb2
+
+from .._log import log_event
+from ..dataplane.cma import read_iov
+from ..dataplane.hostmem import ProcessMemory
+from ..dataplane.plan import RegionTable, SidePlan, build_layered_plan, build_plan
+from ..dataplane.remap import peer_side, plan_remap, side_of
+from ..memory.pools import Pool
+
+__all__ = [
+    "DIRECT_READ",
+    "NONCE_BYTES",
+    "ProofSlots",
+    "new_nonce",
+    "nonce_missing",
+    "probe_peer",
+    "source_of",
+    "source_plan",
+]
+
+#: The transport a direct read reports (records, metrics, kvxferctl).
+DIRECT_READ = "direct:cma"
+NONCE_BYTES = 16
+#: Proofs kept at once: a probe's slot is reused only after this many later probes.
+SLOTS = 64
+#: Addresses, offsets and strides beyond this are refused (they could only overflow).
+_MAX_ADDRESS = 1 << 62
+
+
+class ProofSlots:
+    """The offering side of a probe: nonces copied into this daemon's memory, in a ring
+    (``enabled``: the daemon's ``same_host_direct_read``; off, every probe is refused)."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self._slots = np.zeros((SLOTS, NONCE_BYTES), dtype=np.uint8)
+        self._next = 0
+
+    def write(self, nonce: bytes) -> tuple[int, int]:
+        """Copy ``nonce`` into a slot; returns ``(pid, address)`` where it now lies."""
+        if not self.enabled:
+            raise IncompatibleError("direct reads are off on this daemon (same_host_direct_read: false)")
+        if len(nonce) != NONCE_BYTES:
+            raise InvalidRequestError(f"a direct-read probe's nonce is {NONCE_BYTES} bytes, not {len(nonce)}")
+        slot = self._slots[self._next]
+        self._next = (self._next + 1) % SLOTS
+        slot[:] = np.frombuffer(nonce, dtype=np.uint8)
+        return os.getpid(), int(slot.ctypes.data)
+
+
+def probe_peer(proof: peer_pb2.DirectReadProof, nonce: bytes, peer_id: str) -> bool:
+    """Whether the nonce lies at the proof's pid and address (read with process_vm_readv)."""
+    try:
+        why = nonce_missing(int(proof.pid), int(proof.address), nonce)
+    except UnavailableError as exc:
+        why = str(exc)
+    if why:
+        log_event("direct_read.off", logging.INFO, peer=peer_id, reason=why)
+        return False
+    log_event("direct_read.on", peer=peer_id, pid=proof.pid)
+    return True
+
+
+def nonce_missing(pid: int, address: int, nonce: bytes) -> str:
+    """Why ``nonce`` cannot be read at ``address`` in process ``pid`` ("" when it can);
+    raises UnavailableError when that process has exited (a dead peer, not an incompatible one)."""
+    found = np.zeros(NONCE_BYTES, dtype=np.uint8)
+    local = np.array([[found.ctypes.data, NONCE_BYTES]], dtype=np.uint64)
+    if not 0 < address < _MAX_ADDRESS:
+        return f"nonce address {address:#x} out of range"
+    try:
+        read_iov(pid, local, np.array([[address, NONCE_BYTES]], dtype=np.uint64))
+    except ProcessLookupError:
+        raise UnavailableError(f"the peer daemon's process {pid} exited") from None
+    except OSError as exc:
+        return f"cannot read the peer's memory: {exc}"
+    if not hmac.compare_digest(found.tobytes(), nonce):
+        return f"pid {pid} does not hold the nonce"
+    return ""
+
+
+def new_nonce() -> bytes:
+    return secrets.token_bytes(NONCE_BYTES)
+
+
+def source_of(
+    pool: Pool, src_ids: npt.NDArray[np.int64], nonce: bytes
+) -> tuple[peer_pb2.DirectReadSource, npt.NDArray[np.uint8]] | None:
+    """Where an offered pool's blocks lie in this daemon, for a reader on this host, and the
+    reader's ``nonce`` copied into memory of its own (keep it referenced until the transfer
+    ends); None when the pool is not mapped here (GPU memory, an engine's own process memory)."""
+    if pool.device is not None or pool.process is not None:
+        return None
+    if len(nonce) != NONCE_BYTES:
+        raise InvalidRequestError(f"a direct read's nonce is {NONCE_BYTES} bytes, not {len(nonce)}")
+    held = np.frombuffer(nonce, dtype=np.uint8).copy()
+    regions = pool.regions
+    source = peer_pb2.DirectReadSource(
+        pid=os.getpid(),
+        nonce_address=int(held.ctypes.data),
+        buffer_address=[int(a.ctypes.data) for a in pool.host_memory().arrays],  # type: ignore[attr-defined]
+        region_buffer=regions.buffer.tolist(),
+        region_offset=regions.offset.tolist(),
+        region_stride=regions.stride.tolist(),
+        block_ids=np.asarray(src_ids).tolist(),
+    )
+    return source, held
+
+
+def source_plan(
+    source: peer_pb2.DirectReadSource,
+    sender: common_pb2.LayoutSignature,
+    dst: Pool,
+    dst_ids: npt.NDArray[np.int64],
+    chunk_bytes: int,
+    mapped: bool,
+    layers: int = 0,
+) -> tuple[ProcessMemory, SidePlan]:
+    """The offering daemon's memory and its side of the stream, from what it said (checked:
+    a hostile peer's numbers fail here, as typed errors, or read only its own memory)."""
+    n = len(sender.block_bytes)
+    if not (len(source.region_buffer) == len(source.region_offset) == len(source.region_stride) == n):
+        raise IncompatibleError(f"direct read: {len(source.region_offset)} regions described, the signature has {n}")
+    if not source.block_ids or not source.buffer_address:
+        raise InvalidRequestError("direct read: no blocks or no buffers described")
+    values = [*source.buffer_address, *source.region_offset, *source.region_stride, *sender.block_bytes]
+    if max(values) >= _MAX_ADDRESS or min(source.buffer_address) == 0:
+        raise InvalidRequestError("direct read: an address, offset or stride out of range")
+    if max(source.region_buffer) >= len(source.buffer_address):
+        raise InvalidRequestError("direct read: a region names a buffer that was not described")
+    if max(source.block_ids) >= _MAX_ADDRESS // max(1, max(source.region_stride)):
+        raise InvalidRequestError("direct read: a block id out of range")
+    regions = RegionTable(
+        np.asarray(source.region_buffer, dtype=np.int64),
+        np.asarray(source.region_offset, dtype=np.int64),
+        np.asarray(source.region_stride, dtype=np.int64),
+        np.asarray(sender.block_bytes, dtype=np.int64),
+    )
+    ids = np.asarray(source.block_ids, dtype=np.int64)
+    if mapped:
+        src_side = peer_side(sender, len(ids), regions, ids)
+        plan = plan_remap(src_side, side_of(dst.layout, dst.regions, dst_ids), chunk_bytes, "src")
+    elif layers:
+        if len(regions.nbytes) % layers:
+            raise IncompatibleError(f"direct read: {len(regions.nbytes)} regions do not make {layers} layers")
+        plan = build_layered_plan(regions, ids, chunk_bytes, layers)[0]
+    else:
+        plan = build_plan(regions, ids, chunk_bytes)
+    memory = ProcessMemory(int(source.pid), np.asarray(source.buffer_address, dtype=np.int64), _never, "peer daemon")
+    return memory, plan
+
+
+def _never() -> None:
+    """The peer daemon's memory has no session to end: its process exiting is the failure."""
