@@ -19,7 +19,7 @@ import time
 import numpy as np
 
 from kvxfer.ticket import Ticket
-from kvxfer_client import KvxferClient, Layout
+from kvxfer_client import KvxferClient, Layout, PoolRef
 from kvxfer_client.vllm._messages import RankPool
 from kvxfer_client.vllm._plan import SchedulerPlan
 
@@ -45,7 +45,7 @@ def main() -> None:
         for _ in range(200):  # first alone: one round trip each, nothing else queued
             ids = rng.permutation(4096)[:128].tolist()
             t0 = time.perf_counter()
-            scheduler.offer(pool.pool_id, ids, lease_s=600, offer_key=key)
+            scheduler.offer(PoolRef(pool.pool_id, key), ids, lease_s=600)
             blocking.append(time.perf_counter() - t0)
         futures = []
         for i in range(args.requests):
@@ -54,7 +54,7 @@ def main() -> None:
             _, _, send = plan.finished(f"r{i}", {"do_remote_decode": True}, ids)
             assert send is not None
             ticket = Ticket.from_dict(send.tickets[0])
-            futures.append(scheduler.start_offer(pool.pool_id, ids, lease_s=600, ticket=ticket, offer_key=key))
+            futures.append(scheduler.start_offer(PoolRef(pool.pool_id, key), ids, lease_s=600, ticket=ticket))
             answered.append(time.perf_counter() - t0)
             plan.take()
         failed = sum(1 for f in futures if f.exception(timeout=60) is not None)

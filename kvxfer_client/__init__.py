@@ -31,7 +31,7 @@ from kvxfer.version import __version__
 from ._blocking import KvxferClient
 from ._client import AsyncKvxferClient
 from ._events import OfferReleased, ReleaseReason, TransferFailed
-from ._results import CancelResult, Pool, PullResult, PushResult
+from ._results import CancelResult, Pool, PoolRef, PullResult, PushResult
 from ._tensor_layout import layout_from_tensors
 
 __all__ = [
@@ -56,6 +56,7 @@ __all__ = [
     "OfferTakenError",
     "PermissionDeniedError",
     "Pool",
+    "PoolRef",
     "PullResult",
     "PushResult",
     "Region",

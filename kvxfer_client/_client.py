@@ -30,7 +30,7 @@ from ._events import OfferReleased
 from ._inbox import MAX_QUEUED_EVENTS, Event
 from ._marks import LayerMarks
 from ._pools import PoolClient
-from ._results import CancelResult, Pool, PullResult, PushResult, pull_result
+from ._results import CancelResult, Pool, PoolRef, PullResult, PushResult, pool_target, pull_result
 from ._tier import TierCalls
 
 __all__ = ["MAX_QUEUED_EVENTS", "AsyncKvxferClient", "Event"]
@@ -88,28 +88,27 @@ class AsyncKvxferClient(PoolClient, TierCalls):
 
     async def offer(
         self,
-        pool: Pool | str,
+        pool: Pool | PoolRef | str,
         block_ids: Sequence[int] | np.ndarray[Any, Any],
         *,
         lease_s: float = 0.0,
         ticket: Ticket | None = None,
-        offer_key: bytes = b"",
         readers: int | None = None,
         layers: int = 0,
     ) -> Ticket:
         """Pin blocks for a decode engine and return the ticket to hand it.
 
+        ``pool``: this session's pool (or its id), or a :class:`PoolRef` to another session's
+        of this engine, e.g. a vLLM worker's pool offered from the scheduler process.
         ``ticket``: one made in advance by :meth:`new_ticket` (and perhaps handed out
-        already); the offer is made under its id and token. ``offer_key``: the pool's
-        (``Pool.offer_key``) when it is another session's of this engine, e.g. a vLLM worker's
-        pool offered from the scheduler process. ``readers``: how many pulls the offer serves
+        already); the offer is made under its id and token. ``readers``: how many pulls the offer serves
         before it is released (decode ranks that each take their heads; default the ticket's,
         else one). ``layers``: the blocks are still being written, one layer after the other
         (the layout's regions in that many equal groups); say how far with
         :meth:`layers_ready`, and pulls move each layer once written.
         """
         await self._ready()
-        pool_id = pool.pool_id if isinstance(pool, Pool) else pool
+        pool_id, offer_key = pool_target(pool)
         ids = _block_ids(block_ids, "block_ids")
         req = engine_pb2.OfferRequest(
             pool_id=pool_id,
@@ -190,13 +189,12 @@ class AsyncKvxferClient(PoolClient, TierCalls):
 
     async def push(
         self,
-        pool: Pool | str,
+        pool: Pool | PoolRef | str,
         block_ids: Sequence[int] | np.ndarray[Any, Any],
         transfer_id: str,
         to_peer_address: str,
         *,
         lease_s: float = 0.0,
-        offer_key: bytes = b"",
         layers: int = 0,
     ) -> PushResult:
         """Offer blocks to the decode engine that expects ``transfer_id`` (its :meth:`receive`)
@@ -207,11 +205,12 @@ class AsyncKvxferClient(PoolClient, TierCalls):
         names this daemon (``from_daemon_id``). Returns once the push is announced; the release
         event (``pulled``, ``failed``, ``expired``) says how it ended. Where the decode daemon
         could not take it, ``mode`` is ``"pull"`` and ``mode_reason`` says why: hand
-        ``ticket`` over to be pulled instead. ``layers``: as for :meth:`offer`.
+        ``ticket`` over to be pulled instead. ``pool``, ``layers``: as for :meth:`offer`.
         """
         await self._ready()
+        pool_id, offer_key = pool_target(pool)
         offer = engine_pb2.OfferRequest(
-            pool_id=pool.pool_id if isinstance(pool, Pool) else pool,
+            pool_id=pool_id,
             block_ids=_block_ids(block_ids, "block_ids"),
             lease_s=lease_s,
             session_id=self.session_id,

@@ -1,5 +1,6 @@
 """What the client's calls return: a registered :class:`Pool`, a :class:`PullResult` (also
-a Receive's), a :class:`PushResult` and a :class:`CancelResult`."""
+a Receive's), a :class:`PushResult` and a :class:`CancelResult`; and :class:`PoolRef`, how
+another session of the same engine names a pool it may offer."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from kvxfer.layout import Layout
 from kvxfer.proto import common_pb2, engine_pb2
 from kvxfer.ticket import Ticket
 
-__all__ = ["CancelResult", "Pool", "PullResult", "PushResult", "pull_result"]
+__all__ = ["CancelResult", "Pool", "PoolRef", "PullResult", "PushResult", "pool_target", "pull_result"]
 
 
 @dataclass
@@ -27,8 +28,33 @@ class Pool:
     buffers: tuple[Any, ...]
     fingerprint: str
     name: str = ""
-    #: Lets another session of this engine offer the pool's blocks (``offer(..., offer_key=)``).
+    #: Lets another session of this engine offer the pool's blocks (see :class:`PoolRef`).
     offer_key: bytes = field(default=b"", repr=False)
+
+    def ref(self) -> PoolRef:
+        """This pool as another session of the engine names it to offer its blocks."""
+        return PoolRef(self.pool_id, self.offer_key)
+
+
+@dataclass(frozen=True)
+class PoolRef:
+    """A pool another session of this engine registered, named by its id and the offer key
+    the registering session got (``Pool.offer_key``): with it, this session may offer the
+    pool's blocks, e.g. a vLLM worker's pool offered from the scheduler process.
+
+    >>> PoolRef("p-1", bytes(32))
+    PoolRef(pool_id='p-1')
+    """
+
+    pool_id: str
+    offer_key: bytes = field(repr=False)
+
+
+def pool_target(pool: Pool | PoolRef | str) -> tuple[str, bytes]:
+    """The pool id and the offer key to send for ``pool`` (no key for this session's own)."""
+    if isinstance(pool, PoolRef):
+        return pool.pool_id, pool.offer_key
+    return (pool.pool_id if isinstance(pool, Pool) else pool), b""
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 from kvxfer.proto import engine_pb2
 from kvxfer.ticket import Ticket
 
-from ._results import Pool
+from ._results import Pool, PoolRef, pool_target
 
 __all__ = ["TierCalls"]
 
@@ -57,23 +57,22 @@ class TierCalls:
 
     async def tier_offer(
         self: _Client,
-        pool: Pool | str,
+        pool: Pool | PoolRef | str,
         keys: Sequence[bytes],
         *,
         salt: bytes = b"",
         lease_s: float = 0.0,
         readers: int = 1,
         prefix: bool = False,
-        offer_key: bytes = b"",
     ) -> Ticket | None:
         """Offer the chunks stored under ``keys`` (all of them stored; with ``prefix``, the
         longest stored prefix of them: None when nothing is) as one ticket, pulled like any
         other; the pool's blocks are not held by it (store them first, then reuse them at
-        once). ``lease_s`` 0: the daemon's default lease. ``offer_key``: the pool's, when
-        another session of this engine registered it."""
+        once). ``lease_s`` 0: the daemon's default lease. ``pool``: as for ``offer``."""
+        pool_id, offer_key = pool_target(pool)
         req = engine_pb2.TierOfferRequest(
             session_id=self.session_id,
-            pool_id=pool.pool_id if isinstance(pool, Pool) else pool,
+            pool_id=pool_id,
             keys=list(keys),
             salt=salt,
             lease_s=lease_s,
@@ -86,19 +85,19 @@ class TierCalls:
 
     async def tier_lookup(
         self: _Client,
-        pool: Pool | str,
+        pool: Pool | PoolRef | str,
         keys: Sequence[bytes],
         *,
         salt: bytes = b"",
         from_peer: str = "",
-        offer_key: bytes = b"",
     ) -> int:
         """How many of ``keys``, from the first, the tier holds for this pool's namespace
-        (``from_peer``: another node's kvxferd, ``host:port``, whose tier to ask;
-        ``offer_key``: the pool's, when another session of this engine registered it)."""
+        (``from_peer``: another node's kvxferd, ``host:port``, whose tier to ask; ``pool``: as
+        for ``offer``)."""
+        pool_id, offer_key = pool_target(pool)
         req = engine_pb2.TierLookupRequest(
             session_id=self.session_id,
-            pool_id=pool.pool_id if isinstance(pool, Pool) else pool,
+            pool_id=pool_id,
             keys=list(keys),
             salt=salt,
             from_peer=from_peer,

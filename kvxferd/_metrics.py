@@ -6,8 +6,9 @@ at scrape time from a snapshot the event loop hands over, so it can never drift 
 ``kvxferctl`` shows. Label values are bounded sets (path, transport, result, reason, memory
 kind, device, peer state): never a request, offer or transfer id.
 
+>>> from kvxferd._transfers import EndedTransfer
 >>> m = Metrics()
->>> m.transfer_finished("decode", "local", "local-copy", "succeeded", "none", 4096, 0.002)
+>>> m.transfer_finished(EndedTransfer("decode", "local", "local-copy", "succeeded", "none", 4096, 0.002))
 >>> labels = 'path="local",reason="none",result="succeeded",role="decode",transport="local-copy"'
 >>> b"kvxfer_transfers_total{" + labels.encode() + b"} 1.0" in m.render()
 True
@@ -36,6 +37,7 @@ from prometheus_client.registry import Collector
 from kvxfer.version import PROTOCOL_VERSION, __version__
 
 from ._snapshot import NodeSnapshot
+from ._transfers import EndedTransfer
 
 __all__ = ["Metrics", "serve_metrics"]
 
@@ -204,16 +206,13 @@ class Metrics:
         ProcessCollector(registry=self.registry)  # process_cpu_seconds_total, resident memory, fds
         self.registry.register(_StateCollector(snapshot))
 
-    def transfer_finished(
-        self, role: str, path: str, transport: str, result: str, reason: str, nbytes: int, seconds: float
-    ) -> None:
-        """Record one ended transfer (``result``: succeeded, failed, refused or cancelled;
-        ``reason``: one of :data:`REASONS`, "none" unless it failed)."""
-        labels = (role, path, transport or "none", result)
-        self.transfer_seconds.labels(*labels).observe(seconds)
-        self.transfers.labels(*labels, reason).inc()
-        if result == "succeeded":
-            self.transfer_bytes.labels(*labels).inc(nbytes)
+    def transfer_finished(self, ended: EndedTransfer) -> None:
+        """Record one ended transfer (its ``reason`` one of :data:`REASONS`)."""
+        labels = (ended.role, ended.path, ended.transport or "none", ended.result)
+        self.transfer_seconds.labels(*labels).observe(ended.seconds)
+        self.transfers.labels(*labels, ended.reason).inc()
+        if ended.result == "succeeded":
+            self.transfer_bytes.labels(*labels).inc(ended.nbytes)
 
     def integrity_checked(self, mode: str, result: str, blocks: int) -> None:
         """One checksum check (``result``: one of :data:`INTEGRITY_RESULTS`)."""

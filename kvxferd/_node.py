@@ -318,7 +318,7 @@ class Node:
             raise UnavailableError("kvxferd is draining: no new pulls")
         pool = self.owned_pool(ask.pool_id, ask.session_id)
         ids = check_block_ids(ask.block_ids, pool.layout.num_blocks, "pull destination")
-        return await self.pulls.pull(dataclasses.replace(ask, block_ids=ids), pool)
+        return await self.pulls.run_pull(dataclasses.replace(ask, block_ids=ids), pool)
 
     async def serve(self, start: ServeRequest, stream: OffererStream) -> None:
         if self.server is None:

@@ -32,11 +32,26 @@ from kvxfer.proto import admin_pb2, common_pb2
 
 from ._log import log_event
 
-__all__ = ["TransferRecord", "TransferTable"]
+__all__ = ["EndedTransfer", "TransferRecord", "TransferTable"]
 
-#: Told of each ended transfer: ``(role, path, transport, result, reason, bytes, seconds)``
-#: (the metrics).
-Observer = Callable[[str, str, str, str, str, int, float], None]
+
+@dataclass(frozen=True)
+class EndedTransfer:
+    """What the metrics hear of an ended transfer (bounded label values, its size and time)."""
+
+    role: str
+    path: str
+    transport: str
+    #: succeeded, failed, refused or cancelled.
+    result: str
+    #: Why it failed (see :func:`failure_reason`); "none" unless it did.
+    reason: str
+    nbytes: int
+    seconds: float
+
+
+#: Told of each ended transfer (the metrics).
+Observer = Callable[[EndedTransfer], None]
 _REFUSALS = (PermissionDeniedError, NotFoundError, InvalidRequestError, IncompatibleError, AlreadyExistsError)
 
 
@@ -181,13 +196,15 @@ class TransferTable:
             reason = failure_reason(error) if state != common_pb2.TRANSFER_STATE_SUCCEEDED else "none"
             result = _RESULT_NAMES.get(state, "refused" if reason == "refused" else "failed")
             self._observe(
-                record.role,
-                _PATH_NAMES.get(record.path, "unknown"),
-                "none" if result == "refused" else record.transport,
-                result,
-                reason,
-                record.nbytes,
-                record.duration_s,
+                EndedTransfer(
+                    record.role,
+                    _PATH_NAMES.get(record.path, "unknown"),
+                    "none" if result == "refused" else record.transport,
+                    result,
+                    reason,
+                    record.nbytes,
+                    record.duration_s,
+                )
             )
         if not self.active:
             self._idle.set()

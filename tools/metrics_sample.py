@@ -7,13 +7,14 @@ import sys
 
 from kvxferd._metrics import Metrics
 from kvxferd._snapshot import NodeSnapshot, StagingView
+from kvxferd._transfers import EndedTransfer
 
 
 def main() -> None:
     snap = NodeSnapshot(daemon_id="sample", draining=False, staging={"send": StagingView(1, 2, 8, 1 << 20)})
     m = Metrics(lambda: snap)
-    m.transfer_finished("decode", "remote", "ucx:tcp", "succeeded", "none", 1 << 20, 0.01)
-    m.transfer_finished("prefill", "remote", "none", "refused", "refused", 0, 0.001)
+    m.transfer_finished(EndedTransfer("decode", "remote", "ucx:tcp", "succeeded", "none", 1 << 20, 0.01))
+    m.transfer_finished(EndedTransfer("prefill", "remote", "none", "refused", "refused", 0, 0.001))
     m.rpc_finished("pull", "OK", 0.01)
     m.offer_released("expired")
     sys.stdout.buffer.write(m.render())

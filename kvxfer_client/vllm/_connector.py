@@ -45,6 +45,7 @@ from kvxfer.layout import ModelInfo
 from kvxfer.ticket import Ticket
 
 from .._blocking import KvxferClient
+from .._results import PoolRef
 from ._config_facts import backend_name, backend_shape, head_facts, kv_dtype, total_kv_heads
 from ._leases import LeaseKeeper
 from ._messages import TICKETS_KEY, UNAVAILABLE_KEY, Load, RankPool, Send, Stream
@@ -266,10 +267,8 @@ class KvxferConnector(KVConnectorBase_V1):
 
             def offer(keys: list[bytes]) -> Any:
                 # The stored prefix, pinned for its load: every rank pulls its heads.
-                key = bytes.fromhex(first.offer_key)
-                return offerer.start_tier_offer(
-                    first.pool_id, keys, salt=salt, lease_s=lease, readers=ranks, prefix=True, offer_key=key
-                )
+                ref = PoolRef(first.pool_id, bytes.fromhex(first.offer_key))
+                return offerer.start_tier_offer(ref, keys, salt=salt, lease_s=lease, readers=ranks, prefix=True)
 
             self._tier.offer = offer
             self._tier.release = lambda offer_id: offerer.start_release(offer_id)
@@ -351,11 +350,10 @@ class KvxferConnector(KVConnectorBase_V1):
                 if send.readers and not send.readers[rank]:
                     continue  # a replica of heads no decode rank takes: its worker frees at once
                 offer = self._offerer.start_offer(
-                    pool.pool_id,
+                    PoolRef(pool.pool_id, bytes.fromhex(pool.offer_key)),
                     send.block_ids,
                     lease_s=self._lease_s,
                     ticket=Ticket.from_dict(send.tickets[rank]),
-                    offer_key=bytes.fromhex(pool.offer_key),
                 )
                 offers.append(offer)
             assert self._refusals is not None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from kvxfer.errors import UnavailableError
@@ -13,29 +14,38 @@ from kvxfer.errors import UnavailableError
 from .plan import ChunkPlan, SidePlan
 from .staging import StagingLease
 
-__all__ = ["run_pipeline"]
+__all__ = ["ChunkFlow", "run_pipeline"]
+
+
+@dataclass(frozen=True)
+class ChunkFlow:
+    """What one side of a transfer moves and with what: the chunks of ``plan``, the staging
+    buffers of ``lease`` for the ones that must be staged, ``window`` chunks at once."""
+
+    plan: SidePlan
+    lease: StagingLease
+    window: int
 
 
 async def run_pipeline(
-    plan: SidePlan,
-    lease: StagingLease,
-    window: int,
+    flow: ChunkFlow,
     move: Callable[[ChunkPlan, Any], Awaitable[None]],
     pack: Callable[[ChunkPlan, Any], Awaitable[None]] | None = None,
     stage: bool = True,
     zero_copy: bool = True,
 ) -> None:
-    """Move the chunks of ``plan`` in order, at most ``window`` at once.
+    """Move the chunks of ``flow.plan`` in order, at most ``flow.window`` at once.
 
     A fragmented chunk takes a staging buffer when ``stage`` (and is packed into it first when
     ``pack`` is given); a contiguous one moves in place unless ``zero_copy`` is off. On the first
     failure the other chunks are cancelled and the lease is marked poisoned, since UCX may still
     touch its buffers.
     """
+    plan, lease = flow.plan, flow.lease
     free: asyncio.Queue[Any] = asyncio.Queue()
     for buf in lease.buffers:
         free.put_nowait(buf)
-    slots = asyncio.Semaphore(window)
+    slots = asyncio.Semaphore(flow.window)
 
     failures: list[BaseException] = []
 

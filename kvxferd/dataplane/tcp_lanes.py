@@ -49,6 +49,7 @@ from .plan import ChunkPlan, SidePlan
 __all__ = [
     "HELLO_BYTES",
     "MAX_LANES",
+    "Lane",
     "LaneListener",
     "LaneSet",
     "connect_lanes",
@@ -278,21 +279,29 @@ async def run_lanes(
             sock.close()
 
 
+@dataclass(frozen=True)
+class Lane:
+    """One connection of a transfer's lanes: lane ``index`` of ``count`` carries chunks
+    ``index``, ``index + count``, ...; a peer that stalls it ``timeout_s`` fails it."""
+
+    sock: socket.socket
+    index: int
+    count: int
+    timeout_s: float
+
+    def chunks(self, plan: SidePlan) -> list[int]:
+        self.sock.setblocking(True)
+        self.sock.settimeout(self.timeout_s)  # a peer that stops fails the lane, not hangs it
+        return lane_chunks(len(plan.chunks), self.index, self.count)
+
+
 def send_lane(
-    sock: socket.socket,
-    index: int,
-    count: int,
-    plan: SidePlan,
-    memory: HostMemory,
-    scratch: Any,
-    timeout_s: float,
-    after_chunk: Callable[[int], None] | None = None,
+    lane: Lane, plan: SidePlan, memory: HostMemory, scratch: Any, after_chunk: Callable[[int], None] | None = None
 ) -> None:
     """One lane's chunks of ``plan`` from ``memory`` (``scratch``: a chunk-sized buffer for
     the ones that must be gathered); ``after_chunk(c)`` runs once chunk ``c`` is sent."""
-    sock.setblocking(True)
-    sock.settimeout(timeout_s)  # a receiver that stops reading fails the lane, not hangs it
-    for c in lane_chunks(len(plan.chunks), index, count):
+    sock = lane.sock
+    for c in lane.chunks(plan):
         chunk = plan.chunks[c]
         view = _contiguous(memory, chunk)
         if view is None:
@@ -304,21 +313,18 @@ def send_lane(
             after_chunk(c)
 
 
-def receive_lane(
-    sock: socket.socket, index: int, count: int, plan: SidePlan, memory: HostMemory, scratch: Any, timeout_s: float
-) -> None:
+def receive_lane(lane: Lane, plan: SidePlan, memory: HostMemory, scratch: Any) -> None:
     """One lane's chunks of ``plan`` into ``memory``, each header checked against the plan
     before a byte of it is taken (a peer sends what this side expects, or the lane fails)."""
-    sock.setblocking(True)
-    sock.settimeout(timeout_s)  # a sender that stops sending fails the lane, not hangs it
+    sock = lane.sock
     header = bytearray(_HEADER.size)
-    for c in lane_chunks(len(plan.chunks), index, count):
+    for c in lane.chunks(plan):
         chunk = plan.chunks[c]
         _receive_into(sock, memoryview(header))
         got_index, nbytes = _HEADER.unpack(header)
         if got_index != c or nbytes != chunk.nbytes:
             raise UnavailableError(
-                f"lane {index} brought chunk {got_index} of {nbytes} bytes; chunk {c} of {chunk.nbytes} was due"
+                f"lane {lane.index} brought chunk {got_index} of {nbytes} bytes; chunk {c} of {chunk.nbytes} was due"
             )
         view = _contiguous(memory, chunk)
         _receive_into(sock, view if view is not None else memoryview(scratch)[: chunk.nbytes])

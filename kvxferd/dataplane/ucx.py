@@ -20,6 +20,7 @@ import os
 from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import Executor
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -30,17 +31,26 @@ from kvxfer.errors import UnavailableError
 from .._log import log_event
 from .gpucopy import GpuCopier, UploadedSide, settle
 from .hostmem import HostMemory
-from .pipeline import run_pipeline
-from .plan import ChunkPlan, SidePlan
+from .pipeline import ChunkFlow, run_pipeline
+from .plan import ChunkPlan
 from .sends import TrackedSends
-from .staging import StagingLease
 from .ucp_iov import UcpTagIov, contiguous_iov, iov_supported
 from .ucx_address import AddressProbe
 from .ucx_setup import ProgressDriver, apply_ucx_defaults, take_over_progress
 
-__all__ = ["UcxTransport"]
+__all__ = ["TagStream", "UcxTransport"]
 
 U8 = npt.NDArray[np.uint8]
+
+
+@dataclass(frozen=True)
+class TagStream:
+    """One transfer's chunks over one endpoint: chunk ``c`` is the message tagged
+    ``tag_base | c``, moved as ``flow`` says (plan, staging lease, window)."""
+
+    ep: Any
+    tag_base: int
+    flow: ChunkFlow
 
 
 class UcxTransport:
@@ -171,19 +181,13 @@ class UcxTransport:
             raise
 
     async def send(
-        self,
-        ep: Any,
-        plan: SidePlan,
-        memory: HostMemory,
-        tag_base: int,
-        lease: StagingLease,
-        window: int,
-        after_chunk: Callable[[int], Awaitable[None]] | None = None,
+        self, stream: TagStream, memory: HostMemory, after_chunk: Callable[[int], Awaitable[None]] | None = None
     ) -> None:
-        """Send every chunk of ``plan``: straight from memory mapped here (contiguous chunks,
+        """Send every chunk of the stream's plan: straight from memory mapped here (contiguous chunks,
         and fragmented ones as IOV sends when ``gather_send``), else packed into staging while
         earlier chunks fly (always, for an engine's process memory). ``after_chunk(index)`` is
         awaited once each chunk is sent (the daemon's fault-injection point)."""
+        ep, tag_base = stream.ep, stream.tag_base
         mapped = memory.pid is None
         iov = self.iov if self.gather_send and mapped else None
         keep = memory.keep()
@@ -208,21 +212,18 @@ class UcxTransport:
                 await after_chunk(chunk.index)
 
         with self._busy(), self._retired_on_failure(ep):
-            await run_pipeline(plan, lease, window, move, pack, stage=iov is None, zero_copy=mapped)
+            await run_pipeline(stream.flow, move, pack, stage=iov is None, zero_copy=mapped)
 
     async def receive(
         self,
-        ep: Any,
-        plan: SidePlan,
+        stream: TagStream,
         memory: HostMemory,
-        tag_base: int,
-        lease: StagingLease,
         executor: Executor,
-        window: int,
         on_unconfirmed: Callable[[], None] | None = None,
         on_chunk: Callable[[int], None] | None = None,
     ) -> None:
-        """Receive every chunk of ``plan`` into host memory, ``window`` receives posted ahead;
+        """Receive every chunk of the stream's plan into host memory, its window of receives
+        posted ahead;
         ``on_chunk(index)`` hears of each chunk once it is in place.
 
         Into memory mapped here, a contiguous chunk lands in place and, with scatter receives,
@@ -231,7 +232,7 @@ class UcxTransport:
         when a cancelled receive is not confirmed by UCX (its memory may still be written).
         """
         loop = asyncio.get_running_loop()
-        iov = self.iov
+        ep, tag_base, iov = stream.ep, stream.tag_base, self.iov
         mapped = memory.pid is None
         landed: set[int] = set()
         keep = memory.keep()  # the pool's views outlive a deregistration while UCX may write
@@ -262,26 +263,18 @@ class UcxTransport:
         with self._busy():
             try:
                 stage = not (self.scatter_receive and mapped)
-                await run_pipeline(plan, lease, window, move, stage=stage, zero_copy=mapped)
+                await run_pipeline(stream.flow, move, stage=stage, zero_copy=mapped)
             except BaseException:
-                self._drain_after_failure(plan, tag_base, landed)
+                self._drain_after_failure(stream, landed)
                 raise
 
     async def send_gpu(
-        self,
-        ep: Any,
-        plan: SidePlan,
-        side: UploadedSide,
-        copier: GpuCopier,
-        tag_base: int,
-        lease: StagingLease,
-        window: int,
-        mark: Callable[[str], None] | None = None,
+        self, stream: TagStream, side: UploadedSide, copier: GpuCopier, mark: Callable[[str], None] | None = None
     ) -> None:
         """Send a GPU pool's chunks: a gather kernel packs each chunk into GPU staging while
         earlier chunks fly. Every chunk is staged: the pool is IPC-imported memory, which UCX's
         cuda_ipc transport cannot export again, while staging is the daemon's own cudaMalloc."""
-        chunk_bytes = plan.chunk_bytes
+        ep, tag_base, chunk_bytes = stream.ep, stream.tag_base, stream.flow.plan.chunk_bytes
 
         async def pack(chunk: ChunkPlan, staged: Any) -> None:
             c = chunk.index
@@ -295,22 +288,14 @@ class UcxTransport:
                 mark("sent0")
 
         with self._busy(), self._retired_on_failure(ep):
-            await run_pipeline(plan, lease, window, move, pack, zero_copy=False)
+            await run_pipeline(stream.flow, move, pack, zero_copy=False)
 
     async def receive_gpu(
-        self,
-        ep: Any,
-        plan: SidePlan,
-        side: UploadedSide,
-        copier: GpuCopier,
-        tag_base: int,
-        lease: StagingLease,
-        window: int,
-        mark: Callable[[str], None] | None = None,
+        self, stream: TagStream, side: UploadedSide, copier: GpuCopier, mark: Callable[[str], None] | None = None
     ) -> None:
         """Receive chunks into GPU staging and scatter each into the pool as it lands. UCX only
         ever writes staging; a scatter that started always finishes before this returns."""
-        chunk_bytes = plan.chunk_bytes
+        ep, tag_base, chunk_bytes = stream.ep, stream.tag_base, stream.flow.plan.chunk_bytes
         iov = self.iov
         landed: set[int] = set()
 
@@ -330,14 +315,15 @@ class UcxTransport:
 
         with self._busy():
             try:
-                await run_pipeline(plan, lease, window, move, zero_copy=False)
+                await run_pipeline(stream.flow, move, zero_copy=False)
             except BaseException:
-                self._drain_after_failure(plan, tag_base, landed)
+                self._drain_after_failure(stream, landed)
                 raise
 
-    def _drain_after_failure(self, plan: SidePlan, tag_base: int, landed: set[int]) -> None:
+    def _drain_after_failure(self, stream: TagStream, landed: set[int]) -> None:
         if self.iov is None:
             return
+        plan, tag_base = stream.flow.plan, stream.tag_base
         # The pool's own receives are cancelled by now; swallowing what the sender still has
         # in flight happens in the background, off the failure path.
         missing = [tag_base | c.index for c in plan.chunks if c.index not in landed]

@@ -15,7 +15,6 @@ import numpy as np
 from kvxfer.errors import IncompatibleError
 from kvxfer.layout import mapping_between, signature_mismatch
 from kvxfer.proto import common_pb2
-from kvxfer.ticket import Ticket
 
 from .._offers import Offer, OfferTable
 from .._services import Services
@@ -26,6 +25,7 @@ from ..dataplane.remap import remap_plans
 from ..dataplane.threaded_copy import copy_in_threads
 from ..memory.pools import PROCESS_MEMORY_OFF_GPU, Pool
 from ..transports.layers import layer_batches, layer_sizes
+from .order import PullOrder
 
 __all__ = ["LocalHandoff"]
 
@@ -43,17 +43,11 @@ class LocalHandoff:
         self.faults = services.faults
         self.integrity = services.integrity
 
-    async def pull(
-        self,
-        record: TransferRecord,
-        ticket: Ticket,
-        dst: Pool,
-        dst_ids: np.ndarray[Any, Any],
-        indices: np.ndarray[Any, Any] | None = None,
-    ) -> None:
+    async def copy_offer(self, order: PullOrder) -> None:
         """Claim the ticket's offer, copy its blocks (those at ``indices`` of its list, or all)
         into ``dst_ids`` of ``dst``, release the offer as pulled (as failed when the copy did
         not finish)."""
+        record, ticket, dst, dst_ids, indices = order.record, order.ticket, order.dst, order.dst_ids, order.indices
         offer = await self.offers.claim_soon(ticket.offer_id, ticket.token)
         record.transport = "local-copy"
         src = offer.pool

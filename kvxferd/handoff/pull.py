@@ -57,7 +57,7 @@ class Pulls:
         self.remote = remote
         self.shared = SharedReads(local.copy_blocks)
 
-    async def pull(self, ask: PullAsk, dst: Pool) -> TransferRecord:
+    async def run_pull(self, ask: PullAsk, dst: Pool) -> TransferRecord:
         """Move the ticket's blocks (those at ``ask.indices`` of its list, or all) into the
         destination blocks ``ask.block_ids`` (checked against ``dst``) within its timeout;
         returns the finished record (see :class:`~kvxferd._asks.PullAsk`)."""
@@ -102,7 +102,7 @@ class Pulls:
                 async with asyncio.timeout(timeout_s) as deadline:
                     order = PullOrder(record, ticket, dst, dst_ids, indices, timeout_s, deadline)
                     if local:
-                        await self.local.pull(record, ticket, dst, dst_ids, indices)
+                        await self.local.copy_offer(order)
                     else:
                         await self._pull_remote(order)
         except KvxferError as exc:  # before TimeoutError: DeadlineExceededError is one
@@ -137,7 +137,7 @@ class Pulls:
             lead = self.shared.lead(key, record, dst, dst_ids, ticket.readers)
         hand_on = lead.serve_joiners if lead is not None else None
         try:
-            await self.remote.pull(order, hand_on)
+            await self.remote.fetch(order, hand_on)
         except BaseException as exc:
             if lead is not None:
                 lead.ended(exc)

@@ -56,7 +56,7 @@ class RemotePull:
         self.settings = services.settings
         self.plane = plane
 
-    async def pull(self, order: PullOrder, hand_on: HandOn | None = None) -> None:
+    async def fetch(self, order: PullOrder, hand_on: HandOn | None = None) -> None:
         """Pull the ticket's offer (the blocks at ``order.indices`` of its list, or all) into
         the destination blocks. The order's deadline stops applying once ``done`` is on its
         way (the offerer decides from there). ``hand_on``, awaited once every byte has landed

@@ -135,7 +135,7 @@ class TransferServer:
         geometry = offer.pool.layout.geometry
         if geometry is None or start.num_blocks > len(src_ids) * geometry.block_tokens:
             raise InvalidRequestError(f"{start.num_blocks} destination blocks for {len(src_ids)} offered")
-        remapped = await asyncio.to_thread(  # off the loop: see LocalHandoff.pull
+        remapped = await asyncio.to_thread(  # off the loop: see LocalHandoff.copy_offer
             plan_remap,
             side_of(offer.pool.layout, offer.pool.regions, src_ids),
             peer_side(start.receiver_signature, start.num_blocks),

@@ -55,16 +55,8 @@ class OffererStream(Protocol):
 
     async def send_headers(self) -> None: ...
 
-    async def accepted(
-        self,
-        total_bytes: int,
-        num_chunks: int,
-        chunk_bytes: int,
-        signature: common_pb2.LayoutSignature,
-        direct: peer_pb2.DirectReadSource | None = None,
-        layers: int = 0,
-        lanes: peer_pb2.TcpLanes | None = None,
-    ) -> None: ...
+    async def accepted(self, accepted: peer_pb2.TransferAccepted) -> None:
+        """The transfer is accepted: its size and chunks, and how the bytes will come."""
 
     async def ready(self, layers: int) -> None:
         """Layer-wise direct reads: the first ``layers`` layers are written."""

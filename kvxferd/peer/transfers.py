@@ -29,7 +29,7 @@ from kvxfer.errors import (
     KvxferError,
     ResourceExhaustedError,
 )
-from kvxfer.proto import common_pb2, peer_pb2
+from kvxfer.proto import peer_pb2
 
 from .._log import log_event
 from .._node import Node
@@ -168,27 +168,8 @@ class _OffererStream:
     def _send(self, **msg: Any) -> None:
         self._outbox.put_nowait(peer_pb2.TransferServerMessage(transfer_id=self.transfer_id, **msg))
 
-    async def accepted(
-        self,
-        total_bytes: int,
-        num_chunks: int,
-        chunk_bytes: int,
-        signature: common_pb2.LayoutSignature,
-        direct: peer_pb2.DirectReadSource | None = None,
-        layers: int = 0,
-        lanes: peer_pb2.TcpLanes | None = None,
-    ) -> None:
-        self._send(
-            accepted=peer_pb2.TransferAccepted(
-                total_bytes=total_bytes,
-                num_chunks=num_chunks,
-                chunk_bytes=chunk_bytes,
-                sender_signature=signature,
-                direct=direct,
-                layers=layers,
-                lanes=lanes,
-            )
-        )
+    async def accepted(self, accepted: peer_pb2.TransferAccepted) -> None:
+        self._send(accepted=accepted)
 
     async def ready(self, layers: int) -> None:
         self._send(ready=peer_pb2.TransferReady(layers=layers))

@@ -7,9 +7,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import numpy as np
-import numpy.typing as npt
-
 from kvxfer.errors import InvalidRequestError, UnavailableError
 from kvxfer.ticket import Ticket
 
@@ -21,7 +18,7 @@ from ..memory.pools import Pool, check_block_ids
 from ..peer.directory import PeerDirectory
 from .host import HostTier
 from .offers import TierOffers
-from .remote import TierPeers, load_from_peer
+from .remote import TierPeers
 
 __all__ = ["KvTier", "TierAsk"]
 
@@ -61,7 +58,7 @@ class KvTier:
         self.node = node
         #: Offers of the tier's chunks; other nodes reading this node's tier, and this node theirs.
         self.offers = TierOffers(self.host, node.offers, publish)
-        self.peers = TierPeers(node.daemon_id, self.host, self.offers, 4 * node.settings.peer_timeout_s)
+        self.peers = TierPeers(node.daemon_id, self.host, self.offers, node.settings.peer_timeout_s)
 
     def host(self) -> HostTier:
         """The tier, or the error that says how to turn it on."""
@@ -79,7 +76,10 @@ class KvTier:
         if self.node.draining:
             raise UnavailableError("kvxferd is draining: no new offers")
         pool = self.node.keyed_pool(ask.pool_id, ask.session_id, ask.offer_key)
-        return await self.offers.offer(pool, ask.keys, ask.salt, lease_s, readers, prefix, owner=ask.session_id)
+        offer, ticket = await self.offers.offer(pool, ask.keys, ask.salt, lease_s, readers, prefix)
+        if offer is not None:
+            offer.owner = ask.session_id  # it hears of the release (set before anything awaits)
+        return offer, ticket
 
     async def from_peer(
         self, ask: TierAsk, address: str, block_ids: Sequence[int] | None = None, timeout_s: float = 0.0
@@ -93,11 +93,9 @@ class KvTier:
         ids = check_block_ids(block_ids, pool.layout.num_blocks, "tier load") if block_ids is not None else None
         if ids is not None and len(ids) != len(ask.keys):
             raise InvalidRequestError(f"{len(ask.keys)} keys for {len(ids)} blocks: one key per block")
-        timeout = timeout_s or s.pull_timeout_s
-
-        async def pull(ticket: Ticket, into: npt.NDArray[np.int64]) -> TransferRecord:
-            return await node.pull(PullAsk(ask.session_id, ask.pool_id, ticket, into.tolist(), timeout))
-
-        return await load_from_peer(
-            self.peers, node.peers.dial, pull, address, pool, ids, ask.keys, ask.salt, s.peer_timeout_s
-        )
+        peer = await node.peers.dial(address)
+        hits, ticket = await self.peers.ask(peer, address, pool, ask.keys, ask.salt, offer=ids is not None)
+        if ticket is not None and ids is not None:
+            timeout = timeout_s or s.pull_timeout_s
+            await node.pull(PullAsk(ask.session_id, ask.pool_id, ticket, ids[:hits].tolist(), timeout))
+        return hits

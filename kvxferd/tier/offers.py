@@ -38,11 +38,10 @@ class TierOffers:
         lease_s: float,
         readers: int = 1,
         prefix: bool = False,
-        owner: str = "",
     ) -> tuple[Offer | None, Ticket | None]:
         """Offer the chunks stored under ``keys`` in ``pool``'s namespace (``prefix``: the
-        longest stored prefix of them; ``(None, None)`` when that is nothing). ``owner``: the
-        engine session that hears of its release ("" for another node's read)."""
+        longest stored prefix of them; ``(None, None)`` when that is nothing). Nobody hears of
+        its release until the caller names the offer's ``owner`` (an engine's session)."""
         view, slots, unpin = await self._tier().hold(pool, keys, salt, prefix)
         if view is None:
             return None, None
@@ -51,5 +50,5 @@ class TierOffers:
         except BaseException:
             unpin()
             raise
-        offer.owner, offer.on_end = owner, unpin
+        offer.on_end = unpin
         return offer, self._publish(offer, readers)

@@ -12,10 +12,7 @@ namespace for a peer, and serves chunks read-only.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Awaitable, Callable
-
-import numpy as np
-import numpy.typing as npt
+from collections.abc import Callable
 
 from kvxfer.errors import IncompatibleError, InvalidRequestError
 from kvxfer.geometry import KvGeometry
@@ -50,12 +47,14 @@ def peer_layout(sig: common_pb2.LayoutSignature) -> Layout:
 
 
 class TierPeers:
-    def __init__(self, daemon_id: str, tier: Callable[[], HostTier], offers: TierOffers, lease_s: float) -> None:
+    def __init__(self, daemon_id: str, tier: Callable[[], HostTier], offers: TierOffers, timeout_s: float) -> None:
         self.daemon_id = daemon_id
         self._tier = tier
         self.offers = offers
+        #: How long the calling side waits for an answer.
+        self.timeout_s = timeout_s
         #: How long another node's read holds the chunks it was offered.
-        self.lease_s = lease_s
+        self.lease_s = 4 * timeout_s
 
     async def serve(self, request: peer_pb2.PeerTierOfferRequest) -> peer_pb2.PeerTierOfferResponse:
         """The owning side: count (and, asked to, offer) the stored prefix of the keys."""
@@ -72,14 +71,14 @@ class TierPeers:
         return peer_pb2.PeerTierOfferResponse(hits=len(offer.block_ids), ticket=ticket.to_proto())
 
     async def ask(
-        self, peer: Peer, address: str, pool: Pool, keys: list[bytes], salt: bytes, offer: bool, timeout_s: float
+        self, peer: Peer, address: str, pool: Pool, keys: list[bytes], salt: bytes, offer: bool
     ) -> tuple[int, Ticket | None]:
         """The calling side: the stored prefix at ``peer`` and, with ``offer``, its ticket
         (checked: it names that daemon, and is pulled from the address dialled)."""
         req = peer_pb2.PeerTierOfferRequest(
             daemon_id=self.daemon_id, signature=pool.layout.signature(), keys=keys, salt=salt, offer=offer
         )
-        resp = await peer.tier_offer(req, timeout_s)
+        resp = await peer.tier_offer(req, self.timeout_s)
         hits = int(resp.hits)
         if hits > len(keys):
             raise IncompatibleError(f"peer {peer.daemon_id} says {hits} of {len(keys)} keys are stored")
@@ -89,23 +88,3 @@ class TierPeers:
         if ticket.daemon_id != peer.daemon_id or ticket.num_blocks != hits:
             raise IncompatibleError(f"peer {peer.daemon_id} offered its tier's chunks under another ticket")
         return hits, dataclasses.replace(ticket, peer_address=address)
-
-
-async def load_from_peer(
-    peers: TierPeers,
-    dial: Callable[[str], Awaitable[Peer]],
-    pull: Callable[[Ticket, npt.NDArray[np.int64]], Awaitable[object]],
-    address: str,
-    pool: Pool,
-    ids: npt.NDArray[np.int64] | None,
-    keys: list[bytes],
-    salt: bytes,
-    timeout_s: float,
-) -> int:
-    """Ask the daemon at ``address`` for the stored prefix of ``keys`` and, given block ids,
-    pull it into them; returns the prefix's length (the blocks loaded)."""
-    peer = await dial(address)
-    hits, ticket = await peers.ask(peer, address, pool, keys, salt, ids is not None, timeout_s)
-    if ticket is not None and ids is not None:
-        await pull(ticket, ids[:hits])
-    return hits

@@ -13,6 +13,7 @@ from kvxfer.proto import peer_pb2
 
 from .._services import Services
 from ..dataplane.plan import sub_plan
+from ..dataplane.remap import side_of
 from ..dataplane.threaded_copy import copy_in_threads
 from .direct_proof import DIRECT_READ, nonce_missing, source_plan
 from .faces import Landing, Receiver, Sender, Sending
@@ -39,8 +40,8 @@ class DirectRead(Receiver):
             raise IncompatibleError(f"peer {t.peer.daemon_id} answered with a direct read, but {why}")
         t.record.transport = DIRECT_READ
         layers = len(t.starts) - 1 if t.starts is not None else 0
-        mapped = bool(t.record.mapping)
-        src, src_plan = source_plan(source, self.sender, t.dst, t.dst_ids, t.plan.chunk_bytes, mapped, layers)
+        remap_to = side_of(t.dst.layout, t.dst.regions, t.dst_ids) if t.record.mapping else None
+        src, src_plan = source_plan(source, self.sender, t.plan.chunk_bytes, remap_to, layers)
         if src_plan.total_bytes != t.plan.total_bytes:
             raise IncompatibleError(
                 f"peer lends {src_plan.total_bytes} bytes, destination expects {t.plan.total_bytes}"

@@ -47,7 +47,7 @@ from .._log import log_event
 from ..dataplane.cma import read_iov
 from ..dataplane.hostmem import ProcessMemory
 from ..dataplane.plan import RegionTable, SidePlan, build_layered_plan, build_plan
-from ..dataplane.remap import peer_side, plan_remap, side_of
+from ..dataplane.remap import Side, peer_side, plan_remap
 from ..memory.pools import Pool
 
 __all__ = [
@@ -153,14 +153,14 @@ def source_of(
 def source_plan(
     source: peer_pb2.DirectReadSource,
     sender: common_pb2.LayoutSignature,
-    dst: Pool,
-    dst_ids: npt.NDArray[np.int64],
     chunk_bytes: int,
-    mapped: bool,
+    remap_to: Side | None = None,
     layers: int = 0,
 ) -> tuple[ProcessMemory, SidePlan]:
     """The offering daemon's memory and its side of the stream, from what it said (checked:
-    a hostile peer's numbers fail here, as typed errors, or read only its own memory)."""
+    a hostile peer's numbers fail here, as typed errors, or read only its own memory).
+    ``remap_to``: the destination's side, where the two sides cut blocks otherwise; ``layers``:
+    chunks cut per layer, for a layer-wise read."""
     n = len(sender.block_bytes)
     if not (len(source.region_buffer) == len(source.region_offset) == len(source.region_stride) == n):
         raise IncompatibleError(f"direct read: {len(source.region_offset)} regions described, the signature has {n}")
@@ -180,9 +180,8 @@ def source_plan(
         np.asarray(sender.block_bytes, dtype=np.int64),
     )
     ids = np.asarray(source.block_ids, dtype=np.int64)
-    if mapped:
-        src_side = peer_side(sender, len(ids), regions, ids)
-        plan = plan_remap(src_side, side_of(dst.layout, dst.regions, dst_ids), chunk_bytes, "src")
+    if remap_to is not None:
+        plan = plan_remap(peer_side(sender, len(ids), regions, ids), remap_to, chunk_bytes, "src")
     elif layers:
         if len(regions.nbytes) % layers:
             raise IncompatibleError(f"direct read: {len(regions.nbytes)} regions do not make {layers} layers")

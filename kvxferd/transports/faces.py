@@ -128,5 +128,13 @@ class Sender(ABC):
         t = self.sending
         signature = t.offer.pool.layout.signature()
         nbytes, chunk = t.record.nbytes, t.chunk
-        await t.stream.accepted(nbytes, num_chunks(nbytes, chunk), chunk, signature, **how)
+        await t.stream.accepted(
+            peer_pb2.TransferAccepted(
+                total_bytes=nbytes,
+                num_chunks=num_chunks(nbytes, chunk),
+                chunk_bytes=chunk,
+                sender_signature=signature,
+                **how,
+            )
+        )
         await self.services.faults.hit("after_accepted", transfer_id=t.record.transfer_id)

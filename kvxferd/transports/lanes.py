@@ -23,7 +23,7 @@ from .._offers import Offer
 from .._services import Services
 from .._transfers import TransferRecord
 from ..dataplane.plan import SidePlan, build_plan
-from ..dataplane.tcp_lanes import MAX_LANES, connect_lanes, receive_lane, run_lanes, send_lane, split_address
+from ..dataplane.tcp_lanes import MAX_LANES, Lane, connect_lanes, receive_lane, run_lanes, send_lane, split_address
 from ..memory.pools import Pool
 from ..peer.directory import Peer
 from .direct_proof import NONCE_BYTES, new_nonce
@@ -89,7 +89,7 @@ class LaneHandoff:
                 timeout_s = self.settings.peer_timeout_s
 
                 def lane(sock: socket.socket, index: int) -> None:
-                    send_lane(sock, index, count, plan, memory, buffers[index], timeout_s, after_chunk)
+                    send_lane(Lane(sock, index, count, timeout_s), plan, memory, buffers[index], after_chunk)
 
                 stop = after_chunk.cancel if after_chunk is not None else None
                 await run_lanes(lane, socks, f"send {record.transfer_id}", stop)
@@ -123,7 +123,7 @@ class LaneHandoff:
                 )
 
             def lane(sock: socket.socket, index: int) -> None:
-                receive_lane(sock, index, count, plan, memory, buffers[index], timeout_s)
+                receive_lane(Lane(sock, index, count, timeout_s), plan, memory, buffers[index])
 
             await run_lanes(lane, socks, f"receive {record.transfer_id}")
 
@@ -149,7 +149,14 @@ class LaneSend(Sender):
         signature, count = pool.layout.signature(), len(plan.chunks)
 
         async def announce(lanes: peer_pb2.TcpLanes) -> None:
-            await t.stream.accepted(t.record.nbytes, count, t.chunk, signature, None, 0, lanes)
+            accepted = peer_pb2.TransferAccepted(
+                total_bytes=t.record.nbytes,
+                num_chunks=count,
+                chunk_bytes=t.chunk,
+                sender_signature=signature,
+                lanes=lanes,
+            )
+            await t.stream.accepted(accepted)
 
         lanes = LaneHandoff(self.services.settings, self.plane, self.services.faults)
         await lanes.send(t.start.tcp_lanes, pool, plan, t.record, announce, t.offer)

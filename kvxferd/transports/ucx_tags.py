@@ -13,9 +13,11 @@ from kvxfer.errors import UnavailableError
 
 from .._services import Services
 from ..dataplane.gpu_kernel import BlockSide
+from ..dataplane.pipeline import ChunkFlow
 from ..dataplane.plan import SidePlan, build_layered_plan, build_plan, sub_plan
 from ..dataplane.staging import StagingLease
 from ..dataplane.ucp_iov import CANCEL_CONFIRM_S
+from ..dataplane.ucx import TagStream
 from .faces import Landing, Receiver, Sender
 from .layers import LayerProgress, layer_sizes, send_by_layer
 from .plane import RemotePlane
@@ -34,24 +36,18 @@ class UcxReceive(Receiver):
     async def land(self) -> None:
         assert self.lease is not None, "enter the staging lease first (staging)"
         t, s = self.landing, self.services
-        window, ucx = s.settings.window, self.plane.ucx
+        ucx = self.plane.ucx
+        stream = TagStream(self.endpoint, self.tag_base, ChunkFlow(t.plan, self.lease, s.settings.window))
         side = BlockSide.of(t.dst.device, t.dst.base, t.dst.regions, t.dst_ids) if t.dst.device is not None else None
         if side is not None:
             copier = s.gpu().copier(side.device)
-            uploaded = copier.upload_side(side)
-            await ucx.receive_gpu(
-                self.endpoint, t.plan, uploaded, copier, self.tag_base, self.lease, window, mark=t.record.mark
-            )
+            await ucx.receive_gpu(stream, copier.upload_side(side), copier, mark=t.record.mark)
             return
         progress = LayerProgress(t.starts, t.record.on_layers) if t.starts and t.record.on_layers else None
         await ucx.receive(
-            self.endpoint,
-            t.plan,
+            stream,
             t.dst.host_memory(),
-            self.tag_base,
-            self.lease,
             s.executor,
-            window,
             on_unconfirmed=lambda: setattr(t.record, "may_still_write", True),
             on_chunk=progress.chunk_landed if progress is not None else None,
         )
@@ -109,16 +105,13 @@ class UcxSend(Sender):
                 await self._send_by_layer(ep, lease, plan, starts)
                 return
             await t.offer.wait_ready(t.offer.layers)  # a layer-wise offer moving whole: once written
+            stream = TagStream(ep, t.start.tag_base, ChunkFlow(plan, lease, s.settings.window))
             if t.side is not None:
                 copier = s.gpu().copier(t.side.device)
-                uploaded = copier.upload_side(t.side)
-                await ucx.send_gpu(
-                    ep, plan, uploaded, copier, t.start.tag_base, lease, s.settings.window, mark=t.record.mark
-                )
+                await ucx.send_gpu(stream, copier.upload_side(t.side), copier, mark=t.record.mark)
                 return
             fault = self.plane.chunk_fault(t.record.transfer_id)
-            memory, window = pool.host_memory(), s.settings.window
-            await ucx.send(ep, plan, memory, t.start.tag_base, lease, window, after_chunk=fault)
+            await ucx.send(stream, pool.host_memory(), after_chunk=fault)
 
     async def _send_by_layer(self, ep: Any, lease: Any, plan: SidePlan, starts: list[int]) -> None:
         t, s = self.sending, self.services
@@ -128,7 +121,8 @@ class UcxSend(Sender):
         async def send(first: int, end: int) -> None:
             part = sub_plan(plan, starts[first], starts[end])
             fault = self.plane.chunk_fault(t.record.transfer_id)
-            await ucx.send(ep, part, pool.host_memory(), t.start.tag_base, lease, s.settings.window, after_chunk=fault)
+            stream = TagStream(ep, t.start.tag_base, ChunkFlow(part, lease, s.settings.window))
+            await ucx.send(stream, pool.host_memory(), after_chunk=fault)
 
         # Batches in flight together where none packs into the one staging lease.
         overlap = ucx.gather_send and pool.process is None

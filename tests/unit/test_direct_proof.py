@@ -41,7 +41,7 @@ def _source(**change: object) -> tuple[peer_pb2.DirectReadSource, common_pb2.Lay
 
 def test_a_described_source_plans_as_the_offering_daemon_would() -> None:
     source, signature = _source()
-    memory, plan = source_plan(source, signature, None, np.array([0]), 2048, mapped=False)  # type: ignore[arg-type]
+    memory, plan = source_plan(source, signature, 2048)
     own = build_plan(RegionTable.from_regions(REGIONS), np.array([3, 0, 2]), 2048)
     assert memory.pid == os.getpid() and memory.base.tolist() == [1 << 20, 1 << 30]
     assert [(c.nbytes, c.contiguous) for c in plan.chunks] == [(c.nbytes, c.contiguous) for c in own.chunks]
@@ -64,7 +64,7 @@ def test_a_described_source_plans_as_the_offering_daemon_would() -> None:
 def test_a_hostile_description_is_refused_typed(change: dict[str, object], error: type, words: str) -> None:
     source, signature = _source(**change)
     with pytest.raises(error, match=words):
-        source_plan(source, signature, None, np.array([0]), 2048, mapped=False)  # type: ignore[arg-type]
+        source_plan(source, signature, 2048)
 
 
 def test_proofs_take_only_nonces_and_reuse_slots_in_a_ring() -> None:

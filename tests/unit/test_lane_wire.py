@@ -16,7 +16,7 @@ import pytest
 from kvxfer_client import UnavailableError
 from kvxferd.dataplane.hostmem import MappedMemory
 from kvxferd.dataplane.plan import RegionTable, build_plan
-from kvxferd.dataplane.tcp_lanes import LaneListener, connect_lanes, receive_lane, run_lanes, send_lane
+from kvxferd.dataplane.tcp_lanes import Lane, LaneListener, connect_lanes, receive_lane, run_lanes, send_lane
 
 REGIONS = RegionTable.from_regions([(0, 0, 4096, 1024), (0, 1024, 4096, 3072), (1, 0, 2048, 2048)])
 
@@ -45,10 +45,10 @@ async def test_every_chunk_lands_byte_exact_whatever_the_number_of_lanes(count: 
     scratch = [np.empty(5000, dtype=np.uint8) for _ in range(2 * count)]
 
     def sender(sock: socket.socket, i: int) -> None:
-        send_lane(sock, i, count, send_plan, src, scratch[i], 5.0)
+        send_lane(Lane(sock, i, count, 5.0), send_plan, src, scratch[i])
 
     def receiver(sock: socket.socket, i: int) -> None:
-        receive_lane(sock, i, count, recv_plan, dst, scratch[count + i], 5.0)
+        receive_lane(Lane(sock, i, count, 5.0), recv_plan, dst, scratch[count + i])
 
     await asyncio.gather(
         run_lanes(sender, [a for a, _ in pairs], "send"), run_lanes(receiver, [b for _, b in pairs], "receive")
@@ -85,7 +85,7 @@ async def test_a_sender_that_strays_from_the_plan_fails_the_lane_typed(sent: byt
     feeding = _feed(theirs, sent, close)
 
     def receiver(sock: socket.socket, i: int) -> None:
-        receive_lane(sock, i, 1, plan, dst, np.empty(5000, dtype=np.uint8), 0.3)
+        receive_lane(Lane(sock, i, 1, 0.3), plan, dst, np.empty(5000, dtype=np.uint8))
 
     with pytest.raises(UnavailableError, match=error):
         await run_lanes(receiver, [ours], "receive")

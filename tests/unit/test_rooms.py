@@ -58,9 +58,7 @@ class Daemonless:
         self.sessions = SessionTable()
         self.pools = PoolRegistry()
         self.offers = OfferTable(100, self._released)
-        self.transfers = TransferTable(
-            16, lambda role, path, transport, result, reason, n, s: self.observed.append((path, transport, result, n))
-        )
+        self.transfers = TransferTable(16, lambda e: self.observed.append((e.path, e.transport, e.result, e.nbytes)))
         self.executor = ThreadPoolExecutor(2)
         settings = Settings(local_chunk_bytes=64 << 10, copy_threads=2)
         integrity = Integrity(settings, self.executor, Faults())
@@ -125,14 +123,14 @@ async def test_a_local_pull_copies_the_blocks_records_the_transfer_and_releases_
     dst, dst_bufs = d.pool(q)
     offer = d.offers.create(src, np.array([3, 9, 40], dtype=np.int64), 30.0)
     ask = PullAsk("s", dst.pool_id, d.ticket_for(offer), np.array([0, 63, 7], dtype=np.int64), 10.0, "t-1")
-    record = await d.pulls.pull(ask, dst)
+    record = await d.pulls.run_pull(ask, dst)
     assert _blocks(dst_bufs, [0, 63, 7]) == _blocks(src_bufs, [3, 9, 40])
     assert record.state == common_pb2.TRANSFER_STATE_SUCCEEDED and record.transport == "local-copy"
     assert d.released == [(offer.offer_id, "RELEASE_REASON_PULLED", "t-1")]
     assert d.observed == [("local", "local-copy", "succeeded", 3 * LAYOUT.bytes_per_block)]
     assert not d.offers.offers and not d.transfers.active
     # Retried under its id, the pull answers from the record and moves nothing.
-    again = await d.pulls.pull(ask, dst)
+    again = await d.pulls.run_pull(ask, dst)
     assert again is record and len(d.observed) == 1
 
 
@@ -264,15 +262,7 @@ class RecordingStream:
     async def send_headers(self) -> None:
         self.written.append("headers")
 
-    async def accepted(
-        self,
-        total_bytes: int,
-        num_chunks: int,
-        chunk_bytes: int,
-        signature: Any = None,
-        direct: Any = None,
-        layers: int = 0,
-    ) -> None:
+    async def accepted(self, accepted: Any) -> None:
         self.written.append("accepted")
 
     async def ready(self, layers: int) -> None:
