@@ -57,7 +57,7 @@ async def serve(settings: Settings) -> int:
     def request_drain() -> None:
         if running is not None and not running.node.draining:
             log_event("daemon.drain", grace_s=settings.drain_grace_s)
-            running.node.draining = True
+            running.node.admission.drain()
         stop.set()
 
     loop = asyncio.get_running_loop()

@@ -5,14 +5,14 @@ hands each handoff to its room (:mod:`kvxferd.handoff`): a pull to :class:`~.han
 (local copy or remote pull), a peer's pull of our offer to
 :class:`~.handoff.serve.TransferServer`. Its methods take checked domain values; the gRPC
 services in :mod:`kvxferd.control` convert and check the wire messages first. Readers outside
-the loop get a :class:`~._snapshot.NodeSnapshot`, never the live tables.
+the loop get a :class:`~._snapshot.NodeSnapshot`, never the live tables. Every act an engine
+starts passes :class:`~._admission.Admission` first (draining, whose pools).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
 import logging
 import secrets
 import socket
@@ -23,11 +23,12 @@ from dataclasses import dataclass
 
 import grpc
 
-from kvxfer.errors import NotFoundError, PermissionDeniedError, UnavailableError
+from kvxfer.errors import NotFoundError, UnavailableError
 from kvxfer.proto import common_pb2, peer_pb2
 from kvxfer.ticket import Ticket
 from kvxfer.version import PROTOCOL_VERSION, __version__
 
+from ._admission import Admission
 from ._asks import OfferAsk, PullAsk
 from ._cancel import CancelOutcome, cancel
 from ._config import Settings
@@ -37,7 +38,7 @@ from ._metrics import Metrics
 from ._offers import Offer, OfferTable
 from ._parts import local_handoff, node_tier, offer_wait_s
 from ._services import Services
-from ._sessions import Session, SessionTable, check_owner, tell_landed
+from ._sessions import Session, SessionTable, tell_landed
 from ._snapshot import NodeSnapshot, SnapshotHandover, node_snapshot
 from ._transfers import TransferRecord, TransferTable
 from .dataplane.gpucopy import GpuDevices
@@ -86,13 +87,14 @@ class Node:
             log_event("fault.armed", logging.WARNING, points=settings.faults)
         self.daemon_id = settings.daemon_id or f"kvxferd-{socket.gethostname()}-{secrets.token_hex(4)}"
         self.started = time.time()
-        self.draining = False
         self.peer_address = addresses.peer
         self.admin_address = addresses.admin
         self.ucx = ucx
         self.snapshots = SnapshotHandover(self.snapshot, _running_loop())
         self.metrics = Metrics(self.snapshots.take)
         self.pools = PoolRegistry()
+        #: Whether the node takes new work, and which pools a caller may touch.
+        self.admission = Admission(self.pools)
         self.sessions = SessionTable()
         self.offers = OfferTable(
             settings.max_offers, self.sessions.tell_released, self.metrics.offer_released, offer_wait_s(settings)
@@ -111,24 +113,33 @@ class Node:
         #: Offers of the tier's chunks; other nodes reading this node's tier, and this node theirs.
         #: The tier as engines and peers ask for it (offers of its chunks, other nodes' tiers).
         self.kv_tier = KvTier(self, self._published)
-        self.pulls = Pulls(
-            self.daemon_id, self.transfers, local, None, lambda pool, tid, n: tell_landed(self.sessions, pool, tid, n)
-        )
-        #: Push mode: Push and Receive matched on transfer ids (see :mod:`.handoff.push`).
-        self.pushes = PushHandoff(self)
         #: Where same-host peers' direct-read probes are answered (see :mod:`.transports.direct_proof`).
         self.proofs = ProofSlots(settings.same_host_direct_read)
         self.peers = PeerDirectory(self.identity(), settings.peer_timeout_s, credentials)
-        #: The remote data plane (None without UCX: local handoffs only).
+        #: The remote data plane and both its ends (all None without UCX: local handoffs only).
         self.remote: RemotePlane | None = None
         self.server: TransferServer | None = None
+        remote_pull: RemotePull | None = None
         self.lanes_address = ""
         if ucx is not None:
             self.remote = RemotePlane(self.services, ucx, self.peers, (self.send_staging, self.recv_staging))
-            self.pulls.remote = RemotePull(self.daemon_id, self.services, self.remote)
+            remote_pull = RemotePull(self.daemon_id, self.services, self.remote)
             self.server = TransferServer(self.services, self.remote, self.offers, self.transfers)
             if addresses.lanes_listen:
                 self.lanes_address = self.remote.start_lanes(addresses.lanes_listen)
+        self.pulls = Pulls(
+            self.daemon_id,
+            self.transfers,
+            local,
+            remote_pull,
+            lambda pool, tid, n: tell_landed(self.sessions, pool, tid, n),
+        )
+        #: Push mode: Push and Receive matched on transfer ids (see :mod:`.handoff.push`).
+        self.pushes = PushHandoff(self)
+
+    @property
+    def draining(self) -> bool:
+        return self.admission.draining
 
     def gpu(self) -> GpuDevices:
         """Per-GPU copiers and staging, made when the first GPU pool moves bytes."""
@@ -175,8 +186,7 @@ class Node:
     # -- sessions and pools ------------------------------------------------------------------
 
     def open_session(self, engine_name: str) -> Session:
-        if self.draining:
-            raise UnavailableError("kvxferd is draining: no new engine sessions")
+        self.admission.admit("engine sessions")
         return self.sessions.open(engine_name)
 
     def close_session(self, session: Session) -> None:
@@ -208,22 +218,6 @@ class Node:
         )
         return pool
 
-    def owned_pool(self, pool_id: str, session_id: str) -> Pool:
-        """The pool, if the calling session owns it (NOT_FOUND, PERMISSION_DENIED)."""
-        pool = self.pools.get(pool_id)
-        check_owner(pool.session_id, session_id, f"pool {pool_id!r}")
-        return pool
-
-    def keyed_pool(self, pool_id: str, session_id: str, offer_key: bytes) -> Pool:
-        """The pool, if the caller owns it or (another session of the same engine) holds its
-        offer key."""
-        if not offer_key:
-            return self.owned_pool(pool_id, session_id)
-        pool = self.pools.get(pool_id)
-        if not hmac.compare_digest(pool.offer_key, offer_key):
-            raise PermissionDeniedError(f"wrong offer_key for pool {pool_id!r}")
-        return pool
-
     def deregister_pool(
         self, pool_id: str, reason: common_pb2.ReleaseReason.ValueType = common_pb2.RELEASE_REASON_POOL_GONE
     ) -> int:
@@ -245,9 +239,8 @@ class Node:
 
     def offer(self, ask: OfferAsk) -> tuple[Offer, Ticket]:
         """Pin blocks under an offer (see :class:`~._asks.OfferAsk`)."""
-        if self.draining:
-            raise UnavailableError("kvxferd is draining: no new offers")
-        pool = self.keyed_pool(ask.pool_id, ask.session_id, ask.offer_key)
+        self.admission.admit("offers")
+        pool = self.admission.keyed_pool(ask.pool_id, ask.session_id, ask.offer_key)
         ids = check_block_ids(ask.block_ids, pool.layout.num_blocks, "offer")
         offer = self.offers.create(pool, ids, ask.lease_s, ask.chosen, ask.readers, ask.layers)
         self.integrity.take_digest(offer)
@@ -290,9 +283,7 @@ class Node:
                 if not self.offers.ended(offer_id):
                     raise NotFoundError(f"no offer {offer_id!r}")
                 continue
-            pool = offer.pool
-            if pool.session_id != session_id and not (offer_key and hmac.compare_digest(pool.offer_key, offer_key)):
-                raise PermissionDeniedError(f"offer {offer_id!r} is another engine session's")
+            self.admission.check_offerer(offer.pool, session_id, offer_key, f"offer {offer_id!r}")
             offer.mark_ready(layers)
             self.integrity.take_digest(offer)  # once the last layer is written: what was offered
 
@@ -314,9 +305,8 @@ class Node:
 
     async def pull(self, ask: PullAsk) -> TransferRecord:
         """Pull a ticket into blocks of an engine's own pool (see :class:`~._asks.PullAsk`)."""
-        if self.draining:
-            raise UnavailableError("kvxferd is draining: no new pulls")
-        pool = self.owned_pool(ask.pool_id, ask.session_id)
+        self.admission.admit("pulls")
+        pool = self.admission.owned_pool(ask.pool_id, ask.session_id)
         ids = check_block_ids(ask.block_ids, pool.layout.num_blocks, "pull destination")
         return await self.pulls.run_pull(dataclasses.replace(ask, block_ids=ids), pool)
 

@@ -7,14 +7,14 @@ import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
-from kvxfer.errors import InvalidRequestError, KvxferError, UnavailableError
+from kvxfer.errors import InvalidRequestError, KvxferError
 from kvxfer.layout import MAX_BLOCKS
 from kvxfer.proto import engine_pb2, engine_pb2_grpc
 
 from .._asks import OfferAsk, PullAsk, ReceiveAsk
 from .._node import Node
 from .._transfers import TransferRecord
-from ..memory.pools import PoolIdentity, check_block_ids
+from ..memory.pools import PoolIdentity
 from ..tier.acts import TierAsk
 from . import wire
 from ._rpc import rpc_method
@@ -61,7 +61,7 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
     async def DeregisterPool(  # noqa: N802
         self, request: engine_pb2.DeregisterPoolRequest, context: Ctx
     ) -> engine_pb2.DeregisterPoolResponse:
-        self.node.owned_pool(request.pool_id, request.session_id)
+        self.node.admission.owned_pool(request.pool_id, request.session_id)
         return engine_pb2.DeregisterPoolResponse(released_offers=self.node.deregister_pool(request.pool_id))
 
     async def _timed(self, method: str, call: Awaitable[T]) -> T:
@@ -141,8 +141,6 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
         )
 
     async def _receive_now(self, request: engine_pb2.ReceiveRequest) -> engine_pb2.PullResponse:
-        if self.node.draining:
-            raise UnavailableError("kvxferd is draining: no new pulls")
         if len(request.from_daemon_id) > 256:
             raise InvalidRequestError("from_daemon_id too long")
         ask = ReceiveAsk(
@@ -186,9 +184,8 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
             ask = TierAsk(request.session_id, request.pool_id, keys, salt)
             hits = await self.node.kv_tier.from_peer(ask, request.from_peer)
             return engine_pb2.TierLookupResponse(hits=hits)
-        tier = self.node.kv_tier.host()
-        pool = self.node.keyed_pool(request.pool_id, request.session_id, bytes(request.offer_key))
-        return engine_pb2.TierLookupResponse(hits=tier.lookup(pool, keys, salt))
+        ask = TierAsk(request.session_id, request.pool_id, keys, salt, bytes(request.offer_key))
+        return engine_pb2.TierLookupResponse(hits=self.node.kv_tier.lookup(ask))
 
     @rpc_method
     async def TierLoad(  # noqa: N802
@@ -214,22 +211,17 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
         return engine_pb2.OfferResponse(ticket=ticket.to_proto(), lease_deadline_unix=offer.deadline)
 
     async def _tier_store(self, request: engine_pb2.TierStoreRequest) -> engine_pb2.TierStoreResponse:
-        tier = self.node.kv_tier.host()
-        pool = self.node.owned_pool(request.pool_id, request.session_id)
-        ids = check_block_ids(request.block_ids, pool.layout.num_blocks, "tier store")
-        stored, skipped = await tier.store(pool, ids, list(request.keys), bytes(request.salt))
+        ask = TierAsk(request.session_id, request.pool_id, list(request.keys), bytes(request.salt))
+        stored, skipped = await self.node.kv_tier.store(ask, request.block_ids)
         return engine_pb2.TierStoreResponse(stored=stored, skipped=skipped)
 
     async def _tier_load(self, request: engine_pb2.TierLoadRequest) -> engine_pb2.TierLoadResponse:
+        ask = TierAsk(request.session_id, request.pool_id, list(request.keys), bytes(request.salt))
         if request.from_peer:
             timeout = wire.pull_timeout_s(request.timeout_s, self.node.settings.pull_timeout_s)
-            ask = TierAsk(request.session_id, request.pool_id, list(request.keys), bytes(request.salt))
             loaded = await self.node.kv_tier.from_peer(ask, request.from_peer, request.block_ids, timeout)
-            return engine_pb2.TierLoadResponse(loaded=loaded)
-        tier = self.node.kv_tier.host()
-        pool = self.node.owned_pool(request.pool_id, request.session_id)
-        ids = check_block_ids(request.block_ids, pool.layout.num_blocks, "tier load")
-        loaded = await tier.load(pool, ids, list(request.keys), bytes(request.salt))
+        else:
+            loaded = await self.node.kv_tier.load(ask, request.block_ids)
         return engine_pb2.TierLoadResponse(loaded=loaded)
 
     @rpc_method

@@ -44,12 +44,13 @@ from kvxfer.errors import (
 from kvxfer.proto import peer_pb2
 from kvxfer.ticket import Ticket
 
+from .._admission import Admission
 from .._asks import OfferAsk, PullAsk, ReceiveAsk
 from .._config import Settings
 from .._log import log_event
 from .._offers import Offer
 from .._transfers import TransferRecord
-from ..memory.pools import Pool, check_block_ids
+from ..memory.pools import check_block_ids
 from ..peer.directory import PeerDirectory
 
 __all__ = ["Announcement", "PushHandoff", "PushTable", "Pushed"]
@@ -170,10 +171,9 @@ class PushNode(Protocol):
     settings: Settings
     peers: PeerDirectory
     ucx: Any
+    admission: Admission
 
     def offer(self, ask: OfferAsk) -> tuple[Offer, Ticket]: ...
-
-    def owned_pool(self, pool_id: str, session_id: str) -> Pool: ...
 
     async def pull(self, ask: PullAsk) -> TransferRecord: ...
 
@@ -223,7 +223,8 @@ class PushHandoff:
         """Wait for the push of ``transfer_id`` and pull it (or the pushed blocks at
         ``offer_block_indices``) into the blocks: one deadline for both. The destination is
         checked before the wait, so a wrong one fails at once."""
-        pool = self.node.owned_pool(ask.pool_id, ask.session_id)
+        self.node.admission.admit("pulls")
+        pool = self.node.admission.owned_pool(ask.pool_id, ask.session_id)
         check_block_ids(ask.block_ids, pool.layout.num_blocks, "receive destination")
         loop = asyncio.get_running_loop()
         ends_at = loop.time() + ask.timeout_s

@@ -1,5 +1,7 @@
-"""The node's KV tier as engines and peers ask for it: the tier itself (or the error that says
-how to turn it on), offers of its chunks, and other nodes' tiers read over the data plane."""
+"""The node's KV tier as engines and peers ask for it: stores, lookups and loads in the node's
+own tier (or the error that says how to turn it on), offers of its chunks, and other nodes'
+tiers read over the data plane. Each act checks the caller's pool through the node's
+admission guard first."""
 
 from __future__ import annotations
 
@@ -10,11 +12,12 @@ from typing import Any, Protocol
 from kvxfer.errors import InvalidRequestError, UnavailableError
 from kvxfer.ticket import Ticket
 
+from .._admission import Admission
 from .._asks import PullAsk
 from .._config import Settings
 from .._offers import Offer, OfferTable
 from .._transfers import TransferRecord
-from ..memory.pools import Pool, check_block_ids
+from ..memory.pools import check_block_ids
 from ..peer.directory import PeerDirectory
 from .host import HostTier
 from .offers import TierOffers
@@ -40,15 +43,11 @@ class _Node(Protocol):
 
     settings: Settings
     daemon_id: str
-    draining: bool
+    admission: Admission
     tier: HostTier | None
     offers: OfferTable
     peers: PeerDirectory
     remote: Any
-
-    def owned_pool(self, pool_id: str, session_id: str) -> Pool: ...
-
-    def keyed_pool(self, pool_id: str, session_id: str, offer_key: bytes) -> Pool: ...
 
     async def pull(self, ask: PullAsk) -> TransferRecord: ...
 
@@ -66,6 +65,23 @@ class KvTier:
             raise UnavailableError("the node's KV tier is off: give it memory with tier_host_bytes")
         return self.node.tier
 
+    async def store(self, ask: TierAsk, block_ids: Sequence[int]) -> tuple[int, int]:
+        """Store the pool's blocks under the keys; returns (stored, skipped: held already)."""
+        tier, pool = self.host(), self.node.admission.owned_pool(ask.pool_id, ask.session_id)
+        ids = check_block_ids(block_ids, pool.layout.num_blocks, "tier store")
+        return await tier.store(pool, ids, ask.keys, ask.salt)
+
+    def lookup(self, ask: TierAsk) -> int:
+        """How many of the keys, from the first, the node's tier holds in the pool's namespace."""
+        tier, pool = self.host(), self.node.admission.keyed_pool(ask.pool_id, ask.session_id, ask.offer_key)
+        return tier.lookup(pool, ask.keys, ask.salt)
+
+    async def load(self, ask: TierAsk, block_ids: Sequence[int]) -> int:
+        """Copy the stored prefix of the keys into the blocks; returns its length."""
+        tier, pool = self.host(), self.node.admission.owned_pool(ask.pool_id, ask.session_id)
+        ids = check_block_ids(block_ids, pool.layout.num_blocks, "tier load")
+        return await tier.load(pool, ids, ask.keys, ask.salt)
+
     async def offer(
         self, ask: TierAsk, lease_s: float, readers: int = 1, prefix: bool = False
     ) -> tuple[Offer | None, Ticket | None]:
@@ -73,9 +89,8 @@ class KvTier:
         longest stored prefix of them, in the pool's namespace): pinned in the tier until the
         offer ends, pulled like any offer; the engine's own blocks are not held (it may reuse
         them once they are stored). ``(None, None)``: a prefix of nothing."""
-        if self.node.draining:
-            raise UnavailableError("kvxferd is draining: no new offers")
-        pool = self.node.keyed_pool(ask.pool_id, ask.session_id, ask.offer_key)
+        self.node.admission.admit("offers")
+        pool = self.node.admission.keyed_pool(ask.pool_id, ask.session_id, ask.offer_key)
         offer, ticket = await self.offers.offer(pool, ask.keys, ask.salt, lease_s, readers, prefix)
         if offer is not None:
             offer.owner = ask.session_id  # it hears of the release (set before anything awaits)
@@ -87,7 +102,7 @@ class KvTier:
         """Another node's tier (:mod:`.remote`): the stored prefix of the keys there, and given
         ``block_ids``, that prefix pulled into them; returns its length."""
         node, s = self.node, self.node.settings
-        pool = node.owned_pool(ask.pool_id, ask.session_id)
+        pool = node.admission.owned_pool(ask.pool_id, ask.session_id)
         if node.remote is None:
             raise UnavailableError("another node's tier is read over the data plane: UCX is not loaded here")
         ids = check_block_ids(block_ids, pool.layout.num_blocks, "tier load") if block_ids is not None else None
