@@ -230,7 +230,7 @@ class AsyncKvxferClient(PoolClient, TierCalls):
         many = offers if isinstance(offers, Sequence) and not isinstance(offers, str) else [offers]
         ids = tuple(o.offer_id if isinstance(o, Ticket) else o for o in many)
         # Marks of the same offers coalesce while one is on its way (see ``_marks``).
-        await self._marks.mark((offer_key, ids), layers)
+        await self._marks.say((offer_key, ids), layers)
 
     async def _send_layers_ready(self, key: Hashable, layers: int) -> None:
         assert isinstance(key, tuple)

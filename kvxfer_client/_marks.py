@@ -5,7 +5,7 @@ An engine says after every layer how far it got; when its layers take less time 
 to the daemon (short prompts, a busy host), the calls would queue up behind each other and the
 last one, which lets the transfer finish, would wait behind them all. Only the latest count
 matters (the daemon keeps the highest), so while a call is on its way later marks merge into
-the next one. Each ``mark`` returns once the daemon has a count at least as high as its own.
+the next one. Each ``say`` returns once the daemon has a count at least as high as its own.
 
 >>> async def demo() -> list[int]:
 ...     sent: list[int] = []
@@ -13,9 +13,9 @@ the next one. Each ``mark`` returns once the daemon has a count at least as high
 ...         await asyncio.sleep(0.01)
 ...         sent.append(layers)
 ...     marks = LayerMarks(call)
-...     await marks.mark(("off-1",), 1)
+...     await marks.say(("off-1",), 1)
 ...     # Four more layers said before the next call leaves: that one call carries them all.
-...     await asyncio.gather(*(marks.mark(("off-1",), n) for n in range(2, 6)))
+...     await asyncio.gather(*(marks.say(("off-1",), n) for n in range(2, 6)))
 ...     return sent
 >>> asyncio.run(demo())
 [1, 5]
@@ -45,7 +45,7 @@ class LayerMarks:
         self._call = call
         self._pending: dict[Hashable, _Pending] = {}
 
-    async def mark(self, key: Hashable, layers: int) -> None:
+    async def say(self, key: Hashable, layers: int) -> None:
         """Tell the daemon that ``layers`` layers of the offers ``key`` names are written;
         returns once it knows (or raises what the call that carried it raised)."""
         pending = self._pending.get(key)

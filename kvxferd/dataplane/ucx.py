@@ -141,7 +141,7 @@ class UcxTransport:
     def endpoint_count(self) -> int:
         return sum(1 for ep in self._endpoints.values() if not ep.closed)
 
-    def forget(self, peer_id: str) -> None:
+    def abort_endpoint(self, peer_id: str) -> None:
         """Drop the endpoint to a peer, cancelling whatever is still posted on it."""
         ep = self._endpoints.pop(peer_id, None)
         if ep is not None:

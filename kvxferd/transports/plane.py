@@ -138,7 +138,7 @@ class RemotePlane:
     def drop_peer(self, peer: Peer) -> None:
         """The peer's data plane failed: Hello again and a new endpoint at the next transfer."""
         self.peers.mark_failed(peer)
-        self.ucx.forget(peer.daemon_id)
+        self.ucx.abort_endpoint(peer.daemon_id)
 
     async def extend_lease(self, ticket: Ticket, lease_s: float) -> float:
         """Extend an offer on the daemon that made it; returns its seconds left."""

@@ -70,7 +70,7 @@ class UcxReceive(Receiver):
         if not self.task.done():
             t.record.may_still_write = True  # not even the cancellation finished
         if not ucx.receives_cancel_alone:
-            ucx.forget(t.peer.daemon_id)  # UCXX receives cancel only with it
+            ucx.abort_endpoint(t.peer.daemon_id)  # UCXX receives cancel only with it
         elif t.record.may_still_write:
             # UCX would not cancel a matched receive: closing the endpoint makes it give the
             # receive up (the next pull says Hello again).
