@@ -128,7 +128,7 @@ def test_constraints_pin_every_dependency_make_test_and_the_image_install() -> N
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as fh:
         project = tomllib.load(fh)["project"]
     wanted = list(project["dependencies"])
-    for extra in ("ucx", "test", "e2e", "cu12"):
+    for extra in ("ucx", "test", "e2e", "docs", "cu12"):
         wanted += project["optional-dependencies"][extra]
     names = {re.split(r"[<>=!~\[ ]", req, maxsplit=1)[0].lower().replace("_", "-") for req in wanted}
     with open(os.path.join(ROOT, "constraints.txt")) as fh:
