@@ -5,13 +5,17 @@ nobody is pulling."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from kvxfer.errors import PermissionDeniedError
 from kvxfer.proto import common_pb2
 
 if TYPE_CHECKING:
-    from ._node import Node
+    from ._config import Settings
+    from ._offers import OfferTable
+    from ._transfers import TransferTable
+    from .handoff.push import PushHandoff
+    from .memory.pools import PoolRegistry
 
 __all__ = ["CancelOutcome", "cancel"]
 
@@ -27,7 +31,20 @@ class CancelOutcome:
     detail: str = ""
 
 
-async def cancel(node: Node, target_id: str, session_id: str | None = None) -> CancelOutcome:
+class _Node(Protocol):
+    """What a cancel touches (kvxferd's Node)."""
+
+    daemon_id: str
+    settings: Settings
+    pushes: PushHandoff
+    transfers: TransferTable
+    pools: PoolRegistry
+    offers: OfferTable
+
+    def unconfirmed_receives(self) -> int: ...
+
+
+async def cancel(node: _Node, target_id: str, session_id: str | None = None) -> CancelOutcome:
     """Cancel a running transfer (our pull, or a peer's pull of our offer: the peer then
     sees its pull fail), or release an offer nobody is pulling. ``session_id``: an engine
     acts only on its own pools' transfers and offers (None: an operator)."""

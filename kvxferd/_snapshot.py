@@ -19,21 +19,26 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from kvxfer.host_memory import MEMORY_KIND_NAMES
 from kvxfer.version import __version__
 
-if TYPE_CHECKING:
-    from ._node import Node
-    from ._offers import Offer
-    from ._sessions import Session
-    from ._transfers import TransferRecord
-    from .dataplane.staging import StagingPool
-    from .memory.pools import Pool
-    from .peer.directory import Peer
+from .tier.views import TierView
 
-__all__ = ["NodeSnapshot", "OfferView", "PeerView", "PoolView", "SnapshotHandover", "StagingView"]
+if TYPE_CHECKING:
+    from ._config import Settings
+    from ._offers import Offer, OfferTable
+    from ._sessions import Session, SessionTable
+    from ._transfers import TransferRecord, TransferTable
+    from .dataplane.gpucopy import GpuDevices
+    from .dataplane.staging import StagingPool
+    from .dataplane.ucx import UcxTransport
+    from .memory.pools import Pool, PoolRegistry
+    from .peer.directory import Peer, PeerDirectory
+    from .tier.host import HostTier
+
+__all__ = ["NodeSnapshot", "OfferView", "PeerView", "PoolView", "SnapshotHandover", "StagingView", "TierView"]
 
 
 @dataclass(frozen=True)
@@ -110,24 +115,6 @@ class StagingView:
     allocated: int
     limit: int
     buffer_bytes: int
-
-
-@dataclass(frozen=True)
-class TierView:
-    """One namespace of the node's KV tier."""
-
-    namespace: str
-    label: str
-    chunks: int
-    bytes: int
-    hits: int
-    misses: int
-    evictions: int
-    disk_chunks: int = 0
-    disk_bytes: int = 0
-    disk_hits: int = 0
-    disk_evictions: int = 0
-    disk_failures: int = 0
 
 
 @dataclass(frozen=True)
@@ -227,7 +214,34 @@ class SnapshotHandover:
         return self._last
 
 
-def node_snapshot(node: Node, history: bool = False) -> NodeSnapshot:
+class _Node(Protocol):
+    """What a snapshot is taken of (kvxferd's Node)."""
+
+    daemon_id: str
+    started: float
+    settings: Settings
+    peer_address: str
+    admin_address: str
+    lanes_address: str
+    tier: HostTier | None
+    ucx: UcxTransport | None
+    sessions: SessionTable
+    pools: PoolRegistry
+    offers: OfferTable
+    transfers: TransferTable
+    peers: PeerDirectory
+    send_staging: StagingPool
+    recv_staging: StagingPool
+    _gpu: GpuDevices | None
+
+    @property
+    def draining(self) -> bool: ...
+
+    @property
+    def data_plane_detail(self) -> str: ...
+
+
+def node_snapshot(node: _Node, history: bool = False) -> NodeSnapshot:
     """The node's state as one immutable picture (call on the event loop); ``history`` adds
     copies of the recently finished transfers (up to ``settings.history``)."""
     now, t = time.time(), node.transfers
@@ -263,7 +277,7 @@ def node_snapshot(node: Node, history: bool = False) -> NodeSnapshot:
     )
 
 
-def _staging(node: Node) -> dict[str, StagingView]:
+def _staging(node: _Node) -> dict[str, StagingView]:
     def view(pools: list[StagingPool], size: int) -> StagingView:
         return StagingView(
             sum(p.in_use for p in pools), sum(p.allocated for p in pools), sum(p.capacity for p in pools), size

@@ -43,7 +43,6 @@ from kvxfer.layout import Layout, Region
 
 from .._log import log_event
 from .._services import Services
-from .._snapshot import TierView
 from ..dataplane.remap import remap_plans
 from ..handoff.local import LocalHandoff
 from ..memory.pools import Pool, mapped_pool
@@ -51,6 +50,7 @@ from .chunks import canonical, check_keys, namespace_name
 from .disk import DiskStore
 from .events import TierEvents
 from .index import Chunk, Namespace, TierIndex
+from .views import TierView
 
 __all__ = ["HostTier", "TierNamespace"]
 
