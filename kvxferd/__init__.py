@@ -3,23 +3,25 @@
 Layout of the package, top (what starts the process) to bottom (what moves bytes):
 
 * ``_daemon`` — process lifecycle: settings, listeners, the node, signals, drain;
-* ``control/`` — the engine and admin gRPC services, the checks of what they receive
-  (``wire``), one error-to-status mapping (``_rpc``), the fd socket, the listeners;
+* ``control/`` — the engine and admin gRPC services, the fd socket, the listeners;
 * ``peer/`` — the peer protocol, both ends: the service other daemons call and our calls
   and transfer streams to them;
-* ``_node`` — the daemon's state and its acts (register, offer, pull, push, release);
-  ``_sessions``, ``_offers``, ``_transfers`` — its tables; ``_snapshot`` — what readers
-  outside the loop see;
+* ``_node`` — the daemon's state and its acts (register, offer, pull, push, release), each
+  admitted by ``_admission`` (draining, whose pools); ``_sessions``, ``_offers``,
+  ``_transfers`` — its tables; ``_snapshot`` — what readers outside the loop see;
 * ``handoff/`` — the handoff acts: a pull, local copies, the two sides of a remote transfer,
-  pushes, shared reads, block integrity;
+  pushes, shared reads;
 * ``transports/`` — how bytes cross between daemons, one room per transport (UCX tagged
   messages, same-host direct reads, TCP lanes) with one face, chosen once per transfer;
 * ``tier/`` — the node's KV tier: stored prefixes in host memory and on disk, offered like
   any offer;
 * ``dataplane/`` — segment plans, host and GPU copies, staging memory, UCX and TCP lanes;
 * ``memory/`` — engine pools mapped into the daemon (shared memory, process memory, CUDA IPC);
+* ``edge/`` — the rules of every gRPC service: the checks of what they receive (``wire``) and
+  one error-to-status mapping (``rpc``);
 * ``_wiring`` — the composition root; ``_parts``, ``_services`` — parts built for the node and
-  what the handoff rooms share;
+  what the handoff rooms share (settings, copy threads, GPUs, fault points, block integrity
+  in ``_integrity``); ``_steps`` — chunk bounds and steps with deadlines, for every path;
 * ``_config`` — settings (defaults < YAML < ``KVXFERD_*`` < flags); ``_log``, ``_metrics``,
   ``_faults`` — logs, metrics, fault-injection points.
 

@@ -33,6 +33,7 @@ from ._asks import OfferAsk, PullAsk
 from ._cancel import CancelOutcome, cancel
 from ._config import Settings
 from ._faults import Faults
+from ._integrity import Integrity
 from ._log import log_event
 from ._metrics import Metrics
 from ._offers import Offer, OfferTable
@@ -44,7 +45,6 @@ from ._transfers import TransferRecord, TransferTable
 from .dataplane.gpucopy import GpuDevices
 from .dataplane.staging import StagingPool
 from .dataplane.ucx import UcxTransport
-from .handoff.integrity import Integrity
 from .handoff.pull import Pulls
 from .handoff.push import PushHandoff
 from .handoff.remote_pull import RemotePull
@@ -310,10 +310,21 @@ class Node:
         ids = check_block_ids(ask.block_ids, pool.layout.num_blocks, "pull destination")
         return await self.pulls.run_pull(dataclasses.replace(ask, block_ids=ids), pool)
 
+    # -- what peers ask (see peer.serve_request.PeerNode) ------------------------------------
+
     async def serve(self, start: ServeRequest, stream: OffererStream) -> None:
         if self.server is None:
             raise UnavailableError("the UCX data plane is not available on this daemon")
         await self.server.serve(start, stream)
+
+    def write_proof(self, nonce: bytes) -> tuple[int, int]:
+        return self.proofs.write(nonce)
+
+    async def serve_tier_offer(self, request: peer_pb2.PeerTierOfferRequest) -> peer_pb2.PeerTierOfferResponse:
+        return await self.kv_tier.peers.serve(request)
+
+    def push_announced(self, transfer_id: str, ticket: Ticket, lease_s: float, daemon_id: str) -> bool:
+        return self.pushes.announced(transfer_id, ticket, lease_s, daemon_id)
 
     async def cancel(self, target_id: str, session_id: str | None = None) -> CancelOutcome:
         """Cancel a running transfer or release an offer nobody is pulling (see :func:`._cancel.cancel`)."""

@@ -80,7 +80,7 @@ class Offer:
     #: it has said are written. 0 layers: written before the offer.
     layers: int = 0
     ready_layers: int = 0
-    #: Its blocks' checksums once written (:mod:`.handoff.integrity`, a ``Digest``), or why
+    #: Its blocks' checksums once written (:mod:`._integrity`, a ``Digest``), or why
     #: none are taken.
     digest: asyncio.Future[Any] | None = field(default=None, repr=False)
     integrity_off: str = ""

@@ -6,14 +6,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from ._config import Settings
 from ._faults import Faults
+from ._integrity import Integrity
 from .dataplane.gpucopy import GpuDevices
-
-if TYPE_CHECKING:  # the handoff rooms check integrity; the transports below them never do
-    from .handoff.integrity import Integrity
 
 __all__ = ["Services"]
 

@@ -11,7 +11,7 @@ from kvxfer.errors import NotFoundError, PermissionDeniedError
 from kvxfer.proto import admin_pb2, admin_pb2_grpc
 
 from .._node import Node
-from ._rpc import rpc_method
+from ..edge.rpc import rpc_method
 
 Ctx = Any  # grpc.aio.ServicerContext
 

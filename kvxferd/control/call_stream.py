@@ -27,7 +27,7 @@ from kvxfer.errors import KvxferError
 from kvxfer.proto import engine_pb2
 
 from .._log import log_event
-from ._rpc import status_of
+from ..edge.rpc import status_of
 
 __all__ = ["MAX_CALLS_IN_FLIGHT", "Handlers", "serve_calls"]
 

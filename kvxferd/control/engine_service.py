@@ -14,10 +14,10 @@ from kvxfer.proto import engine_pb2, engine_pb2_grpc
 from .._asks import OfferAsk, PullAsk, ReceiveAsk
 from .._node import Node
 from .._transfers import TransferRecord
+from ..edge import wire
+from ..edge.rpc import rpc_method
 from ..memory.pools import PoolIdentity
 from ..tier.acts import TierAsk
-from . import wire
-from ._rpc import rpc_method
 from .call_stream import Handlers, serve_calls
 
 Ctx = Any  # grpc.aio.ServicerContext

@@ -27,6 +27,7 @@ from kvxfer.layout import mapping_between
 from kvxfer.proto import peer_pb2
 
 from .._services import Services
+from .._steps import MIN_CHUNK, within
 from ..dataplane.gpu_kernel import BlockSide
 from ..dataplane.plan import SidePlan, build_layered_plan, build_plan, stream_plan
 from ..dataplane.remap import peer_side, plan_remap, side_of
@@ -38,7 +39,6 @@ from ..transports.direct_proof import new_nonce
 from ..transports.faces import Asked, Landing, Receiver
 from ..transports.lanes import lanes_to_ask
 from ..transports.plane import RemotePlane
-from ..transports.steps import MIN_CHUNK, within
 from .order import PullOrder
 
 __all__ = ["OFFERER_WORD_S", "RemotePull"]

@@ -5,7 +5,7 @@ and gives :meth:`TransferServer.serve` the stream as an ``OffererStream``; from 
 are: **claim** the offer (and check the pull against it), **move** the bytes with the sender
 :func:`.senders.choose_sender` picks, **verify** the blocks are unchanged at the source, and
 **commit** (peer.proto, "Outcomes"): the offer is released as pulled only when ``done`` arrives
-with at least :data:`~kvxferd.transports.steps.COMMIT_MARGIN_S` of the transfer's deadline left, and as failed
+with at least :data:`~kvxferd._steps.COMMIT_MARGIN_S` of the transfer's deadline left, and as failed
 otherwise.
 """
 
@@ -29,6 +29,7 @@ from kvxfer.proto import common_pb2
 
 from .._offers import Offer, OfferTable
 from .._services import Services
+from .._steps import COMMIT_MARGIN_S
 from .._transfers import TransferRecord, TransferTable
 from ..dataplane.plan import SidePlan
 from ..dataplane.remap import peer_side, plan_remap, side_of
@@ -37,7 +38,6 @@ from ..peer.serve_request import OffererStream, ServeRequest
 from ..transports.choice import choose_sender
 from ..transports.faces import Sending
 from ..transports.plane import RemotePlane
-from ..transports.steps import COMMIT_MARGIN_S
 
 __all__ = ["TransferServer"]
 

@@ -16,7 +16,7 @@ import re
 import secrets
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -26,13 +26,20 @@ from kvxfer.host_memory import HostBuffer
 from kvxfer.layout import Layout
 from kvxfer.proto import common_pb2
 
-from .._sessions import Session
 from ..dataplane.hostmem import HostMemory, MappedMemory, ProcessMemory
 from ..dataplane.plan import RegionTable
 from .process import EngineProcess
 from .seals import seal_against_shrinking
 
-__all__ = ["PROCESS_MEMORY_OFF_GPU", "Pool", "PoolRegistry", "check_block_ids", "mapped_pool", "regions_of"]
+__all__ = [
+    "PROCESS_MEMORY_OFF_GPU",
+    "Pool",
+    "PoolRegistry",
+    "Registrant",
+    "check_block_ids",
+    "mapped_pool",
+    "regions_of",
+]
 
 U8 = npt.NDArray[np.uint8]
 MAX_BUFFERS = 4096
@@ -45,6 +52,16 @@ PROCESS_MEMORY_OFF_GPU = (
 #: Bytes of a pool's offer key.
 OFFER_KEY_BYTES = 16
 _POOL_ID = re.compile(r"pool-[0-9a-f]{12}")
+
+
+class Registrant(Protocol):
+    """The engine session registering a pool (kvxferd's Session): who it is, the descriptors
+    it passed over the fd socket, and its attached process."""
+
+    session_id: str
+    process: EngineProcess | None
+
+    def take_fd(self, handle: str) -> int | None: ...
 
 
 @dataclass(frozen=True)
@@ -207,7 +224,7 @@ class PoolRegistry:
 
     def register(
         self,
-        session: Session,
+        session: Registrant,
         buffers: Sequence[common_pb2.BufferSpec],
         layout_msg: common_pb2.Layout,
         name: str,
@@ -275,7 +292,7 @@ class PoolRegistry:
 
     @staticmethod
     def _map_host(
-        buffers: Sequence[common_pb2.BufferSpec], session: Session
+        buffers: Sequence[common_pb2.BufferSpec], session: Registrant
     ) -> tuple[list[Any], list[Callable[[], None]], None, str]:
         """Map each buffer from the descriptor the engine passed (never by name: the daemon
         must not open memory the engine could not open itself)."""
@@ -308,7 +325,7 @@ class PoolRegistry:
 
     @staticmethod
     def _reach_process(
-        buffers: Sequence[common_pb2.BufferSpec], session: Session
+        buffers: Sequence[common_pb2.BufferSpec], session: Registrant
     ) -> tuple[EngineProcess, npt.NDArray[np.int64]]:
         """Check the ranges against the attached engine process; nothing is mapped."""
         process = session.process

@@ -7,17 +7,17 @@ from typing import Any
 from kvxfer.proto import peer_pb2, peer_pb2_grpc
 
 from .._log import log_event
-from .._node import Node
-from ..control import wire
-from ..control._rpc import rpc_method
+from ..edge import wire
+from ..edge.rpc import rpc_method
 from .identity import PeerCertificate
+from .serve_request import PeerNode
 from .transfers import serve_transfers
 
 Ctx = Any  # grpc.aio.ServicerContext
 
 
 class PeerService(peer_pb2_grpc.PeerServiceServicer):
-    def __init__(self, node: Node) -> None:
+    def __init__(self, node: PeerNode) -> None:
         self.node = node
 
     def _certificate(self, context: Ctx) -> PeerCertificate:
@@ -39,7 +39,7 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
     async def ProbeDirectRead(  # noqa: N802
         self, request: peer_pb2.DirectReadProbe, context: Ctx
     ) -> peer_pb2.DirectReadProof:
-        pid, address = self.node.proofs.write(bytes(request.nonce))
+        pid, address = self.node.write_proof(bytes(request.nonce))
         return peer_pb2.DirectReadProof(pid=pid, address=address)
 
     @rpc_method
@@ -53,12 +53,12 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
         self, request: peer_pb2.PeerTierOfferRequest, context: Ctx
     ) -> peer_pb2.PeerTierOfferResponse:
         self.node.peers.known(self._certificate(context).check(request.daemon_id))  # a peer that said Hello
-        return await self.node.kv_tier.peers.serve(request)
+        return await self.node.serve_tier_offer(request)
 
     @rpc_method
     async def Announce(self, request: peer_pb2.PushAnnouncement, context: Ctx) -> peer_pb2.PushAnnounced:  # noqa: N802
         settings = self.node.settings
-        matched = self.node.pushes.announced(
+        matched = self.node.push_announced(
             wire.transfer_id(request.transfer_id, required=True),
             wire.ticket(request.ticket),
             wire.lease_s(request.lease_s, None, settings.max_lease_s),

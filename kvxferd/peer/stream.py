@@ -23,7 +23,7 @@ from kvxfer.errors import KvxferError, UnavailableError, error_from_rpc, error_f
 from kvxfer.proto import peer_pb2, peer_pb2_grpc
 
 from .._log import log_event
-from ..transports.steps import within
+from .._steps import within
 
 __all__ = ["TransferCall", "TransferStream"]
 

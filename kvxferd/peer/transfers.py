@@ -1,12 +1,12 @@
 """``PeerService.Transfers``: a peer's pulls of our offers, multiplexed on one long-lived stream.
 
-Each ``start`` runs :meth:`Node.serve` as its own task, which sees its transfer as an
+Each ``start`` runs the node's ``serve`` as its own task, which sees its transfer as an
 :class:`~kvxferd.peer.serve_request.OffererStream` (:class:`_OffererStream` here): its messages go
 out tagged with its transfer id, the puller's ``done`` and ``abort`` come back to it. Per
 transfer, this is what a stream of its own gave before: a deadline (the start's
 ``deadline_s``, counted from reading it), the puller leaving (``abort``, or the stream's loss)
 cancels its task, and its failure goes back as ``failed`` with the status code of its kvxfer
-error (``_rpc.status_of``, the one mapping).
+error (``edge.rpc.status_of``, the one mapping).
 
 One writer task sends every message (gRPC allows one write at a time, and a serving task may
 be cancelled at any await: its messages are queued, never written halfway). A stream holds at
@@ -32,10 +32,10 @@ from kvxfer.errors import (
 from kvxfer.proto import peer_pb2
 
 from .._log import log_event
-from .._node import Node
-from ..control import wire
-from ..control._rpc import status_of
+from ..edge import wire
+from ..edge.rpc import status_of
 from .identity import PeerCertificate
+from .serve_request import PeerNode, read_start
 
 __all__ = ["MAX_TRANSFERS", "serve_transfers"]
 
@@ -47,7 +47,7 @@ MAX_TRANSFERS = 4096
 BACKSTOP_S = 1.0
 
 
-async def serve_transfers(context: Any, node: Node) -> None:
+async def serve_transfers(context: Any, node: PeerNode) -> None:
     """Serve one ``Transfers`` stream until the puller closes it or it is lost: then every
     transfer still running on it is left by its puller."""
     running: dict[str, _OffererStream] = {}
@@ -72,7 +72,7 @@ async def serve_transfers(context: Any, node: Node) -> None:
     async def run(transfer: _OffererStream, start: peer_pb2.TransferStart) -> None:
         try:
             settings = node.settings
-            request = wire.serve_request(start, settings.pull_timeout_s, settings.peer_timeout_s)
+            request = read_start(start, settings.pull_timeout_s, settings.peer_timeout_s)
             certificate.check(request.receiver_daemon_id)  # mTLS: the puller is who it says
             if request.transfer_id != transfer.transfer_id:
                 raise InvalidRequestError("start's transfer_id differs from its message's")

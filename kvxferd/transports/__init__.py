@@ -9,6 +9,5 @@ transfer (:mod:`.choice`).
 ``plane``           what both sides of a remote transfer share: peers, their UCX
                     endpoints, staging, lanes, fault points
 ``layers``          layer-wise streaming: which layers move when
-``steps``           chunk-size bounds and steps with a deadline of their own
 ==================  ===================================================================
 """

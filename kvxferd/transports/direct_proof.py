@@ -49,6 +49,7 @@ from ..dataplane.hostmem import ProcessMemory
 from ..dataplane.plan import RegionTable, SidePlan, build_layered_plan, build_plan
 from ..dataplane.remap import Side, peer_side, plan_remap
 from ..memory.pools import Pool
+from ..peer.serve_request import NONCE_BYTES
 
 __all__ = [
     "DIRECT_READ",
@@ -63,7 +64,6 @@ __all__ = [
 
 #: The transport a direct read reports (records, metrics, kvxferctl).
 DIRECT_READ = "direct:cma"
-NONCE_BYTES = 16
 #: Proofs kept at once: a probe's slot is reused only after this many later probes.
 SLOTS = 64
 #: Addresses, offsets and strides beyond this are refused (they could only overflow).

@@ -28,6 +28,7 @@ from kvxfer.ticket import Ticket
 from .._faults import Faults
 from .._log import log_event
 from .._services import Services
+from .._steps import within
 from ..dataplane.plan import SidePlan
 from ..dataplane.staging import StagingPool
 from ..dataplane.tcp_lanes import LaneListener
@@ -36,7 +37,6 @@ from ..dataplane.ucx_setup import describe_transport
 from ..memory.pools import Pool
 from ..peer.directory import Peer, PeerDirectory
 from .direct_proof import new_nonce, probe_peer
-from .steps import within
 
 __all__ = ["RemotePlane", "ThreadFault", "resolve_error_handling"]
 

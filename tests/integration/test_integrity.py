@@ -1,4 +1,4 @@
-"""Block checksums end to end (kvxferd/handoff/integrity.py): what an offer held when it was
+"""Block checksums end to end (kvxferd/_integrity.py): what an offer held when it was
 written is what lands, or the pull fails with DataLossError naming the blocks. Real daemons;
 remote pulls over UCX and over same-host direct reads, and local copies. Bits are flipped
 "in flight" with the ``before_check=corrupt`` fault point; an engine reusing an offered block

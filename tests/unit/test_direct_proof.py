@@ -13,6 +13,7 @@ from kvxfer.errors import IncompatibleError, InvalidRequestError, UnavailableErr
 from kvxfer.proto import common_pb2, peer_pb2
 from kvxferd.dataplane.cma import self_copy_works
 from kvxferd.dataplane.plan import RegionTable, build_plan
+from kvxferd.peer.serve_request import read_start
 from kvxferd.transports.direct_proof import (
     NONCE_BYTES,
     SLOTS,
@@ -97,12 +98,10 @@ def test_a_peer_whose_process_exited_is_unavailable_not_incompatible() -> None:
 
 @pytest.mark.parametrize("nonce", [b"x", b"y" * 17])
 def test_a_start_with_a_malformed_nonce_is_refused_before_any_offer_is_claimed(nonce: bytes) -> None:
-    from kvxferd.control import wire
 
     start = peer_pb2.TransferStart(transfer_id="t-1", chunk_bytes=1 << 20, direct_read_nonce=nonce)
     with pytest.raises(InvalidRequestError, match="direct_read_nonce"):
-        wire.serve_request(start, 30.0, 5.0)
+        read_start(start, 30.0, 5.0)
     assert (
-        wire.serve_request(peer_pb2.TransferStart(transfer_id="t-2", chunk_bytes=1 << 20), 30.0, 5.0).direct_read_nonce
-        == b""
+        read_start(peer_pb2.TransferStart(transfer_id="t-2", chunk_bytes=1 << 20), 30.0, 5.0).direct_read_nonce == b""
     )

@@ -13,8 +13,8 @@ import pytest
 from kvxfer.errors import UnavailableError, error_from_rpc
 from kvxfer.proto import engine_pb2, engine_pb2_grpc
 from kvxfer_client._call_stream import CallStream
-from kvxferd.control._rpc import rpc_method
 from kvxferd.control.call_stream import serve_calls
+from kvxferd.edge.rpc import rpc_method
 
 
 def _failed_pull() -> UnavailableError:

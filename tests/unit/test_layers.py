@@ -4,9 +4,9 @@
 * the daemon (``kvxferd``) never imports the SDK, nor the SDK the daemon: both meet in ``kvxfer``;
 * inside the daemon, the handoff acts stand on the transports, which stand on the data plane;
 * the daemon's core never imports its control plane back (only ``control/``, the process
-  entry ``_daemon``, the composition root ``_wiring`` and the serving end of the peer
-  protocol, ``peer.service`` and ``peer.transfers``, do);
-* no import cycles among the modules of any package (module-level imports).
+  entry ``_daemon`` and the composition root ``_wiring`` do);
+* no import cycles among the modules of any package (module-level imports), nor among the
+  daemon's rooms (its folders and top-level modules, every import counted).
 """
 
 from __future__ import annotations
@@ -92,8 +92,6 @@ def test_the_daemon_core_never_imports_its_control_plane() -> None:
         "kvxferd.control",
         "kvxferd._daemon",
         "kvxferd._wiring",
-        "kvxferd.peer.service",
-        "kvxferd.peer.transfers",
     )
     wrong = sorted(
         f"{name} imports {i}"
@@ -127,3 +125,30 @@ def test_no_import_cycles() -> None:
         if node not in state:
             visit(node)
     assert not cycles, cycles
+
+
+def _room(module: str) -> str:
+    """A daemon module's room: its folder (``kvxferd.handoff``) or itself (``kvxferd._node``)."""
+    return ".".join(module.split(".")[:2])
+
+
+def test_the_daemons_rooms_stand_on_each_other_without_a_loop() -> None:
+    rooms: dict[str, set[str]] = {}
+    for name, imports in _graph(top_level_only=False).items():
+        if _in(name, "kvxferd") and name != "kvxferd":
+            rooms.setdefault(_room(name), set()).update(
+                _room(i) for i in imports if _in(i, "kvxferd") and i != "kvxferd" and _room(i) != _room(name)
+            )
+    state: dict[str, int] = {}
+
+    def visit(room: str, path: list[str]) -> None:
+        state[room] = 1
+        for nxt in sorted(rooms.get(room, ())):
+            assert state.get(nxt) != 1, f"rooms import each other in a loop: {[*path, room, nxt]}"
+            if nxt not in state:
+                visit(nxt, [*path, room])
+        state[room] = 2
+
+    for room in sorted(rooms):
+        if room not in state:
+            visit(room, [])

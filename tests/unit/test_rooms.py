@@ -29,6 +29,7 @@ from kvxfer_client import (
 from kvxferd._asks import PullAsk
 from kvxferd._config import Settings
 from kvxferd._faults import Faults
+from kvxferd._integrity import Integrity
 from kvxferd._offers import Offer, OfferTable
 from kvxferd._services import Services
 from kvxferd._sessions import Session, SessionTable
@@ -36,7 +37,6 @@ from kvxferd._transfers import TransferRecord, TransferTable
 from kvxferd.dataplane.gpucopy import GpuDevices
 from kvxferd.dataplane.plan import build_plan
 from kvxferd.dataplane.staging import StagingPool
-from kvxferd.handoff.integrity import Integrity
 from kvxferd.handoff.local import LocalHandoff
 from kvxferd.handoff.pull import Pulls
 from kvxferd.handoff.serve import TransferServer

@@ -21,15 +21,10 @@ import numpy.typing as npt
 
 from kvxfer.errors import InvalidRequestError
 from kvxfer.layout import MAX_BLOCKS, MAX_REGIONS
-from kvxfer.proto import common_pb2, peer_pb2
+from kvxfer.proto import common_pb2
 from kvxfer.ticket import Ticket
 
-from ..dataplane.tcp_lanes import MAX_LANES
-from ..peer.serve_request import ServeRequest
-from ..transports.direct_proof import NONCE_BYTES
-from ..transports.steps import MAX_CHUNK, MIN_CHUNK
-
-__all__ = ["lease_s", "pull_timeout_s", "serve_request", "ticket", "transfer_id"]
+__all__ = ["MAX_PULL_TIMEOUT_S", "lease_s", "pull_timeout_s", "ticket", "transfer_id"]
 
 #: Longest pull (and Transfer stream) a request may ask for.
 MAX_PULL_TIMEOUT_S = 3600.0
@@ -123,40 +118,3 @@ def offer_block_indices(values: Sequence[int]) -> npt.NDArray[np.int64] | None:
     if len(values) > MAX_BLOCKS:
         raise InvalidRequestError(f"more than {MAX_BLOCKS} offer_block_indices")
     return np.asarray(values, dtype=np.int64)
-
-
-def serve_request(msg: peer_pb2.TransferStart, default_timeout_s: float, peer_timeout_s: float) -> ServeRequest:
-    """A peer's ``start``: chunk size, ids and deadlines in range (the offer and token are
-    checked when the offer is claimed)."""
-    if not MIN_CHUNK <= msg.chunk_bytes <= MAX_CHUNK:
-        raise InvalidRequestError(f"chunk_bytes must be in {MIN_CHUNK}..{MAX_CHUNK}")
-    transfer_id(msg.transfer_id, required=True)
-    if len(msg.offer_id) > 128 or len(msg.receiver_daemon_id) > 256:
-        raise InvalidRequestError("offer_id or receiver_daemon_id too long")
-    if msg.num_blocks > MAX_BLOCKS:
-        raise InvalidRequestError(f"num_blocks must be at most {MAX_BLOCKS}")
-    if len(msg.direct_read_nonce) not in (0, NONCE_BYTES):
-        raise InvalidRequestError(f"direct_read_nonce must be empty or {NONCE_BYTES} bytes")
-    if msg.tcp_lanes > MAX_LANES:
-        raise InvalidRequestError(f"tcp_lanes must be at most {MAX_LANES}")
-    timeout_s = min(msg.timeout_s or default_timeout_s, MAX_PULL_TIMEOUT_S)
-    if not timeout_s > 0:  # also NaN
-        raise InvalidRequestError(f"timeout_s must be positive, got {msg.timeout_s}")
-    deadline_s = msg.deadline_s or timeout_s + peer_timeout_s
-    if not timeout_s <= deadline_s <= 2 * MAX_PULL_TIMEOUT_S:
-        raise InvalidRequestError(f"deadline_s must be in [timeout_s, {2 * MAX_PULL_TIMEOUT_S:.0f}], got {deadline_s}")
-    return ServeRequest(
-        transfer_id=msg.transfer_id,
-        offer_id=msg.offer_id,
-        token=bytes(msg.token),
-        receiver_daemon_id=msg.receiver_daemon_id,
-        receiver_signature=msg.receiver_signature,
-        num_blocks=msg.num_blocks,
-        offer_block_indices=offer_block_indices(msg.offer_block_indices),
-        tag_base=msg.tag_base,
-        chunk_bytes=msg.chunk_bytes,
-        timeout_s=timeout_s,
-        deadline_s=deadline_s,
-        direct_read_nonce=bytes(msg.direct_read_nonce),
-        tcp_lanes=msg.tcp_lanes,
-    )

@@ -1,4 +1,5 @@
-"""What every handoff path shares: chunk-size bounds and steps with a deadline of their own."""
+"""What every handoff path shares (the peer streams, the transports and the handoff rooms):
+chunk-size bounds and steps with a deadline of their own."""
 
 from __future__ import annotations
 

@@ -51,15 +51,15 @@ import numpy.typing as npt
 from kvxfer.errors import DataLossError, InvalidRequestError, KvxferError
 from kvxfer.proto import peer_pb2
 
-from .._config import Settings
-from .._faults import Faults
-from .._log import log_event
-from .._offers import Offer
-from .._transfers import TransferRecord
-from ..dataplane.checksum import block_sums, segment_sums, window_sums
-from ..dataplane.hostmem import HostMemory
-from ..dataplane.plan import RegionTable, SidePlan, build_plan, num_chunks, window_pieces
-from ..memory.pools import Pool
+from ._config import Settings
+from ._faults import Faults
+from ._log import log_event
+from ._offers import Offer
+from ._transfers import TransferRecord
+from .dataplane.checksum import block_sums, segment_sums, window_sums
+from .dataplane.hostmem import HostMemory
+from .dataplane.plan import RegionTable, SidePlan, build_plan, num_chunks, window_pieces
+from .memory.pools import Pool
 
 __all__ = ["FULL_WINDOW", "INLINE_BYTES", "SAMPLE_WINDOW", "Digest", "Integrity"]
 
