@@ -110,7 +110,6 @@ class Node:
         local = local_handoff(self.services, self.offers)
         #: The node's KV tier (:mod:`.tier`), when tier_host_bytes gives it memory.
         self.tier = node_tier(self.services, local, self.metrics.tier_op_finished)
-        #: Offers of the tier's chunks; other nodes reading this node's tier, and this node theirs.
         #: The tier as engines and peers ask for it (offers of its chunks, other nodes' tiers).
         self.kv_tier = KvTier(self, self._published)
         #: Where same-host peers' direct-read probes are answered (see :mod:`.transports.direct_proof`).
