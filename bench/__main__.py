@@ -8,8 +8,8 @@ Prints one JSON line per (workload, path) and a summary line with the remote/bas
 ``sliced`` (``bench/sliced.py``) adds remapped handoffs (other TP, head order, block size)
 with their ratio to plain ones of the same bytes; ``lean`` (``bench/lean.py``) the fixed cost
 of a handoff against same-run gRPC echoes, offers under load, CPU per GB, and contention;
-``integrity`` (``bench/integrity.py``) handoff time with block checksums sampled and full
-against off, same run; ``tcp_lanes`` (``bench/tcp_lanes.py``) host blocks over TCP lanes
+``integrity`` (``bench/integrity.py``) what the default block checksums cost on the
+workloads above, against off, same run; ``tcp_lanes`` (``bench/tcp_lanes.py``) host blocks over TCP lanes
 against UCX's own TCP; ``tier`` (``bench/tier.py``) multi-turn conversations through the
 node's KV tier, memory only and with a disk below.
 """
@@ -64,8 +64,13 @@ def main() -> None:
             lean.run(max(args.iters, 20), 1, lambda row: emit({"workload": "lean", **row}))
             continue
         if name == "integrity":
-            rounds = max(args.iters, 9)
-            asyncio.run(integrity.run_async([1024, 2048], rounds, lambda row: emit({"workload": "integrity", **row})))
+            integrity.run(
+                ["b16", "b128", "contig", "small"],
+                max(args.iters, 9),
+                3,
+                False,
+                lambda row: emit({"part": "integrity", **row}),
+            )
             continue
         if name == "tcp_lanes":
             asyncio.run(
@@ -98,7 +103,7 @@ def main() -> None:
                 else:
                     row = run_sequential(prefill, decode, w, rng, args.iters)
                 emit({"path": path, **row})
-    by = {(r.get("workload"), r.get("path")): r for r in rows}
+    by = {(r.get("workload"), r.get("path")): r for r in rows if "part" not in r}
     for name in ("b16", "contig"):
         remote = by.get((name, "remote"))
         if remote:

@@ -145,16 +145,20 @@ class Settings:
     ucx_enabled: bool = _setting(
         True, "The UCX data plane; off, the daemon serves the local path only (its peer port reports NOT_SERVING)."
     )
-    # Checksums cost a pass over what they cover on each side: a few segments per transfer
-    # catch a systematic fault (a block reused too early, a broken path) within a few
-    # transfers at no measurable cost; every byte (full) costs two more passes over a request.
+    # Checksums cost a pass over what they cover on each side: a few bounded windows per
+    # transfer catch a systematic fault (a block reused too early, a broken path) within a few
+    # transfers at under 1% of the transfer, whatever the layout; every byte (full) costs two
+    # more passes over a request.
     integrity: str = _setting(
         "sampled",
         "Block checksums, taken when an offer is written and checked at the source once sent and where the "
-        "blocks land: off, sampled (integrity_samples random segments per offer) or full (every byte).",
+        "blocks land: off, sampled (integrity_samples windows of at most 64 KiB spread over each offer) or full "
+        "(every byte).",
     )
     integrity_samples: int = _setting(
-        8, "Segments (one block's K or V of one layer) per offer the sampled integrity mode checks."
+        8,
+        "Windows per offer the sampled integrity mode checks: the offer's bytes cut into this many equal parts, "
+        "one window of at most 64 KiB (or the segment it starts in, if smaller) at a random byte of each.",
     )
     drain_grace_s: float = _setting(10.0, "Seconds SIGTERM waits for running transfers before cancelling them.")
     history: int = _setting(1000, "Finished transfers kept for kvxferctl.")

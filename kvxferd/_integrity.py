@@ -1,38 +1,34 @@
 """Block integrity: what an offer held when it was written, checked where its blocks land.
 
 Three checks with the sums of :mod:`..dataplane.checksum`, over what the ``integrity``
-setting covers: every byte of every offered block (``full``), or ``integrity_samples``
-random segments, one block's K or V of one layer each (``sampled``, the default: a reused
-block, a stale block reference or a broken path changes every segment it touches, so a few
-catch it at the cost of a few segments; a lone flipped bit needs ``full``).
+setting covers (:mod:`._digest`): every byte of every offered block (``full``), or
+``integrity_samples`` windows of at most 64 KiB spread over the offer's bytes (``sampled``,
+the default: a reused block, a stale block reference or a broken path changes every window
+it touches, so a few catch it at the cost of a few windows, whatever the layout; a lone
+flipped bit needs ``full``).
 
 1. **Digest**: the moment an offer is written (in the offer call, or in the layers-ready call
    that completes a layer-wise offer), the offering daemon sums what it covers. A digest over
    more than :data:`INLINE_BYTES` is summed off the event loop right after, and the offer
    answers at once (a block rewritten within that window is not caught as rewritten).
-2. **At the source** (sampled), once the bytes left and before ``sent``: the same again. A
-   block that changed since the offer (its engine reused it before the pull ended) fails the
-   transfer with :class:`DataLossError` naming it, rather than ship new contents under the old
-   request. In ``full`` mode this pass is left out: step 3 compares every landed byte with
-   the digest, so a block changed at the source fails there (a third full pass would only
-   say where it changed).
+2. **At the source, only when it tells something**: where the pull is not remapped, step 3
+   compares what landed with the digest, so a block the engine wrote again before the pull
+   ended fails there. Only then does the offering daemon sum its source again
+   (``changed_since_offer``; on a remote pull the puller's ``done`` says the check failed),
+   to fail the pull with :class:`DataLossError` "changed after they were offered" rather
+   than "changed at the source or corrupted on the way". A remapped stream is checked by
+   windows of its bytes, which cannot name blocks: there the blocks are summed again before
+   ``sent``.
 3. **Where they land**, before ``done``: the receiver sums what arrived and compares it with
    the digest (carried in ``sent``; at hand on a local pull). A mismatch fails the pull with
    :class:`DataLossError` naming the blocks; the destination is never reported filled.
 
 A remapped stream (other TP, head order or block size) lands in blocks cut otherwise than
-the offer's: after step 2 (both modes), the source also sums the stream as it left, by windows
-of its bytes (all of them, :data:`FULL_WINDOW` each, in ``full``; ``integrity_samples``
-random windows of :data:`SAMPLE_WINDOW` in ``sampled``), and the receiver sums the same windows
-of what landed (each side through its own plan of the stream).
+the offer's: after step 2 (both modes), the source also sums windows of the stream as it
+left, and the receiver the same windows of what landed (:mod:`._stream_sums`).
 
 Not checked, and said so in the transfer's record: GPU pools (no checksum kernel yet), offers
 of a daemon with ``integrity: off``.
-
->>> digest = Digest("sampled", np.array([1, 4]), np.array([0, 3]), np.array([7, 9], dtype=np.uint64))
->>> offer_pos, stream_pos, regions, sums = digest.for_pull(np.array([4, 2, 1]))  # a pull of 4, 2, 1
->>> stream_pos.tolist(), regions.tolist(), sums.tolist()
-([2, 0], [0, 3], [7, 9])
 """
 
 from __future__ import annotations
@@ -40,10 +36,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections.abc import Callable
+import time
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -52,17 +48,20 @@ from kvxfer.errors import DataLossError, InvalidRequestError, KvxferError
 from kvxfer.proto import peer_pb2
 
 from ._config import Settings
+from ._cpu_time import cpu_timed, in_thread
+from ._digest import Digest, covered_bytes, peer_entries, sample_offer, sum_entries
 from ._faults import Faults
 from ._log import log_event
 from ._offers import Offer
+from ._stream_sums import blocks_under, peer_windows, stream_windows
 from ._transfers import TransferRecord
-from .dataplane.checksum import block_sums, segment_sums, window_sums
-from .dataplane.hostmem import HostMemory
-from .dataplane.plan import RegionTable, SidePlan, build_plan, num_chunks, window_pieces
+from .dataplane.checksum import window_sums
+from .dataplane.plan import RegionTable, SidePlan, build_plan
 from .memory.pools import Pool
 
-__all__ = ["FULL_WINDOW", "INLINE_BYTES", "SAMPLE_WINDOW", "Digest", "Integrity"]
+__all__ = ["INLINE_BYTES", "Integrity"]
 
+T = TypeVar("T")
 I64 = npt.NDArray[np.int64]
 U64 = npt.NDArray[np.uint64]
 #: Sums over at most this many bytes run on the event loop (about 0.2 ms here); more go to
@@ -70,37 +69,10 @@ U64 = npt.NDArray[np.uint64]
 INLINE_BYTES = 1 << 20
 #: Blocks named in an error message (a mismatch of many says how many more).
 NAMED = 8
-#: Windows of a remapped stream, summed whole in ``full`` mode and sampled in ``sampled`` mode
-#: (a sample about one segment of a Llama-8B-sized block); a peer's windows must lie between.
-FULL_WINDOW, SAMPLE_WINDOW = 8 << 20, 64 << 10
-MIN_WINDOW, MAX_WINDOW = 8, 64 << 20
-
-
-@dataclass(frozen=True)
-class Digest:
-    """An offer's sums when it was written: entries at ``positions`` of its block list, of
-    region ``regions[j]`` (sampled) or of the whole block (``regions`` None)."""
-
-    mode: str
-    positions: I64
-    regions: I64 | None
-    sums: U64
-
-    def for_pull(self, indices: I64 | None) -> tuple[I64, I64, I64 | None, U64]:
-        """The entries a pull of the offer's blocks at ``indices`` (None: all) moves: their
-        offer positions, positions in the pull's stream, regions, sums."""
-        if indices is None:
-            return self.positions, self.positions, self.regions, self.sums
-        order = np.argsort(indices, kind="stable")
-        at = np.minimum(np.searchsorted(indices, self.positions, sorter=order), len(indices) - 1)
-        stream = order[at]
-        moved = indices[stream] == self.positions
-        regions = self.regions[moved] if self.regions is not None else None
-        return self.positions[moved], stream[moved], regions, self.sums[moved]
 
 
 class Integrity:
-    """The daemon's checks (see the module docstring); ``count`` hears of each one."""
+    """The daemon's checks (see the module docstring)."""
 
     def __init__(
         self,
@@ -108,12 +80,19 @@ class Integrity:
         executor: Executor,
         faults: Faults,
         count: Callable[[str, str, int], None] = lambda mode, result, blocks: None,
+        spent: Callable[[str, float], None] = lambda step, seconds: None,
     ) -> None:
+        """``count(mode, result, blocks)`` hears of each check, ``spent(step, seconds)`` of the
+        time each step took (digest, source, landed)."""
         self.mode = settings.integrity
         self.samples = settings.integrity_samples
         self.executor = executor
         self.faults = faults
         self._count = count
+        self._spent = spent
+        # One generator for the daemon: where samples fall must not be foreseeable from outside,
+        # and seeding one per offer costs more than the sums of a small offer.
+        self._rng = np.random.default_rng(secrets.randbits(128))
 
     # -- the offering side ----------------------------------------------------------------
 
@@ -130,14 +109,15 @@ class Integrity:
             return
         if not offer.written:
             return
-        n, nbytes = len(offer.block_ids), offer.pool.regions.nbytes
+        started = time.thread_time()
         regions: I64 | None = None
+        within: tuple[I64, I64] | None = None
         if self.mode == "full":
-            positions = np.arange(n, dtype=np.int64)
+            positions = np.arange(len(offer.block_ids), dtype=np.int64)
         else:
-            rng = np.random.default_rng(secrets.randbits(64))
-            picks = np.sort(rng.choice(n * len(nbytes), min(self.samples, n * len(nbytes)), replace=False))
-            positions, regions = (picks // len(nbytes)).astype(np.int64), (picks % len(nbytes)).astype(np.int64)
+            positions, regions, within = sample_offer(
+                self._rng, len(offer.block_ids), offer.pool.regions.nbytes, self.samples
+            )
         future: asyncio.Future[Digest | None] = asyncio.get_running_loop().create_future()
         offer.digest = future
 
@@ -146,78 +126,90 @@ class Integrity:
                 offer.integrity_off = "the offered pool went away before its blocks were summed"
                 return None
             log_event("integrity.digest", logging.DEBUG, offer_id=offer.offer_id, mode=self.mode, sums=len(sums))
-            return Digest(self.mode, positions, regions, sums)
+            return Digest(self.mode, positions, regions, within, sums)
 
-        if _covered(offer.pool, positions, regions) <= INLINE_BYTES:
+        ids = offer.block_ids[positions]
+        if covered_bytes(offer.pool, ids, regions, within) <= INLINE_BYTES:
             try:
                 memory = offer.pool.host_memory()
-                future.set_result(summed(_sum_in(memory, offer.pool.regions, offer.block_ids[positions], regions)))
+                future.set_result(summed(sum_entries(memory, offer.pool.regions, ids, regions, within)))
             except KvxferError as exc:  # e.g. an engine's process memory that cannot be read
                 offer.integrity_off = f"its blocks could not be summed: {exc}"
                 offer.digest = None
+            finally:
+                self._spent("digest", time.thread_time() - started)
             return
-        task = asyncio.ensure_future(self._sums(offer.pool, offer.block_ids[positions], regions))
+        self._spent("digest", time.thread_time() - started)
+        task = asyncio.ensure_future(self._timed("digest", self._sums(offer.pool, ids, regions, within)))
         task.add_done_callback(lambda t: _settle(future, t, summed))
 
     async def to_send(
         self, record: TransferRecord, offer: Offer, indices: I64 | None, remapped: SidePlan | None
     ) -> peer_pb2.BlockSums | None:
         """At the source, once the bytes left: the sums a pull of ``indices`` (None: all) is
-        checked against where it lands, after checking those blocks did not change since the
-        offer (DataLossError naming them if they did). ``remapped``: this side's plan of a
-        remapped stream, whose windows are summed instead (before the blocks are checked, so a
-        block changed in between fails that check)."""
-        digest = await self._digest_of(offer)
+        checked against where it lands. ``remapped``: this side's plan of a remapped stream,
+        whose windows are summed instead, and then the blocks checked unchanged since the offer
+        (DataLossError naming them if they changed)."""
+        digest = await self._digest_of(offer)  # an offer's digest may still be summing: not this step's time
+        return await self._timed("source", self._at_source(record, offer, digest, indices, remapped))
+
+    async def _at_source(
+        self,
+        record: TransferRecord,
+        offer: Offer,
+        digest: Digest | None,
+        indices: I64 | None,
+        remapped: SidePlan | None,
+    ) -> peer_pb2.BlockSums | None:
         if digest is None:
             why = offer.integrity_off or "no digest was taken"
             self._unchecked(record, why)
             return peer_pb2.BlockSums(unchecked=why)  # the receiver's record says why
         left: U64 | None = None
         if remapped is not None:
-            window, picks = self._windows(digest.mode, remapped.total_bytes)
+            window, picks = stream_windows(self._rng, digest.mode, self.samples, remapped.total_bytes)
             left = await self._window_sums(offer.pool, remapped, window, picks)
             if left is None:
                 self._unchecked(record, "the offered pool went away")
                 return None
-        offer_pos, stream_pos, regions, sums = digest.for_pull(indices)
-        blocks = len(np.unique(offer_pos))
-        if digest.mode == "full" and remapped is None:
-            # Every byte is checked where it lands, against the digest: a block changed here
-            # shows there. Reading them all again here would be a third pass over the request.
-            record.integrity_mode, record.integrity_blocks, record.integrity_result = "full", blocks, "sent"
-            changed = np.zeros(0, dtype=bool)
-        else:
-            now = await self._sums(offer.pool, offer.block_ids[offer_pos], regions)
-            if now is None:
+        offer_pos, moved = digest.for_pull(indices)
+        if remapped is None:  # a block changed here shows where it lands (module docstring, 2.)
+            record.integrity_mode, record.integrity_result = digest.mode, "sent"
+            record.integrity_blocks = len(set(offer_pos.tolist()))
+        else:  # the windows sent stand for the blocks: the blocks must still be as offered
+            changed = await self._changes(offer, offer_pos, moved)
+            if changed is None:
                 self._unchecked(record, "the offered pool went away")
                 return None
-            changed = now != sums
-            self._checked(record, digest.mode, blocks, bool(changed.any()))
-        if changed.any():
-            raise DataLossError(
-                f"offer {offer.offer_id}: blocks {_named(np.unique(offer.block_ids[offer_pos[changed]]))} changed "
-                "after they were offered (the engine wrote them again before the pull ended): not sent",
-                offer_id=offer.offer_id,
-                transfer_id=record.transfer_id,
-            )
+            self._checked(record, digest.mode, len(set(offer_pos.tolist())), bool(len(changed)))
+            if len(changed):
+                raise self._changed(record, offer, changed)
         if left is not None:
             return peer_pb2.BlockSums(mode=digest.mode, window_bytes=window, windows=picks.tolist(), sums=left.tolist())
         return peer_pb2.BlockSums(
             mode=digest.mode,
-            positions=stream_pos.tolist(),
-            sums=sums.tolist(),
-            regions=regions.tolist() if regions is not None else [],
+            positions=moved.positions.tolist(),
+            sums=moved.sums.tolist(),
+            regions=moved.regions.tolist() if moved.regions is not None else [],
+            starts=moved.within[0].tolist() if moved.within is not None else [],
+            lengths=moved.within[1].tolist() if moved.within is not None else [],
+        )
+
+    @staticmethod
+    def _changed(record: TransferRecord, offer: Offer, offer_pos: I64) -> DataLossError:
+        return DataLossError(
+            f"offer {offer.offer_id}: blocks {_named(np.unique(offer.block_ids[offer_pos]))} changed after "
+            "they were offered (the engine wrote them again before the pull ended): the destination is not filled",
+            offer_id=offer.offer_id,
+            transfer_id=record.transfer_id,
         )
 
     async def _digest_of(self, offer: Offer) -> Digest | None:
-        if offer.digest is None:
-            return None
         try:
-            digest: Digest | None = await asyncio.shield(offer.digest)
+            return None if offer.digest is None else await asyncio.shield(offer.digest)
         except KvxferError as exc:  # e.g. the engine's process memory became unreadable
             offer.integrity_off = f"its blocks could not be summed: {exc}"
             return None
-        return digest
 
     # -- where the blocks land ------------------------------------------------------------
 
@@ -231,6 +223,16 @@ class Integrity:
     ) -> None:
         """Before done: the landed blocks' sums against ``sums`` (the offering daemon's);
         ``remapped``: this side's plan of a remapped stream (its windows are compared)."""
+        await self._timed("landed", self._where_landed(record, sums, dst, dst_ids, remapped))
+
+    async def _where_landed(
+        self,
+        record: TransferRecord,
+        sums: peer_pb2.BlockSums | None,
+        dst: Pool,
+        dst_ids: I64,
+        remapped: SidePlan | None,
+    ) -> None:
         if not dst.on_gpu and self.faults.corrupts("before_check", record.transfer_id):
             _flip_first_bit(dst, dst_ids)
         windowed = sums is not None and sums.window_bytes > 0
@@ -243,25 +245,64 @@ class Integrity:
             why = f" ({sums.unchecked[:200]})" if sums is not None and sums.unchecked else ""
             self._unchecked(record, record.integrity_result or f"no sums from the offering daemon{why}")
             return
+        positions, regions, within = peer_entries(sums, len(dst_ids), dst.regions.nbytes)
+        expected = np.asarray(sums.sums, dtype=np.uint64)
+        await self._compare(record, Digest(sums.mode, positions, regions, within, expected), dst, dst_ids)
+
+    async def check_local(
+        self, record: TransferRecord, offer: Offer, indices: I64 | None, dst: Pool, dst_ids: I64
+    ) -> None:
+        """A local pull, not remapped: what landed against the offer's digest, with no pass at
+        the source (a block changed there shows where it lands, and only then is the source
+        summed again, to say which it was)."""
+        digest = await self._digest_of(offer)
+        await self._timed("landed", self._landed_here(record, offer, digest, indices, dst, dst_ids))
+
+    async def _landed_here(
+        self, record: TransferRecord, offer: Offer, digest: Digest | None, indices: I64 | None, dst: Pool, dst_ids: I64
+    ) -> None:
+        if digest is None:
+            self._unchecked(record, offer.integrity_off or "no digest was taken")
+            return
+        if not dst.on_gpu and self.faults.corrupts("before_check", record.transfer_id):
+            _flip_first_bit(dst, dst_ids)
+        try:
+            await self._compare(record, digest.for_pull(indices)[1], dst, dst_ids)
+        except DataLossError as landed:
+            raise await self.changed_since_offer(record, offer, indices) or landed from None
+
+    async def changed_since_offer(
+        self, record: TransferRecord, offer: Offer, indices: I64 | None
+    ) -> DataLossError | None:
+        """After a pull of ``indices`` failed its check where it landed: the error naming the
+        blocks that changed at the source since the offer, if any did (else it was the way)."""
+        digest = await self._digest_of(offer)
+        if digest is None:
+            return None
+        offer_pos, moved = digest.for_pull(indices)
+        changed = await self._changes(offer, offer_pos, moved)
+        return self._changed(record, offer, changed) if changed is not None and len(changed) else None
+
+    async def _changes(self, offer: Offer, offer_pos: I64, moved: Digest) -> I64 | None:
+        """The offer positions whose sums differ from the digest now (None: the pool is gone)."""
+        now = await self._sums(offer.pool, offer.block_ids[offer_pos], moved.regions, moved.within)
+        return None if now is None else offer_pos[now != moved.sums]
+
+    async def _compare(self, record: TransferRecord, expected: Digest, dst: Pool, dst_ids: I64) -> None:
+        """The landed blocks' sums against ``expected`` (by positions of the transfer): the
+        record says how it went, DataLossError naming the blocks that differ."""
         if dst.on_gpu:
             self._unchecked(record, "GPU destination: no checksum kernel yet")
             return
-        positions = np.asarray(sums.positions, dtype=np.int64)
-        expected = np.asarray(sums.sums, dtype=np.uint64)
-        regions = np.asarray(sums.regions, dtype=np.int64) if len(sums.regions) else None
-        if (
-            len(positions) != len(expected)
-            or positions.max() >= len(dst_ids)
-            or (regions is not None and (len(regions) != len(positions) or regions.max() >= len(dst.regions.nbytes)))
-        ):
-            raise InvalidRequestError("the peer's block sums name blocks or regions outside this transfer")
-        landed = await self._sums(dst, dst_ids[positions], regions)
+        positions = expected.positions
+        landed = await self._sums(dst, dst_ids[positions], expected.regions, expected.within)
         if landed is None:
             self._unchecked(record, "the destination pool went away")
             return
-        bad = landed != expected
-        self._checked(record, sums.mode, len(np.unique(positions)), bool(bad.any()))
-        if bad.any():
+        bad = landed != expected.sums
+        mismatch = bool(bad.any())
+        self._checked(record, expected.mode, len(set(positions.tolist())), mismatch)
+        if mismatch:
             raise DataLossError(
                 f"blocks {_named(np.unique(dst_ids[positions[bad]]))} (positions {_named(np.unique(positions[bad]))} "
                 f"of the transfer) landed with other bytes than offer {record.offer_id} held when it was written: "
@@ -273,48 +314,38 @@ class Integrity:
     async def _check_windows(
         self, record: TransferRecord, sums: peer_pb2.BlockSums, dst: Pool, dst_ids: I64, plan: SidePlan
     ) -> None:
-        window, count = sums.window_bytes, num_chunks(plan.total_bytes, max(1, sums.window_bytes))
-        if (
-            not MIN_WINDOW <= window <= MAX_WINDOW
-            or not sums.windows
-            or len(sums.windows) != len(sums.sums)
-            or len(sums.windows) > count
-            or max(sums.windows) >= count
-        ):
-            raise InvalidRequestError("the peer's window sums name windows outside this stream")
-        picks = np.asarray(sums.windows, dtype=np.int64)
+        window, picks = peer_windows(sums, plan.total_bytes)
         landed = await self._window_sums(dst, plan, window, picks)
         if landed is None:
             self._unchecked(record, "the destination pool went away")
             return
         bad = landed != np.asarray(sums.sums, dtype=np.uint64)
-        blocks = len(dst_ids) if sums.mode == "full" else len(_blocks_under(dst, plan, window, picks))
+        blocks = len(dst_ids) if sums.mode == "full" else len(blocks_under(dst, plan, window, picks))
         self._checked(record, sums.mode, blocks, bool(bad.any()))
         if bad.any():
             raise DataLossError(
-                f"blocks {_named(_blocks_under(dst, plan, window, picks[bad]))} (bytes "
+                f"blocks {_named(blocks_under(dst, plan, window, picks[bad]))} (bytes "
                 f"{_named(picks[bad] * window)} onwards, {window} each, of the remapped stream) landed with "
                 f"other bytes than offer {record.offer_id} sent: corrupted on the way; the destination is not filled",
                 transfer_id=record.transfer_id,
                 offer_id=record.offer_id,
             )
 
-    def _windows(self, mode: str, total_bytes: int) -> tuple[int, I64]:
-        """The windows of a remapped stream to sum: all, or a random sample."""
-        window = FULL_WINDOW if mode == "full" else SAMPLE_WINDOW
-        count = num_chunks(total_bytes, window)
-        if mode == "full":
-            return window, np.arange(count, dtype=np.int64)
-        rng = np.random.default_rng(secrets.randbits(64))
-        return window, np.sort(rng.choice(count, min(self.samples, count), replace=False)).astype(np.int64)
-
     async def _window_sums(self, pool: Pool, plan: SidePlan, window: int, picks: I64) -> U64 | None:
         return await self._summed(pool, len(picks) * window, window_sums, plan, window, picks)
 
     # -- shared ---------------------------------------------------------------------------
 
-    async def _sums(self, pool: Pool, ids: I64, regions: I64 | None) -> U64 | None:
-        return await self._summed(pool, _covered(pool, ids, regions), _sum_in, pool.regions, ids, regions)
+    async def _timed(self, step: str, work: Awaitable[T]) -> T:
+        result, seconds = await cpu_timed(work)
+        self._spent(step, seconds)
+        return result
+
+    async def _sums(
+        self, pool: Pool, ids: I64, regions: I64 | None, within: tuple[I64, I64] | None = None
+    ) -> U64 | None:
+        covered = covered_bytes(pool, ids, regions, within)
+        return await self._summed(pool, covered, sum_entries, pool.regions, ids, regions, within)
 
     async def _summed(self, pool: Pool, nbytes: int, sums: Callable[..., U64], *args: Any) -> U64 | None:
         """``sums(pool's host memory, *args)`` over ``nbytes``: on the loop when small, else in a
@@ -325,9 +356,7 @@ class Integrity:
             memory = pool.host_memory()
             if nbytes <= INLINE_BYTES:
                 return sums(memory, *args)
-            loop = asyncio.get_running_loop()
-            result: U64 = await loop.run_in_executor(self.executor, sums, memory, *args)
-            return result
+            return await in_thread(self.executor, sums, memory, *args)
 
     def _checked(self, record: TransferRecord, mode: str, blocks: int, mismatch: bool) -> None:
         record.integrity_mode, record.integrity_blocks = mode, blocks
@@ -337,20 +366,6 @@ class Integrity:
     def _unchecked(self, record: TransferRecord, why: str) -> None:
         record.integrity_result = why if why.startswith("not checked") else f"not checked: {why}"
         self._count(record.integrity_mode, "not_checked", 0)
-
-
-def _sum_in(memory: HostMemory, table: RegionTable, ids: I64, regions: I64 | None) -> U64:
-    """Whole blocks' sums (``regions`` None), or one region's segment of each block."""
-    if regions is None:
-        return block_sums(memory, table, ids)
-    return segment_sums(memory, table, ids, regions)
-
-
-def _covered(pool: Pool, ids: I64, regions: I64 | None) -> int:
-    """Bytes the sums of these entries read."""
-    if regions is None:
-        return len(ids) * int(pool.regions.nbytes.sum())
-    return int(pool.regions.nbytes[regions].sum())
 
 
 def _settle(future: asyncio.Future[Any], task: asyncio.Future[Any], summed: Callable[[Any], Any]) -> None:
@@ -364,20 +379,6 @@ def _settle(future: asyncio.Future[Any], task: asyncio.Future[Any], summed: Call
         future.exception()  # retrieved: an offer gone before its pull logs no warning
     else:
         future.set_result(summed(task.result()))
-
-
-def _blocks_under(pool: Pool, plan: SidePlan, window: int, picks: I64) -> I64:
-    """The pool's blocks that hold bytes of these windows of ``plan``'s stream."""
-    found = [np.zeros(0, dtype=np.int64)]
-    regions = pool.regions
-    for w in picks.tolist():
-        buf, off, _ = window_pieces(plan, w * window, min((w + 1) * window, plan.total_bytes))
-        rel = off[:, None] - regions.offset[None, :]
-        block = rel // np.maximum(regions.stride, 1)[None, :]
-        inside = (buf[:, None] == regions.buffer[None, :]) & (rel >= 0)
-        inside &= (rel - block * regions.stride[None, :] < regions.nbytes[None, :]) & (block < pool.layout.num_blocks)
-        found.append(block[inside])
-    return np.unique(np.concatenate(found))
 
 
 def _flip_first_bit(dst: Pool, dst_ids: I64) -> None:

@@ -184,6 +184,13 @@ class Metrics:
         self.integrity_blocks = Counter(
             "kvxfer_integrity_blocks_checked", "Blocks whose checksums were compared", ["mode"], registry=self.registry
         )
+        self.integrity_seconds = Counter(
+            "kvxfer_integrity_seconds",
+            "Time block checksums took, by step: digest (an offer written), source (re-checked once sent), "
+            "landed (checked where the blocks landed)",
+            ["step"],
+            registry=self.registry,
+        )
         self.tier_blocks = Counter(
             "kvxfer_tier_blocks",
             "Blocks copied into (store) or out of (load) the node's KV tier",
@@ -219,6 +226,10 @@ class Metrics:
         self.integrity_checks.labels(mode, result).inc()
         if blocks:
             self.integrity_blocks.labels(mode).inc(blocks)
+
+    def integrity_spent(self, step: str, seconds: float) -> None:
+        """Time one integrity step took (``step``: digest, source or landed)."""
+        self.integrity_seconds.labels(step).inc(seconds)
 
     def tier_op_finished(self, op: str, blocks: int, nbytes: int, seconds: float) -> None:
         """A tier store or load that copied ``blocks`` blocks."""

@@ -105,7 +105,9 @@ class Node:
         self.recv_staging = StagingPool(settings.staging_bytes, settings.chunk_bytes)
         self._gpu: GpuDevices | None = None  # made on first GPU use (see ``gpu``)
         #: Block checksums: digests of offers, checks at the source and where blocks land.
-        self.integrity = Integrity(settings, self.executor, self.faults, self.metrics.integrity_checked)
+        self.integrity = Integrity(
+            settings, self.executor, self.faults, self.metrics.integrity_checked, self.metrics.integrity_spent
+        )
         self.services = Services(settings, self.executor, self.gpu, self.faults, self.integrity)
         local = local_handoff(self.services, self.offers)
         #: The node's KV tier (:mod:`.tier`), when tier_host_bytes gives it memory.

@@ -74,35 +74,45 @@ def block_sums(memory: HostMemory, regions: RegionTable, ids: npt.NDArray[np.int
 
 
 def segment_sums(
-    memory: HostMemory, regions: RegionTable, ids: npt.NDArray[np.integer], region_of: npt.NDArray[np.integer]
+    memory: HostMemory,
+    regions: RegionTable,
+    ids: npt.NDArray[np.integer],
+    region_of: npt.NDArray[np.integer],
+    within: tuple[npt.NDArray[np.integer], npt.NDArray[np.integer]] | None = None,
 ) -> U64:
-    """The sum of one segment per entry: region ``region_of[j]`` of block ``ids[j]`` (a sample
-    of a request costs its segments only: one gather for all of them, one product per
-    segment size).
+    """The sum of one segment per entry: region ``region_of[j]`` of block ``ids[j]``, or only
+    its bytes ``starts[j] .. starts[j] + lengths[j]`` for ``within=(starts, lengths)`` (a sample
+    of a request costs its samples only: one gather for all of them, one product per length).
 
     >>> from kvxferd.dataplane.hostmem import MappedMemory
     >>> buf = np.arange(4096, dtype=np.uint8)
     >>> regions = RegionTable.from_regions([(0, 0, 1024, 512), (0, 512, 1024, 512)])
     >>> one = segment_sums(MappedMemory([buf]), regions, np.array([2, 2]), np.array([1, 0]))
-    >>> buf[2 * 1024 + 700] ^= 1                     # block 2, second region
+    >>> window = (np.array([160, 0]), np.array([64, 512]))   # bytes 160..224 of the first
+    >>> part = segment_sums(MappedMemory([buf]), regions, np.array([2, 2]), np.array([1, 0]), window)
+    >>> buf[2 * 1024 + 700] ^= 1                     # block 2, second region, its byte 188
     >>> (one != segment_sums(MappedMemory([buf]), regions, np.array([2, 2]), np.array([1, 0]))).tolist()
+    [True, False]
+    >>> (part != segment_sums(MappedMemory([buf]), regions, np.array([2, 2]), np.array([1, 0]), window)).tolist()
     [True, False]
     """
     ids, region_of = np.asarray(ids, dtype=np.int64), np.asarray(region_of, dtype=np.int64)
+    arrays = getattr(memory, "arrays", None)  # mapped here: each segment summed where it lies
+    if arrays is not None and 0 < len(ids) <= _IN_PLACE:
+        summed = _sums_in_place(arrays, regions, ids, region_of, within)
+        if summed is not None:
+            return summed
     out = np.zeros(len(ids), dtype=np.uint64)
     if not len(ids):
         return out
-    arrays = getattr(memory, "arrays", None)  # mapped here: each segment summed where it lies
     seg_off = regions.offset[region_of] + ids * regions.stride[region_of]
     seg_len = regions.nbytes[region_of]
-    if arrays is not None and len(ids) <= _IN_PLACE and not ((seg_off | seg_len) % 8).any():
-        where = zip(regions.buffer[region_of].tolist(), seg_off.tolist(), seg_len.tolist(), strict=True)
-        for j, (b, o, n) in enumerate(where):
-            out[j] = arrays[b][o : o + n].view(np.uint64) @ _weights_for(n // 8)
-        return out
+    if within is not None:
+        seg_off = seg_off + np.asarray(within[0], dtype=np.int64)
+        seg_len = np.asarray(within[1], dtype=np.int64)
     # Sorted by size, so each size's segments lie back to back once gathered.
-    order = np.argsort(regions.nbytes[region_of], kind="stable")
-    ids, region_of, seg_off, seg_len = ids[order], region_of[order], seg_off[order], seg_len[order]
+    order = np.argsort(seg_len, kind="stable")
+    region_of, seg_off, seg_len = region_of[order], seg_off[order], seg_len[order]
     total = int(seg_len.sum())
     scratch = np.empty(total, dtype=np.uint8)
     memory.gather(plan_segments(regions.buffer[region_of], seg_off, seg_len, total).chunks[0], scratch)
@@ -111,6 +121,33 @@ def segment_sums(
     for size, at, n in zip(sizes.tolist(), first.tolist(), count.tolist(), strict=True):
         rows = scratch[int(starts[at]) : int(starts[at]) + n * size].reshape(n, size)
         out[order[at : at + n]] = _segment_sums(rows)
+    return out
+
+
+def _sums_in_place(
+    arrays: list[npt.NDArray[np.uint8]],
+    regions: RegionTable,
+    ids: npt.NDArray[np.integer],
+    region_of: npt.NDArray[np.integer],
+    within: tuple[npt.NDArray[np.integer], npt.NDArray[np.integer]] | None,
+) -> U64 | None:
+    """A few segments summed where they lie, in plain Python around one product each (numpy's
+    per-call cost is most of the work at this size); None if one is not word-aligned."""
+    buffer, offset, stride, nbytes = (
+        regions.buffer.tolist(),
+        regions.offset.tolist(),
+        regions.stride.tolist(),
+        regions.nbytes.tolist(),
+    )
+    ids_l, reg_l = ids.tolist(), region_of.tolist()
+    starts = within[0].tolist() if within is not None else [0] * len(ids_l)
+    lengths = within[1].tolist() if within is not None else [nbytes[r] for r in reg_l]
+    out = np.empty(len(ids_l), dtype=np.uint64)
+    for j, (i, r, start, n) in enumerate(zip(ids_l, reg_l, starts, lengths, strict=True)):
+        o = offset[r] + i * stride[r] + start
+        if (o | n) % 8:
+            return None
+        out[j] = arrays[buffer[r]][o : o + n].view(np.uint64) @ _weights_for(n // 8)
     return out
 
 

@@ -85,11 +85,14 @@ class LocalHandoff:
                 transport, record.device_s = await self.copy_blocks(src, src_ids, dst, dst_ids, plans)
                 record.transport = transport or record.transport
                 record.data_plane_s = time.perf_counter() - started
-            # As offered (unchanged at the source), and as landed.
-            remapped = plans if record.mapping else None
-            sums = await self.integrity.to_send(record, offer, indices, remapped[0] if remapped else None)
-            if sums is not None and len(sums.sums):
-                await self.integrity.check_landed(record, sums, dst, dst_ids, remapped[1] if remapped else None)
+            # As offered: a remapped stream is summed at the source and where it landed, by
+            # windows of the stream; blocks as they are, where they landed against the digest.
+            if record.mapping and plans is not None:
+                sums = await self.integrity.to_send(record, offer, indices, plans[0])
+                if sums is not None and len(sums.sums):
+                    await self.integrity.check_landed(record, sums, dst, dst_ids, plans[1])
+            else:
+                await self.integrity.check_local(record, offer, indices, dst, dst_ids)
             record.mark("checked")
         except BaseException as exc:
             detail = f"local pull failed: {exc!r}"

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from kvxfer.errors import DeadlineExceededError, IncompatibleError, UnavailableError
+from kvxfer.errors import DataLossError, DeadlineExceededError, IncompatibleError, KvxferError, UnavailableError
 from kvxfer.layout import mapping_between
 from kvxfer.proto import peer_pb2
 
@@ -79,9 +79,7 @@ class RemotePull:
                 receiver = choose_receiver(landing, self.services, self.plane, accepted, asked, endpoint)
                 await receiver.prepare(stack)
                 said = await self._move(receiver, call, ends_at)
-                mapped_plan = plan if record.mapping else None
-                await self.services.integrity.check_landed(record, sums_of(said), order.dst, order.dst_ids, mapped_plan)
-                record.mark("checked")
+                await self._check(order, call, sums_of(said), plan if record.mapping else None)
                 await self._commit(order, call, hand_on, ends_at)
             except BaseException as exc:
                 await self._fail(order, peer, call, receiver, exc)
@@ -200,6 +198,25 @@ class RemotePull:
             if sent is not None and not sent.done():
                 sent.cancel()
             raise
+
+    async def _check(
+        self, order: PullOrder, call: TransferCall, sums: peer_pb2.BlockSums | None, mapped: SidePlan | None
+    ) -> None:
+        """The landed blocks against the offerer's sums. A mismatch is told to the offerer
+        (``done`` not ok), whose word, due within a moment, says whether its engine wrote
+        the blocks again since the offer (then that error is the pull's)."""
+        try:
+            await self.services.integrity.check_landed(order.record, sums, order.dst, order.dst_ids, mapped)
+        except DataLossError as landed:
+            call.reject(str(landed))
+            try:
+                await call.closed(OFFERER_WORD_S)
+            except DataLossError as found:
+                raise found from None
+            except KvxferError:
+                pass
+            raise
+        order.record.mark("checked")
 
     async def _commit(self, order: PullOrder, call: TransferCall, hand_on: HandOn | None, ends_at: float) -> None:
         """Hand the bytes on to other readers, say ``done``, and wait for the offerer's

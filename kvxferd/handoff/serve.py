@@ -167,8 +167,8 @@ class TransferServer:
             raise CancelledError(record.abort_detail) from None
 
     async def _commit(self, sending: Sending, remapped: SidePlan | None) -> None:
-        """The blocks as offered, checked unchanged at the source now that they left; sent;
-        the puller's done; release as pulled; closed."""
+        """Sent, with the sums the blocks are checked against where they land; the puller's
+        done; release as pulled; closed."""
         t, faults = sending, self.services.faults
         record, stream, offer = t.record, t.stream, t.offer
         sums = await self.services.integrity.to_send(record, offer, t.start.offer_block_indices, remapped)
@@ -180,8 +180,9 @@ class TransferServer:
         if done is None:
             raise UnavailableError("receiver closed the transfer without confirming")
         ok, detail, readers = done
-        if not ok:
-            raise UnavailableError(f"receiver reported failure: {detail}")
+        if not ok:  # e.g. its integrity check: did the engine write the blocks again since?
+            changed = await self.services.integrity.changed_since_offer(record, offer, t.start.offer_block_indices)
+            raise changed or UnavailableError(f"receiver reported failure: {detail}")
         left = stream.time_remaining()
         if left is not None and left < COMMIT_MARGIN_S:
             # The puller gives up at this same deadline: closed might not reach it in time, so

@@ -162,6 +162,12 @@ class TransferCall:
         done = peer_pb2.TransferDone(ok=True, readers=readers)
         self._stream.send(peer_pb2.TransferClientMessage(transfer_id=self.transfer_id, done=done))
 
+    def reject(self, detail: str) -> None:
+        """Say the bytes landed but failed their check: the offerer answers ``failed``, with
+        what it found at its end (a block written again since the offer)."""
+        done = peer_pb2.TransferDone(ok=False, detail=detail[:1000])
+        self._stream.send(peer_pb2.TransferClientMessage(transfer_id=self.transfer_id, done=done))
+
     async def closed(self, timeout: float | None) -> None:
         """The offerer released the offer as pulled: the transfer succeeded."""
         await self._read("closed", timeout)

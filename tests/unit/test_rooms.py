@@ -137,6 +137,12 @@ async def test_a_local_pull_copies_the_blocks_records_the_transfer_and_releases_
 WINDOWED = peer_pb2.BlockSums(mode="full", window_bytes=4096, windows=[0], sums=[1])
 
 
+def _window(starts: list[int], lengths: list[int], regions: list[int] | None = None) -> peer_pb2.BlockSums:
+    """Sampled sums of one window of block position 2's first segment."""
+    regions = [0] if regions is None else regions
+    return peer_pb2.BlockSums(mode="sampled", positions=[2], sums=[1], regions=regions, starts=starts, lengths=lengths)
+
+
 @pytest.mark.parametrize(
     ("sums", "remapped", "error"),
     [
@@ -144,6 +150,13 @@ WINDOWED = peer_pb2.BlockSums(mode="full", window_bytes=4096, windows=[0], sums=
         (peer_pb2.BlockSums(mode="full", positions=[0, 1], sums=[1]), False, "outside this transfer"),  # counts differ
         (peer_pb2.BlockSums(mode="sampled", positions=[0], sums=[1], regions=[99]), False, "outside this transfer"),
         (peer_pb2.BlockSums(mode="full", positions=[2], sums=[12345]), False, "landed with other bytes"),
+        # Sampled windows lie inside their segment, and are not empty.
+        (_window(starts=[1 << 40], lengths=[8]), False, "outside this transfer"),
+        (_window(starts=[0], lengths=[(1 << 64) - 1]), False, "outside this transfer"),
+        (_window(starts=[0], lengths=[0]), False, "outside this transfer"),
+        (_window(starts=[0, 8], lengths=[8]), False, "outside this transfer"),
+        (_window(starts=[8], lengths=[8], regions=[]), False, "outside this transfer"),
+        (_window(starts=[8], lengths=[8]), False, "landed with other bytes"),
         # A remapped stream is summed by windows, and only it.
         (peer_pb2.BlockSums(mode="full", positions=[0], sums=[1]), True, "do not fit this stream"),
         (WINDOWED, False, "do not fit this stream"),

@@ -399,6 +399,10 @@ class TransferDone(_message.Message):
     DETAIL_FIELD_NUMBER: _builtins.int
     READERS_FIELD_NUMBER: _builtins.int
     ok: _builtins.bool
+    """False: every byte landed but failed the check against the sums sent (detail says how).
+    The offering daemon fails the transfer: with DATA_LOSS naming the blocks, when summing
+    its source again finds blocks its engine wrote since the offer.
+    """
     detail: _builtins.str
     readers: _builtins.int
     """Readers of the offer this transfer served (0 means 1): more than one when the receiving
@@ -652,8 +656,9 @@ class TransferSent(_message.Message):
     transport: _builtins.str
     @_builtins.property
     def sums(self) -> Global___BlockSums:
-        """The offered blocks' checksums as they were when the offer was written (and still were at
-        the source once sent): the receiver checks the bytes that landed against them before done.
+        """The offered blocks' checksums as they were when the offer was written (a remapped stream's
+        windows as sent, the blocks still unchanged then): the receiver checks the bytes that landed
+        against them before done.
         Absent: nothing to check (integrity off on the offering daemon, a GPU pool, a remapped
         stream), and the receiver's record says so.
         """
@@ -676,8 +681,10 @@ Global___TransferSent: _TypeAlias = TransferSent  # noqa: Y015
 @_typing.final
 class BlockSums(_message.Message):
     """64-bit sums (kvxferd/dataplane/checksum.py) of blocks at these positions of the transfer's
-    stream (its block list, in order): every whole block ("full"), or random segments ("sampled":
-    regions names the region, a layer's K or V, of each sum; empty: whole blocks).
+    stream (its block list, in order): every whole block ("full"), or windows spread over the
+    offer's bytes ("sampled", kvxferd/_digest.py: regions names the region, a layer's K or V, of
+    each sum; starts and lengths the bytes of that block's segment it covers, empty: the whole
+    segment; regions empty: whole blocks).
     A remapped stream (other TP, head order or block size: the sides cut blocks otherwise) is
     summed by windows of its bytes instead: window_bytes > 0, windows[j] the window of sums[j]
     (bytes windows[j] * window_bytes onwards), positions and regions empty.
@@ -692,6 +699,8 @@ class BlockSums(_message.Message):
     UNCHECKED_FIELD_NUMBER: _builtins.int
     WINDOW_BYTES_FIELD_NUMBER: _builtins.int
     WINDOWS_FIELD_NUMBER: _builtins.int
+    STARTS_FIELD_NUMBER: _builtins.int
+    LENGTHS_FIELD_NUMBER: _builtins.int
     mode: _builtins.str
     unchecked: _builtins.str
     """Set, with no sums, when the offering daemon has none to give: why (integrity off there, a
@@ -706,6 +715,10 @@ class BlockSums(_message.Message):
     def regions(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
     def windows(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def starts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def lengths(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
         self,
         *,
@@ -716,10 +729,12 @@ class BlockSums(_message.Message):
         unchecked: _builtins.str = ...,
         window_bytes: _builtins.int = ...,
         windows: _abc.Iterable[_builtins.int] | None = ...,
+        starts: _abc.Iterable[_builtins.int] | None = ...,
+        lengths: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["mode", b"mode", "positions", b"positions", "regions", b"regions", "sums", b"sums", "unchecked", b"unchecked", "window_bytes", b"window_bytes", "windows", b"windows"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lengths", b"lengths", "mode", b"mode", "positions", b"positions", "regions", b"regions", "starts", b"starts", "sums", b"sums", "unchecked", b"unchecked", "window_bytes", b"window_bytes", "windows", b"windows"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
