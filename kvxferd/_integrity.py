@@ -205,8 +205,11 @@ class Integrity:
         )
 
     async def _digest_of(self, offer: Offer) -> Digest | None:
-        try:
-            return None if offer.digest is None else await asyncio.shield(offer.digest)
+        future = offer.digest
+        if future is None:
+            return None
+        try:  # summed already, as a rule: its result without a shield's extra turn of the loop
+            return future.result() if future.done() else await asyncio.shield(future)
         except KvxferError as exc:  # e.g. the engine's process memory became unreadable
             offer.integrity_off = f"its blocks could not be summed: {exc}"
             return None
@@ -252,9 +255,8 @@ class Integrity:
     async def check_local(
         self, record: TransferRecord, offer: Offer, indices: I64 | None, dst: Pool, dst_ids: I64
     ) -> None:
-        """A local pull, not remapped: what landed against the offer's digest, with no pass at
-        the source (a block changed there shows where it lands, and only then is the source
-        summed again, to say which it was)."""
+        """A local pull, not remapped: what landed against the offer's digest (the source is
+        summed again only if that fails, as on a remote pull)."""
         digest = await self._digest_of(offer)
         await self._timed("landed", self._landed_here(record, offer, digest, indices, dst, dst_ids))
 
@@ -382,15 +384,13 @@ def _settle(future: asyncio.Future[Any], task: asyncio.Future[Any], summed: Call
 
 
 def _flip_first_bit(dst: Pool, dst_ids: I64) -> None:
-    """Fault injection (``before_check=corrupt``): flip one bit of the first landed block, as a
-    fault on the way would."""
+    """Fault injection (``before_check=corrupt``): flip a bit of the first landed block."""
     regions = dst.regions
     first = RegionTable(regions.buffer[:1], regions.offset[:1], regions.stride[:1], np.ones(1, np.int64))
     chunk = build_plan(first, dst_ids[:1], 1).chunks[0]
     memory, byte = dst.host_memory(), np.zeros(1, dtype=np.uint8)
     memory.gather(chunk, byte)
-    byte ^= 1
-    memory.scatter(chunk, byte)
+    memory.scatter(chunk, byte ^ np.uint8(1))
 
 
 def _named(values: Any) -> str:

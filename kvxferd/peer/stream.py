@@ -6,8 +6,9 @@ stream took 1.6 ms where the same four on an open one took 0.95 ms (grpc.aio ove
 dev VM). So the first pull from a peer opens the stream and later ones reuse it.
 
 One reader task hands each message to its transfer's inbox; one writer task sends messages in
-the order they were given (gRPC allows one write at a time, and a write must never be
-cancelled halfway: a pull is cancelled at any await). A lost stream fails every transfer on
+the order they were given, those ready together in one write (:mod:`.batching`; gRPC allows
+one write at a time, and a write must never be cancelled halfway: a pull is cancelled at any
+await). A lost stream fails every transfer on
 it with the reason, and the next pull opens a new one.
 """
 
@@ -24,6 +25,7 @@ from kvxfer.proto import peer_pb2, peer_pb2_grpc
 
 from .._log import log_event
 from .._steps import within
+from .batching import Batches, unbatched
 
 __all__ = ["TransferCall", "TransferStream"]
 
@@ -75,17 +77,19 @@ class TransferStream:
 
     async def _read_all(self) -> None:
         try:
-            while (msg := await self._call.read()) is not grpc.aio.EOF:
-                inbox = self._inboxes.get(msg.transfer_id)
-                if inbox is not None:  # else a transfer this side already ended
-                    inbox.put_nowait(msg)
+            while (batch := await self._call.read()) is not grpc.aio.EOF:
+                for msg in unbatched(batch):
+                    inbox = self._inboxes.get(msg.transfer_id)
+                    if inbox is not None:  # else a transfer this side already ended
+                        inbox.put_nowait(msg)
             self._lost(UnavailableError(f"peer {self.address} ended the transfer stream"))
         except grpc.RpcError as exc:
             self._lost(peer_error(exc, self.address))
 
     async def _write_all(self) -> None:
+        batches = Batches(self._outbox)
         while True:
-            msg = await self._outbox.get()
+            msg = await batches.next()
             if self.broken is not None:
                 continue  # nobody reads it: the transfers already failed
             try:

@@ -34,6 +34,7 @@ from kvxfer.proto import peer_pb2
 from .._log import log_event
 from ..edge import wire
 from ..edge.rpc import status_of
+from .batching import Batches, unbatched
 from .identity import PeerCertificate
 from .serve_request import PeerNode, read_start
 
@@ -54,14 +55,6 @@ async def serve_transfers(context: Any, node: PeerNode) -> None:
     outbox: asyncio.Queue[peer_pb2.TransferServerMessage] = asyncio.Queue()
     loop = asyncio.get_running_loop()
     certificate = PeerCertificate(context, bool(node.settings.tls_cert))
-
-    async def write_all() -> None:
-        while True:
-            msg = await outbox.get()
-            try:
-                await context.write(msg)
-            except Exception as exc:  # noqa: BLE001 - the stream is gone; the reader ends it
-                log_event("transfers.write_failed", logging.DEBUG, transfer_id=msg.transfer_id, detail=repr(exc))
 
     def refuse(transfer_id: str, exc: Exception) -> None:
         code, detail = status_of("Transfers", exc)
@@ -93,30 +86,35 @@ async def serve_transfers(context: Any, node: PeerNode) -> None:
             if running.get(transfer.transfer_id) is transfer:
                 del running[transfer.transfer_id]
 
-    writer = asyncio.create_task(write_all(), name="transfers-writer")
+    def take(msg: peer_pb2.TransferClientMessage) -> None:
+        """Start, done or abort one transfer."""
+        transfer_id, kind = msg.transfer_id, msg.WhichOneof("msg")
+        transfer = running.get(transfer_id)
+        if kind == "start":
+            try:
+                wire.transfer_id(transfer_id, required=True)
+                if transfer is not None:
+                    raise InvalidRequestError(f"transfer {transfer_id!r} is already running on this stream")
+                if len(running) >= MAX_TRANSFERS:
+                    raise ResourceExhaustedError(f"more than {MAX_TRANSFERS} transfers running on one stream")
+            except (InvalidRequestError, ResourceExhaustedError) as exc:
+                refuse(transfer_id[:128], exc)
+                return
+            transfer = _OffererStream(transfer_id, outbox)
+            running[transfer_id] = transfer
+            transfer.task = asyncio.create_task(run(transfer, msg.start), name=f"serve-{transfer_id}")
+        elif transfer is None:
+            return  # a transfer that already ended here (its done or abort crossed our failed)
+        elif kind == "done":
+            transfer.inbox.put_nowait(msg.done)
+        else:  # abort, or a message this daemon does not know: the puller is not following
+            transfer.leave()
+
+    writer = asyncio.create_task(_write_all(context, outbox), name="transfers-writer")
     try:
-        while (msg := await context.read()) is not grpc.aio.EOF:
-            transfer_id, kind = msg.transfer_id, msg.WhichOneof("msg")
-            transfer = running.get(transfer_id)
-            if kind == "start":
-                try:
-                    wire.transfer_id(transfer_id, required=True)
-                    if transfer is not None:
-                        raise InvalidRequestError(f"transfer {transfer_id!r} is already running on this stream")
-                    if len(running) >= MAX_TRANSFERS:
-                        raise ResourceExhaustedError(f"more than {MAX_TRANSFERS} transfers running on one stream")
-                except (InvalidRequestError, ResourceExhaustedError) as exc:
-                    refuse(transfer_id[:128], exc)
-                    continue
-                transfer = _OffererStream(transfer_id, outbox)
-                running[transfer_id] = transfer
-                transfer.task = asyncio.create_task(run(transfer, msg.start), name=f"serve-{transfer_id}")
-            elif transfer is None:
-                continue  # a transfer that already ended here (its done or abort crossed our failed)
-            elif kind == "done":
-                transfer.inbox.put_nowait(msg.done)
-            else:  # abort, or a message this daemon does not know: the puller is not following
-                transfer.leave()
+        while (batch := await context.read()) is not grpc.aio.EOF:
+            for msg in unbatched(batch):
+                take(msg)
     finally:
         # The puller closed its end or the stream is lost: it waits for none of these.
         tasks = []
@@ -127,6 +125,17 @@ async def serve_transfers(context: Any, node: PeerNode) -> None:
         await asyncio.gather(*tasks, return_exceptions=True)
         writer.cancel()
         await asyncio.gather(writer, return_exceptions=True)
+
+
+async def _write_all(context: Any, outbox: asyncio.Queue[peer_pb2.TransferServerMessage]) -> None:
+    """Write the stream's messages as they come, those ready together in one write."""
+    batches = Batches(outbox)
+    while True:
+        msg = await batches.next()
+        try:
+            await context.write(msg)
+        except Exception as exc:  # noqa: BLE001 - the stream is gone; the reader ends it
+            log_event("transfers.write_failed", logging.DEBUG, transfer_id=msg.transfer_id, detail=repr(exc))
 
 
 class _OffererStream:

@@ -456,6 +456,7 @@ class TransferClientMessage(_message.Message):
     START_FIELD_NUMBER: _builtins.int
     DONE_FIELD_NUMBER: _builtins.int
     ABORT_FIELD_NUMBER: _builtins.int
+    MORE_FIELD_NUMBER: _builtins.int
     transfer_id: _builtins.str
     """The transfer this message belongs to (start's transfer_id)."""
     @_builtins.property
@@ -464,6 +465,12 @@ class TransferClientMessage(_message.Message):
     def done(self) -> Global___TransferDone: ...
     @_builtins.property
     def abort(self) -> Global___TransferAbort: ...
+    @_builtins.property
+    def more(self) -> _containers.RepeatedCompositeFieldContainer[Global___TransferClientMessage]:
+        """Messages that were ready behind this one, in the same write (kvxferd/peer/batching.py):
+        read in order after it, as if each came alone; their own "more" is ignored.
+        """
+
     def __init__(
         self,
         *,
@@ -471,10 +478,11 @@ class TransferClientMessage(_message.Message):
         start: Global___TransferStart | None = ...,
         done: Global___TransferDone | None = ...,
         abort: Global___TransferAbort | None = ...,
+        more: _abc.Iterable[Global___TransferClientMessage] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["abort", b"abort", "done", b"done", "msg", b"msg", "start", b"start"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort", b"abort", "done", b"done", "msg", b"msg", "start", b"start", "transfer_id", b"transfer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort", b"abort", "done", b"done", "more", b"more", "msg", b"msg", "start", b"start", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_msg: _TypeAlias = _typing.Literal["start", "done", "abort"]  # noqa: Y015
     _WhichOneofArgType_msg: _TypeAlias = _typing.Literal["msg", b"msg"]  # noqa: Y015
@@ -799,6 +807,7 @@ class TransferServerMessage(_message.Message):
     CLOSED_FIELD_NUMBER: _builtins.int
     FAILED_FIELD_NUMBER: _builtins.int
     READY_FIELD_NUMBER: _builtins.int
+    MORE_FIELD_NUMBER: _builtins.int
     transfer_id: _builtins.str
     """The transfer this message belongs to."""
     @_builtins.property
@@ -811,6 +820,10 @@ class TransferServerMessage(_message.Message):
     def failed(self) -> Global___TransferError: ...
     @_builtins.property
     def ready(self) -> Global___TransferReady: ...
+    @_builtins.property
+    def more(self) -> _containers.RepeatedCompositeFieldContainer[Global___TransferServerMessage]:
+        """As TransferClientMessage.more."""
+
     def __init__(
         self,
         *,
@@ -820,10 +833,11 @@ class TransferServerMessage(_message.Message):
         closed: Global___TransferClosed | None = ...,
         failed: Global___TransferError | None = ...,
         ready: Global___TransferReady | None = ...,
+        more: _abc.Iterable[Global___TransferServerMessage] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "closed", b"closed", "failed", b"failed", "msg", b"msg", "ready", b"ready", "sent", b"sent"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "closed", b"closed", "failed", b"failed", "msg", b"msg", "ready", b"ready", "sent", b"sent", "transfer_id", b"transfer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "closed", b"closed", "failed", b"failed", "more", b"more", "msg", b"msg", "ready", b"ready", "sent", b"sent", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_msg: _TypeAlias = _typing.Literal["accepted", "sent", "closed", "failed", "ready"]  # noqa: Y015
     _WhichOneofArgType_msg: _TypeAlias = _typing.Literal["msg", b"msg"]  # noqa: Y015
