@@ -9,10 +9,14 @@ Points (where the daemon calls :meth:`Faults.hit`):
 
 * ``after_accepted`` — offering side, right after it wrote ``accepted``;
 * ``after_chunk_sent:N`` — offering side, once chunk ``N`` (0-based) has been sent;
+* ``before_sent`` — offering side, every byte sent, before it says ``sent`` (a cancel here
+  still fails both sides; from ``sent`` on it is too late);
 * ``before_done`` — pulling side, every byte landed, before it writes ``done``;
 * ``before_local_copy`` — local handoff, the offer claimed, before the first byte is copied;
-* ``after_done_read`` — offering side, after it read ``done``, before it releases and closes;
-* ``before_closed_read`` — pulling side, after ``done`` went out, before it reads ``closed``;
+* ``after_done_read`` — offering side, after it read ``done`` and released the offer as pulled,
+  before it says ``closed``;
+* ``before_closed_read`` — pulling side, after ``done`` went out and the pull succeeded, before
+  it reads ``closed`` (off the engine's path);
 * ``peer_endpoint`` — both sides, before an endpoint to a peer is made from its worker address;
 * ``endpoint_broken`` — offering side, before it sends: a failing hit breaks the endpoint for
   good (every later send over it fails, as over the endpoint a frozen peer once left behind),
@@ -53,6 +57,7 @@ __all__ = ["Faults"]
 POINTS = (
     "after_accepted",
     "after_done_read",
+    "before_sent",
     "before_check",
     "before_closed_read",
     "before_done",

@@ -9,17 +9,13 @@ from typing import TypeVar
 
 from kvxfer.errors import DeadlineExceededError
 
-__all__ = ["COMMIT_MARGIN_S", "MAX_CHUNK", "MIN_CHUNK", "within"]
+__all__ = ["MAX_CHUNK", "MIN_CHUNK", "within"]
 
 T = TypeVar("T")
 
 #: Chunk sizes a remote transfer may use (the puller offers one, the sender may lower it).
 MIN_CHUNK = 64 << 10
 MAX_CHUNK = 256 << 20
-#: The offering side commits (releases the offer as pulled, says closed) only with at least
-#: this much of the transfer's deadline left, so that closed reaches the puller before
-#: the same deadline ends its wait (peer.proto, "Outcomes").
-COMMIT_MARGIN_S = 1.0
 
 
 async def within(aw: Awaitable[T], timeout: float | None, what: str = "a step of the transfer") -> T:

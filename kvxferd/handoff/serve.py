@@ -4,9 +4,9 @@ The control plane reads and checks a transfer's ``start`` (:class:`.serve_reques
 and gives :meth:`TransferServer.serve` the stream as an ``OffererStream``; from there the steps
 are: **claim** the offer (and check the pull against it), **move** the bytes with the sender
 :func:`.senders.choose_sender` picks, **verify** the blocks are unchanged at the source, and
-**commit** (peer.proto, "Outcomes"): the offer is released as pulled only when ``done`` arrives
-with at least :data:`~kvxferd._steps.COMMIT_MARGIN_S` of the transfer's deadline left, and as failed
-otherwise.
+**commit** (peer.proto, "Outcomes"): once ``sent`` is on its way the puller decides: its
+``done`` releases the offer as pulled, its abort (or the stream's loss) as failed; a cancel on
+this side is too late from there.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from kvxfer.proto import common_pb2
 
 from .._offers import Offer, OfferTable
 from .._services import Services
-from .._steps import COMMIT_MARGIN_S
 from .._transfers import TransferRecord, TransferTable
 from ..dataplane.plan import SidePlan
 from ..dataplane.remap import peer_side, plan_remap, side_of
@@ -82,7 +81,10 @@ class TransferServer:
                     del sender
         except BaseException as exc:
             self._failed(sending, exc)
-            raise
+            if not sending.pulled or isinstance(exc, asyncio.CancelledError):
+                raise
+            await stream.closed()  # the puller succeeded at done: it hears closed, not this
+            return
         finally:
             serving = False
         self.transfers.end(record, common_pb2.TRANSFER_STATE_SUCCEEDED)
@@ -151,14 +153,13 @@ class TransferServer:
         record = sending.record
         # This handler's own deadline (a step's deadline is a DeadlineExceededError already).
         own_deadline = isinstance(exc, TimeoutError) and not isinstance(exc, KvxferError)
-        if record.committed:
-            # The receiver confirmed every byte and the offer went as pulled; only the closing
-            # message was interrupted.
+        if sending.pulled:
+            # The puller said done and the offer went as pulled; only closed was interrupted.
             self.transfers.end(record, common_pb2.TRANSFER_STATE_SUCCEEDED)
-        else:
-            detail = "deadline exceeded" if own_deadline else str(exc) or repr(exc)
-            self.offers.release(sending.offer, common_pb2.RELEASE_REASON_FAILED, detail, record.transfer_id)
-            self.transfers.end(record, common_pb2.TRANSFER_STATE_FAILED, detail, exc)
+            return
+        detail = "deadline exceeded" if own_deadline else str(exc) or repr(exc)
+        self.offers.release(sending.offer, common_pb2.RELEASE_REASON_FAILED, detail, record.transfer_id)
+        self.transfers.end(record, common_pb2.TRANSFER_STATE_FAILED, detail, exc)
         if own_deadline:
             raise DeadlineExceededError(f"transfer {record.transfer_id} exceeded its deadline") from None
         if isinstance(exc, asyncio.CancelledError) and record.abort_detail:
@@ -167,30 +168,26 @@ class TransferServer:
             raise CancelledError(record.abort_detail) from None
 
     async def _commit(self, sending: Sending, remapped: SidePlan | None) -> None:
-        """Sent, with the sums the blocks are checked against where they land; the puller's
-        done; release as pulled; closed."""
+        """Sent, with the sums the blocks are checked against where they land; from there the
+        puller decides (its done: release as pulled, then closed)."""
         t, faults = sending, self.services.faults
         record, stream, offer = t.record, t.stream, t.offer
         sums = await self.services.integrity.to_send(record, offer, t.start.offer_block_indices, remapped)
+        await faults.hit("before_sent", transfer_id=record.transfer_id)
+        record.committed = True  # every byte is out: a cancel here is too late (the puller decides)
         record.mark("sent")
         await stream.sent(record.nbytes, record.transport, sums)
         done = await stream.read_done()
         record.mark("confirmed")
-        await faults.hit("after_done_read", transfer_id=record.transfer_id)
         if done is None:
             raise UnavailableError("receiver closed the transfer without confirming")
         ok, detail, readers = done
         if not ok:  # e.g. its integrity check: did the engine write the blocks again since?
             changed = await self.services.integrity.changed_since_offer(record, offer, t.start.offer_block_indices)
             raise changed or UnavailableError(f"receiver reported failure: {detail}")
-        left = stream.time_remaining()
-        if left is not None and left < COMMIT_MARGIN_S:
-            # The puller gives up at this same deadline: closed might not reach it in time, so
-            # both sides fail rather than risk a success on this side only.
-            raise DeadlineExceededError(
-                f"transfer {record.transfer_id}: done came with {max(left, 0.0):.2f}s of the transfer's "
-                f"deadline left (under {COMMIT_MARGIN_S}s): too late to commit"
-            )
-        record.committed = True  # with the release below, in one step of the loop
+        # The puller has reported success to its engine: release as pulled before anything
+        # else may happen here, in one step of the loop.
+        t.pulled = True
         self.offers.pulled(offer, record.transfer_id, readers)
+        await faults.hit("after_done_read", transfer_id=record.transfer_id)
         await stream.closed()

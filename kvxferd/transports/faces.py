@@ -110,6 +110,8 @@ class Sending:
     layers: int = 0
     #: The layers move in batches as they are written (the transfer is large enough).
     per_layer: bool = False
+    #: The puller's done came and the offer went as pulled: the outcome is success.
+    pulled: bool = False
 
 
 class Sender(ABC):

@@ -208,12 +208,15 @@ def _ctl(daemon: Daemon, *args: str) -> list[dict[str, Any]]:
     return json.loads(done.stdout)  # type: ignore[no-any-return]
 
 
-def _shared_read_failing(cluster: Cluster, faults: str, tag: str) -> tuple[list[dict[str, Any]], str]:
+def _shared_read_failing(
+    cluster: Cluster, faults: str, tag: str, decode_faults: str = ""
+) -> tuple[list[dict[str, Any]], str]:
     """Four MLA readers behind daemon b of one offer on daemon a, which holds the first pull at
-    ``after_accepted`` (3 s) until the others joined and then fails it as ``faults`` says:
-    the pull results (the leader's first) and how the offer was released."""
+    ``after_accepted`` (3 s) until the others joined and then fails it as ``faults`` (a) and
+    ``decode_faults`` (b) say: the pull results (the leader's first) and how the offer was
+    released."""
     a = cluster.daemon("a", "--fault-injection", "--faults", "after_accepted=pause:3;" + faults)
-    b = cluster.daemon("b")
+    b = cluster.daemon("b", *(("--fault-injection", "--faults", decode_faults) if decode_faults else ()))
     src = Pool.empty(rank_heads(1, 1, 0), 16, "HND")
     src.fill(logical_kv(1, TOKENS, seed=13), [0, 1, 2])
     prefill = engine_with(cluster, a, f"p-{tag}", src, 1, 1, 0)
@@ -239,11 +242,11 @@ def test_joiners_of_a_read_that_fails_before_its_bytes_land_pull_on_their_own(cl
 
 
 def test_joiners_counted_in_a_read_that_then_fails_share_its_failure(cluster: Cluster) -> None:
-    """Every byte landed, matched its checksums and was copied to the joiners, but the offerer
-    fails the transfer once it has read done: the joiners were counted in it, so they fail with
-    it, each with its own typed error naming the shared read. (A failure the offerer sends
-    before done, with its sums, comes before any joiner is counted: see the test above.)"""
-    results, reason = _shared_read_failing(cluster, "after_done_read=fail:1", "mla-late")
+    """Every byte landed, matched its checksums and was copied to the joiners, but the leader
+    fails before it says done: the joiners were counted in it, so they fail with it, each with
+    its own typed error naming the shared read. (A failure the offerer sends before done, with
+    its sums, comes before any joiner is counted: see the test above.)"""
+    results, reason = _shared_read_failing(cluster, "", "mla-late", decode_faults="before_done=fail:1")
     assert all(r["type"] == "UnavailableError" for r in results), results
     leaders = {r["error"].split("the shared read ")[1].split()[0] for r in results[1:]}
     assert len(leaders) == 1 and leaders.pop().startswith("xfer-"), results

@@ -44,28 +44,33 @@ class PeerServiceStub:
     carried). Every message names its transfer; a transfer is this exchange:
 
     The decode daemon (client) sends start, the offering daemon answers accepted, sends the
-    bytes over UCX and then says sent; the client says done once every byte has landed (it
-    need not have read sent yet), and the offering daemon answers closed after releasing the
-    offer. The pull succeeds only on closed. Either side may end a transfer early: the client
-    with abort (it gave up: a cancel, its deadline, a failure of its own), the offering
-    daemon with failed (a status code and detail). A lost stream ends every transfer on it.
+    bytes over UCX and then says sent; the client says done once every byte has landed and
+    matched the sums sent carried: the pull has succeeded there. The offering daemon releases
+    the offer as pulled when it reads done and answers closed, which the client reads off its
+    engine's path. Either side may end a transfer early: the client with abort (it gave up: a
+    cancel, its deadline, a failure of its own) or with done not ok (the bytes failed their
+    check), the offering daemon with failed (a status code and detail). A lost stream ends
+    every transfer on it.
 
     Deadline: each transfer has one, TransferStart.deadline_s (the pull's timeout plus the
     puller's peer timeout), counted by the puller from sending start and by the offerer from
-    reading it.
+    reading it (so later there).
 
-    Outcomes. Both sides report the same outcome in every interleaving; the offering side
-    decides once done is on its way (tests/faults/test_outcomes.py hits each row through the
+    Outcomes. Both sides report the same outcome in every interleaving below; once sent is on
+    its way the puller decides (tests/faults/test_outcomes.py hits each row through the
     daemons' fault-injection points):
-      before done: any failure, cancel or deadline on either side -> both fail (the offer is
+      before sent: any failure, cancel or deadline on either side -> both fail (the offer is
         released as failed; a puller that leaves before the claim leaves it pullable);
-      done sent, offering side cancelled before reading it -> both fail (cancelled);
-      done sent, cancel on the pulling side -> too late, not cancelled; both succeed;
-      done read with >= 1 s of the transfer's deadline left -> released as pulled, closed;
-        the puller waits for closed up to that deadline, with no step deadline, so a late
-        closed is still success;
-      done read with < 1 s of that deadline left -> both fail (deadline exceeded);
-      the transfer's deadline passes before closed -> both fail, the error naming it.
+      sent on its way, cancel on the offering side -> too late, not cancelled: the puller
+        decides;
+      before done: any failure, cancel or the pull's deadline on the pulling side -> both
+        fail (abort). The pull's deadline ends peer_timeout_s before the transfer's, so the
+        offerer always has that long to read a done;
+      done sent -> the puller has succeeded; cancel on the pulling side is too late; the
+        offerer releases the offer as pulled when it reads done, whatever follows there (a
+        failure or a stall before closed changes nothing).
+    Not covered, as no protocol can: the stream lost between done and the offerer reading it
+    (the puller succeeded, the offerer releases the offer as failed; logged on both sides).
     """
     ExtendLease: _grpc.UnaryUnaryMultiCallable[_peer_pb2.PeerExtendLeaseRequest, _peer_pb2.PeerExtendLeaseResponse]
     """Extends the lease of an offer of the called daemon (checked against the offer's token)."""
@@ -100,28 +105,33 @@ class PeerServiceAsyncStub(PeerServiceStub):
     carried). Every message names its transfer; a transfer is this exchange:
 
     The decode daemon (client) sends start, the offering daemon answers accepted, sends the
-    bytes over UCX and then says sent; the client says done once every byte has landed (it
-    need not have read sent yet), and the offering daemon answers closed after releasing the
-    offer. The pull succeeds only on closed. Either side may end a transfer early: the client
-    with abort (it gave up: a cancel, its deadline, a failure of its own), the offering
-    daemon with failed (a status code and detail). A lost stream ends every transfer on it.
+    bytes over UCX and then says sent; the client says done once every byte has landed and
+    matched the sums sent carried: the pull has succeeded there. The offering daemon releases
+    the offer as pulled when it reads done and answers closed, which the client reads off its
+    engine's path. Either side may end a transfer early: the client with abort (it gave up: a
+    cancel, its deadline, a failure of its own) or with done not ok (the bytes failed their
+    check), the offering daemon with failed (a status code and detail). A lost stream ends
+    every transfer on it.
 
     Deadline: each transfer has one, TransferStart.deadline_s (the pull's timeout plus the
     puller's peer timeout), counted by the puller from sending start and by the offerer from
-    reading it.
+    reading it (so later there).
 
-    Outcomes. Both sides report the same outcome in every interleaving; the offering side
-    decides once done is on its way (tests/faults/test_outcomes.py hits each row through the
+    Outcomes. Both sides report the same outcome in every interleaving below; once sent is on
+    its way the puller decides (tests/faults/test_outcomes.py hits each row through the
     daemons' fault-injection points):
-      before done: any failure, cancel or deadline on either side -> both fail (the offer is
+      before sent: any failure, cancel or deadline on either side -> both fail (the offer is
         released as failed; a puller that leaves before the claim leaves it pullable);
-      done sent, offering side cancelled before reading it -> both fail (cancelled);
-      done sent, cancel on the pulling side -> too late, not cancelled; both succeed;
-      done read with >= 1 s of the transfer's deadline left -> released as pulled, closed;
-        the puller waits for closed up to that deadline, with no step deadline, so a late
-        closed is still success;
-      done read with < 1 s of that deadline left -> both fail (deadline exceeded);
-      the transfer's deadline passes before closed -> both fail, the error naming it.
+      sent on its way, cancel on the offering side -> too late, not cancelled: the puller
+        decides;
+      before done: any failure, cancel or the pull's deadline on the pulling side -> both
+        fail (abort). The pull's deadline ends peer_timeout_s before the transfer's, so the
+        offerer always has that long to read a done;
+      done sent -> the puller has succeeded; cancel on the pulling side is too late; the
+        offerer releases the offer as pulled when it reads done, whatever follows there (a
+        failure or a stall before closed changes nothing).
+    Not covered, as no protocol can: the stream lost between done and the offerer reading it
+    (the puller succeeded, the offerer releases the offer as failed; logged on both sides).
     """
     ExtendLease: _aio.UnaryUnaryMultiCallable[_peer_pb2.PeerExtendLeaseRequest, _peer_pb2.PeerExtendLeaseResponse]  # type: ignore[assignment]
     """Extends the lease of an offer of the called daemon (checked against the offer's token)."""
@@ -165,28 +175,33 @@ class PeerServiceServicer(metaclass=_abc_1.ABCMeta):
         carried). Every message names its transfer; a transfer is this exchange:
 
         The decode daemon (client) sends start, the offering daemon answers accepted, sends the
-        bytes over UCX and then says sent; the client says done once every byte has landed (it
-        need not have read sent yet), and the offering daemon answers closed after releasing the
-        offer. The pull succeeds only on closed. Either side may end a transfer early: the client
-        with abort (it gave up: a cancel, its deadline, a failure of its own), the offering
-        daemon with failed (a status code and detail). A lost stream ends every transfer on it.
+        bytes over UCX and then says sent; the client says done once every byte has landed and
+        matched the sums sent carried: the pull has succeeded there. The offering daemon releases
+        the offer as pulled when it reads done and answers closed, which the client reads off its
+        engine's path. Either side may end a transfer early: the client with abort (it gave up: a
+        cancel, its deadline, a failure of its own) or with done not ok (the bytes failed their
+        check), the offering daemon with failed (a status code and detail). A lost stream ends
+        every transfer on it.
 
         Deadline: each transfer has one, TransferStart.deadline_s (the pull's timeout plus the
         puller's peer timeout), counted by the puller from sending start and by the offerer from
-        reading it.
+        reading it (so later there).
 
-        Outcomes. Both sides report the same outcome in every interleaving; the offering side
-        decides once done is on its way (tests/faults/test_outcomes.py hits each row through the
+        Outcomes. Both sides report the same outcome in every interleaving below; once sent is on
+        its way the puller decides (tests/faults/test_outcomes.py hits each row through the
         daemons' fault-injection points):
-          before done: any failure, cancel or deadline on either side -> both fail (the offer is
+          before sent: any failure, cancel or deadline on either side -> both fail (the offer is
             released as failed; a puller that leaves before the claim leaves it pullable);
-          done sent, offering side cancelled before reading it -> both fail (cancelled);
-          done sent, cancel on the pulling side -> too late, not cancelled; both succeed;
-          done read with >= 1 s of the transfer's deadline left -> released as pulled, closed;
-            the puller waits for closed up to that deadline, with no step deadline, so a late
-            closed is still success;
-          done read with < 1 s of that deadline left -> both fail (deadline exceeded);
-          the transfer's deadline passes before closed -> both fail, the error naming it.
+          sent on its way, cancel on the offering side -> too late, not cancelled: the puller
+            decides;
+          before done: any failure, cancel or the pull's deadline on the pulling side -> both
+            fail (abort). The pull's deadline ends peer_timeout_s before the transfer's, so the
+            offerer always has that long to read a done;
+          done sent -> the puller has succeeded; cancel on the pulling side is too late; the
+            offerer releases the offer as pulled when it reads done, whatever follows there (a
+            failure or a stall before closed changes nothing).
+        Not covered, as no protocol can: the stream lost between done and the offerer reading it
+        (the puller succeeded, the offerer releases the offer as failed; logged on both sides).
         """
 
     @_abc_1.abstractmethod
