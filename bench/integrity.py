@@ -10,9 +10,11 @@ times them) or, for ``small``, 256 handoffs 64 in flight. Reports per mode the m
 time (``small``: handoffs per second) and the ratios to ``off``.
 
 The wall-time ratio cannot resolve a cost of a few percent on a 2-core VM, so the cost is
-also measured directly: the daemons' ``kvxfer_integrity_seconds_total`` (every step: the
-digest at the offer, the source's re-check, the check where the blocks land), per handoff, as
-a share of the ``off`` handoff time of the same round set (``cost_share``).
+also measured directly: the daemons' ``kvxfer_integrity_seconds_total`` (CPU time of every
+step: the digest at the offer, the check where the blocks land, the source summed again when
+that fails), per handoff; what ``sampled`` adds to ``off`` (whose steps run too, with nothing
+to sum) as a share of the ``off`` handoff's time (``added_vs_time``) and of both daemons' CPU
+time per ``off`` handoff (``added_vs_cpu``, from ``process_cpu_seconds_total``).
 
 Run: ``python -m bench.integrity [--rounds 9] [--workloads b16,b128,contig,small] [--full]``;
 one JSON line per (workload, path).
@@ -32,7 +34,7 @@ from .cluster import Cluster, Daemon, EngineProcess
 from .workloads import WORKLOADS, Workload, run_concurrent, run_sequential
 
 UCX_ONLY = {"KVXFERD_SAME_HOST_DIRECT_READ": "false"}
-SPENT = "kvxfer_integrity_seconds_total"
+SPENT, CPU = "kvxfer_integrity_seconds_total", "process_cpu_seconds_total"
 SMALL_ROUND, SMALL_IN_FLIGHT = 256, 64
 
 
@@ -51,8 +53,9 @@ class Rig:
             self.decode[path] = cluster.engine(daemon, f"decode-{path}-{mode}")
             self.decode[path]("pool", shape=w.shape, memory="host")
 
-    def spent(self) -> float:
-        return sum(d.metric(SPENT) for d in self.daemons)
+    def spent(self) -> tuple[float, float]:
+        """The daemons' integrity seconds and their whole CPU seconds, so far."""
+        return sum(d.metric(SPENT) for d in self.daemons), sum(d.metric(CPU) for d in self.daemons)
 
 
 def measure(w: Workload, path: str, rigs: dict[str, Rig], rounds: int, per_round: int) -> dict[str, Any]:
@@ -60,7 +63,7 @@ def measure(w: Workload, path: str, rigs: dict[str, Rig], rounds: int, per_round
     rng = np.random.default_rng(11)
     values: dict[str, list[float]] = {m: [] for m in rigs}
     handoffs = dict.fromkeys(rigs, 0)
-    spent_before = dict.fromkeys(rigs, 0.0)
+    spent_before = dict.fromkeys(rigs, (0.0, 0.0))
     for r in range(rounds + 1):  # the first round warms up (endpoints, page faults)
         for mode in list(rigs) if r % 2 else reversed(list(rigs)):
             rig = rigs[mode]
@@ -75,11 +78,17 @@ def measure(w: Workload, path: str, rigs: dict[str, Rig], rounds: int, per_round
                 continue
             values[mode] += sample
             handoffs[mode] += n
-    spent = {m: (rigs[m].spent() - spent_before[m]) / max(1, handoffs[m]) for m in rigs}
-    return _row(w, path, values, spent)
+    spent, cpu = {}, {}
+    for m, rig in rigs.items():
+        now = rig.spent()
+        spent[m] = (now[0] - spent_before[m][0]) / max(1, handoffs[m])
+        cpu[m] = (now[1] - spent_before[m][1]) / max(1, handoffs[m])
+    return _row(w, path, values, spent, cpu)
 
 
-def _row(w: Workload, path: str, values: dict[str, list[float]], spent: dict[str, float]) -> dict[str, Any]:
+def _row(
+    w: Workload, path: str, values: dict[str, list[float]], spent: dict[str, float], cpu: dict[str, float]
+) -> dict[str, Any]:
     med = {m: statistics.median(v) for m, v in values.items()}
     small = w.name == "small"
     # Time per handoff, whichever way it was measured (small: the batch's rate).
@@ -90,7 +99,12 @@ def _row(w: Workload, path: str, values: dict[str, list[float]], spent: dict[str
         if m != "off":
             row[f"{m}_vs_off"] = round(per_handoff[m] / per_handoff["off"], 4)
         row[f"{m}_integrity_us"] = round(spent[m] * 1e6, 1)
-    row["cost_share"] = round(spent["sampled"] / per_handoff["off"], 5)
+        row[f"{m}_daemon_cpu_us"] = round(cpu[m] * 1e6, 1)
+    # What sampled adds (its checks less the bare steps off runs too), against the handoff
+    # time and against the daemons' CPU time of an off handoff.
+    added = spent["sampled"] - spent["off"]
+    row["added_vs_time"] = round(added / per_handoff["off"], 5)
+    row["added_vs_cpu"] = round(added / cpu["off"], 5)
     return row
 
 
