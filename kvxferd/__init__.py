@@ -21,7 +21,9 @@ Layout of the package, top (what starts the process) to bottom (what moves bytes
   one error-to-status mapping (``rpc``);
 * ``_wiring`` — the composition root; ``_parts``, ``_services`` — parts built for the node and
   what the handoff rooms share (settings, copy threads, GPUs, fault points, block integrity
-  in ``_integrity``); ``_steps`` — chunk bounds and steps with deadlines, for every path;
+  in ``_integrity``: what a digest covers in ``_digest``, a remapped stream's windows in
+  ``_stream_sums``, a check's CPU time in ``_cpu_time``); ``_steps`` — chunk bounds and steps
+  with deadlines, for every path;
 * ``_config`` — settings (defaults < YAML < ``KVXFERD_*`` < flags); ``_log``, ``_metrics``,
   ``_faults`` — logs, metrics, fault-injection points.
 

@@ -7,6 +7,7 @@
 ``identity``        who a peer may say it is (its certificate under mTLS)
 ``directory``       the peers we call: Hello once, a channel, their identity, the calls
 ``stream``          our end of the Transfers stream to a peer: our pulls of its offers
+``batching``        both ends' writers: the messages ready together in one write
 ==================  ===================================================================
 
 ``service`` and ``transfers`` serve (they use the control plane's error mapping and wire
