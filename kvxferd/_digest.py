@@ -1,4 +1,5 @@
-"""What an offer's digest covers, and how a pull picks its part of it.
+"""What an offer's digest covers, how a pull picks its part of it, and how a peer's sums of
+that part are read (checked to lie inside the transfer).
 
 ``full`` covers every offered block whole. ``sampled`` covers ``k`` windows of at most
 :data:`SAMPLE_WINDOW` bytes spread over the offer's bytes: the offer (its blocks in list
@@ -23,10 +24,13 @@ summed by windows of its stream instead).
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import functools
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -39,7 +43,7 @@ from .dataplane.hostmem import HostMemory
 from .dataplane.plan import RegionTable
 from .memory.pools import Pool
 
-__all__ = ["SAMPLE_WINDOW", "Digest", "covered_bytes", "peer_entries", "sample_offer", "sum_entries"]
+__all__ = ["SAMPLE_WINDOW", "Digest", "covered_bytes", "peer_entries", "sample_offer", "settle", "sum_entries"]
 
 I64 = npt.NDArray[np.int64]
 U64 = npt.NDArray[np.uint64]
@@ -161,3 +165,16 @@ def _inside(starts: list[int], lengths: list[int], regions: list[int], nbytes: I
         return False
     s, n = np.array(starts, dtype=np.int64), np.array(lengths, dtype=np.int64)
     return bool(((n > 0) & (s + n <= nbytes[np.array(regions, dtype=np.int64)])).all())
+
+
+def settle(future: asyncio.Future[Any], task: asyncio.Future[Any], summed: Callable[[Any], Any]) -> None:
+    """Hand a digest summed in a copy thread to the offer's future (its error, if any)."""
+    if future.done():
+        return
+    if task.cancelled():
+        future.cancel()
+    elif task.exception() is not None:
+        future.set_exception(task.exception())  # type: ignore[arg-type]
+        future.exception()  # retrieved: an offer gone before its pull logs no warning
+    else:
+        future.set_result(summed(task.result()))

@@ -49,7 +49,7 @@ from kvxfer.proto import peer_pb2
 
 from ._config import Settings
 from ._cpu_time import cpu_timed, in_thread
-from ._digest import Digest, covered_bytes, peer_entries, sample_offer, sum_entries
+from ._digest import Digest, covered_bytes, peer_entries, sample_offer, settle, sum_entries
 from ._faults import Faults
 from ._log import log_event
 from ._offers import Offer
@@ -141,7 +141,7 @@ class Integrity:
             return
         self._spent("digest", time.thread_time() - started)
         task = asyncio.ensure_future(self._timed("digest", self._sums(offer.pool, ids, regions, within)))
-        task.add_done_callback(lambda t: _settle(future, t, summed))
+        task.add_done_callback(lambda t: settle(future, t, summed))
 
     async def to_send(
         self, record: TransferRecord, offer: Offer, indices: I64 | None, remapped: SidePlan | None
@@ -175,13 +175,13 @@ class Integrity:
         offer_pos, moved = digest.for_pull(indices)
         if remapped is None:  # a block changed here shows where it lands (module docstring, 2.)
             record.integrity_mode, record.integrity_result = digest.mode, "sent"
-            record.integrity_blocks = len(set(offer_pos.tolist()))
+            record.integrity_blocks = _distinct(offer_pos)
         else:  # the windows sent stand for the blocks: the blocks must still be as offered
             changed = await self._changes(offer, offer_pos, moved)
             if changed is None:
                 self._unchecked(record, "the offered pool went away")
                 return None
-            self._checked(record, digest.mode, len(set(offer_pos.tolist())), bool(len(changed)))
+            self._checked(record, digest.mode, _distinct(offer_pos), bool(len(changed)))
             if len(changed):
                 raise self._changed(record, offer, changed)
         if left is not None:
@@ -303,7 +303,7 @@ class Integrity:
             return
         bad = landed != expected.sums
         mismatch = bool(bad.any())
-        self._checked(record, expected.mode, len(set(positions.tolist())), mismatch)
+        self._checked(record, expected.mode, _distinct(positions), mismatch)
         if mismatch:
             raise DataLossError(
                 f"blocks {_named(np.unique(dst_ids[positions[bad]]))} (positions {_named(np.unique(positions[bad]))} "
@@ -370,19 +370,6 @@ class Integrity:
         self._count(record.integrity_mode, "not_checked", 0)
 
 
-def _settle(future: asyncio.Future[Any], task: asyncio.Future[Any], summed: Callable[[Any], Any]) -> None:
-    """Hand a digest summed in a copy thread to the offer's future (its error, if any)."""
-    if future.done():
-        return
-    if task.cancelled():
-        future.cancel()
-    elif task.exception() is not None:
-        future.set_exception(task.exception())  # type: ignore[arg-type]
-        future.exception()  # retrieved: an offer gone before its pull logs no warning
-    else:
-        future.set_result(summed(task.result()))
-
-
 def _flip_first_bit(dst: Pool, dst_ids: I64) -> None:
     """Fault injection (``before_check=corrupt``): flip a bit of the first landed block."""
     regions = dst.regions
@@ -391,6 +378,11 @@ def _flip_first_bit(dst: Pool, dst_ids: I64) -> None:
     memory, byte = dst.host_memory(), np.zeros(1, dtype=np.uint8)
     memory.gather(chunk, byte)
     memory.scatter(chunk, byte ^ np.uint8(1))
+
+
+def _distinct(values: I64) -> int:
+    """How many different values: plain Python for a sample, numpy for every block of a pull."""
+    return len(set(values.tolist())) if len(values) <= 64 else len(np.unique(values))
 
 
 def _named(values: Any) -> str:
