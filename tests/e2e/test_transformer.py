@@ -109,9 +109,10 @@ def test_a_block_flipped_after_its_offer_is_caught_before_decode_instead_of_chan
     engines: example.Engines, path: str
 ) -> None:
     """The prefill engine corrupts an offered block (layer 0's K of its last block) before the
-    pull: the checksums taken when it was offered catch it where it lands (full mode here), the
-    pull fails with DataLossError, the decode engine generates nothing from it, and the offer
-    ends as failed."""
+    pull: the checksums taken when it was offered catch it where it lands (full mode here), and
+    the offering daemon, summing its source again then, names the engine's own write; the pull
+    fails with DataLossError, the decode engine generates nothing from it, and the offer ends
+    as failed."""
     request_id = f"flip-{path}"
     done = engines.prefill("prefill", request_id=request_id, prompt=_model().prompt_tokens(7, 37))
     engines.prefill("flip", request_id=request_id, block=len(done["block_ids"]) - 1)
@@ -123,7 +124,7 @@ def test_a_block_flipped_after_its_offer_is_caught_before_decode_instead_of_chan
         max_tokens=MAX_TOKENS,
     )
     assert not reply["ok"] and reply["error"] == "DataLossError", reply
-    assert "landed with other bytes" in reply["detail"], reply  # full mode: caught where it lands
+    assert "changed after they were offered" in reply["detail"], reply
     assert engines.prefill("finished")["released"][request_id] == "failed"
 
 
