@@ -11,6 +11,7 @@ speak, so that neither reaches into the other.
 ``dlpack``          reading a tensor's extent through DLPack
 ``tls``             the certificate files of an mTLS deployment
 ``defaults``        the socket path and gRPC channel limits both ends use
+``batching``        a stream writer's outbox: the messages ready together in one write
 ``version``         the package and wire-protocol versions
 ``proto``           the generated protobuf and gRPC modules (from ``proto/``)
 ==================  =====================================================================

@@ -13,6 +13,10 @@ cancelled, the call is abandoned (the daemon cancels it) and the caller gets
 waiting with :class:`UnavailableError`; the next call opens a new stream. A daemon without
 ``Calls`` answers UNIMPLEMENTED, which :class:`CallStreamUnsupportedError` reports so the client
 can send that call, and every later one, as unary calls instead.
+
+Calls queued together go in one write (``more``, :mod:`kvxfer.batching`) once the daemon's
+initial metadata said it reads them; the stream is opened saying this end reads batched
+answers. With 64 calls in flight that is one trip through grpc.aio's poller instead of 64.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Any
 
 import grpc
 
+from kvxfer.batching import CALL_BATCHES, Batches, unbatched
 from kvxfer.errors import (
     DeadlineExceededError,
     UnavailableError,
@@ -48,6 +53,8 @@ class _Stream:
     call: Any  # grpc.aio.StreamStreamCall
     outbox: asyncio.Queue[engine_pb2.CallRequest] = field(default_factory=asyncio.Queue)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    #: The daemon said it reads calls batched in ``more`` (its initial metadata).
+    batched: bool = False
 
 
 class CallStream:
@@ -100,7 +107,7 @@ class CallStream:
         return getattr(response, kind)
 
     def _open(self) -> _Stream:
-        stream = self._stream = _Stream(self._stub.Calls())
+        stream = self._stream = _Stream(self._stub.Calls(metadata=(CALL_BATCHES,)))
         stream.tasks += [
             asyncio.create_task(self._read(stream), name="kvxfer-calls-reader"),
             asyncio.create_task(self._write(stream), name="kvxfer-calls-writer"),
@@ -108,19 +115,24 @@ class CallStream:
         return stream
 
     async def _write(self, stream: _Stream) -> None:
+        batches = Batches(stream.outbox)
         try:
             while True:
-                await stream.call.write(await stream.outbox.get())
+                await stream.call.write(await (batches.next() if stream.batched else stream.outbox.get()))
         except (grpc.RpcError, asyncio.InvalidStateError):
             pass  # the stream ended: its reader fails the waiting calls
 
     async def _read(self, stream: _Stream) -> None:
         error: Exception = UnavailableError("kvxferd closed the call stream")
         try:
-            while (response := await stream.call.read()) is not grpc.aio.EOF:
-                answered = self._pending.get(response.call_id)
-                if answered is not None and not answered.done():
-                    answered.set_result(response)
+            # A daemon sends its initial metadata when it starts serving the stream (an older
+            # one with its first answer): until then, calls go one a write.
+            stream.batched = CALL_BATCHES in tuple(await stream.call.initial_metadata() or ())
+            while (batch := await stream.call.read()) is not grpc.aio.EOF:
+                for response in unbatched(batch):
+                    answered = self._pending.get(response.call_id)
+                    if answered is not None and not answered.done():
+                        answered.set_result(response)
         except grpc.RpcError as exc:
             error = self._stream_error(exc)
         except asyncio.CancelledError:

@@ -12,6 +12,10 @@ time per stream, and a write must never be cancelled halfway). Abandoning a call
 task; so does losing the stream, for every call still running. A stream holds at most
 :data:`MAX_CALLS_IN_FLIGHT` calls and as many unsent answers, so a runaway client meets
 ``RESOURCE_EXHAUSTED`` or back-pressure rather than unbounded lists.
+
+Calls that arrive together in one message (``more``) run as if each came alone; answers ready
+together go out in one write to a client that said it reads them (:mod:`kvxfer.batching`):
+with 64 pulls in flight, one write instead of 64 trips through grpc.aio's poller.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Any
 
 import grpc
 
+from kvxfer.batching import CALL_BATCHES, Batches, unbatched
 from kvxfer.errors import KvxferError
 from kvxfer.proto import engine_pb2
 
@@ -53,66 +58,87 @@ def _error(
 async def serve_calls(context: Any, handlers: Handlers) -> None:
     """Serve one ``Calls`` stream until the client closes it (then let its calls finish) or
     goes away (then cancel them)."""
-    running: dict[int, asyncio.Task[None]] = {}
-    abandoned: set[asyncio.Task[None]] = set()  # held until they have wound down
-    # Answers go through one writer task: cancelling a call (abandon) must never cancel a
-    # write in progress, which would leave the stream unable to finish.
-    outbox: asyncio.Queue[engine_pb2.CallResponse] = asyncio.Queue(MAX_CALLS_IN_FLIGHT)
+    batched = CALL_BATCHES in tuple(context.invocation_metadata() or ())
+    await context.send_initial_metadata((CALL_BATCHES,))  # this end reads batched calls
+    await _CallsServed(context, handlers, batched).serve()
 
-    async def write_answers() -> None:
-        while True:
-            response = await outbox.get()
-            try:
-                await context.write(response)
-            except Exception as exc:  # noqa: BLE001 - the stream is gone; the reader ends it
-                log_event("calls.write_failed", logging.DEBUG, call_id=response.call_id, detail=repr(exc))
-            finally:
-                outbox.task_done()
 
-    async def run(call_id: int, kind: str, request: Any) -> None:
+class _CallsServed:
+    """One ``Calls`` stream being served: its running calls and its answers' outbox."""
+
+    def __init__(self, context: Any, handlers: Handlers, batched: bool) -> None:
+        self.context, self.handlers = context, handlers
+        self.running: dict[int, asyncio.Task[None]] = {}
+        self.abandoned: set[asyncio.Task[None]] = set()  # held until they have wound down
+        # Answers go through one writer task: cancelling a call (abandon) must never cancel a
+        # write in progress, which would leave the stream unable to finish.
+        self.outbox: asyncio.Queue[engine_pb2.CallResponse] = asyncio.Queue(MAX_CALLS_IN_FLIGHT)
+        self.batches = Batches(self.outbox) if batched else None
+
+    async def serve(self) -> None:
+        writer = asyncio.create_task(self._write_answers(), name="calls-writer")
         try:
-            result = await handlers[kind](request)
+            while (batch := await self.context.read()) is not grpc.aio.EOF:
+                for request in unbatched(batch):
+                    await self._take(request)
+            # The client has sent its last request: let the calls still running answer, and the
+            # answers go out, before the stream ends (and sends its status).
+            while self.running:
+                await asyncio.wait(list(self.running.values()))
+            await self.outbox.join()
+        finally:
+            # Lost stream (or daemon stopping): cancel what is left, as for unary calls.
+            tasks = list(self.running.values())
+            self.running.clear()
+            for task in (*tasks, writer):
+                task.cancel()
+            await asyncio.gather(*tasks, writer, return_exceptions=True)
+
+    async def _take(self, request: engine_pb2.CallRequest) -> None:
+        """Start one call (or abandon one), or answer why it cannot run."""
+        running, call_id, kind = self.running, request.call_id, request.WhichOneof("call")
+        if kind == "abandon":
+            task = running.pop(call_id, None)
+            if task is not None:
+                task.cancel()
+                self.abandoned.add(task)
+                task.add_done_callback(self.abandoned.discard)
+        elif kind is None or kind not in self.handlers:
+            await self.outbox.put(_error(call_id, grpc.StatusCode.INVALID_ARGUMENT, f"call {call_id} names no call"))
+        elif call_id in running:
+            detail = f"call id {call_id} is already running"
+            await self.outbox.put(_error(call_id, grpc.StatusCode.INVALID_ARGUMENT, detail))
+        elif len(running) >= MAX_CALLS_IN_FLIGHT:
+            detail = f"more than {MAX_CALLS_IN_FLIGHT} calls running on one stream"
+            await self.outbox.put(_error(call_id, grpc.StatusCode.RESOURCE_EXHAUSTED, detail))
+        else:
+            running[call_id] = asyncio.create_task(self._run(call_id, kind, getattr(request, kind)))
+
+    async def _run(self, call_id: int, kind: str, request: Any) -> None:
+        try:
+            result = await self.handlers[kind](request)
             response = engine_pb2.CallResponse(call_id=call_id, **{kind: result})
         except asyncio.CancelledError:
             response = _error(call_id, grpc.StatusCode.CANCELLED, f"call {call_id} was cancelled")
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status
             response = _error(call_id, *status_of(kind.capitalize(), exc), exc)
-        if running.get(call_id) is not asyncio.current_task():
+        if self.running.get(call_id) is not asyncio.current_task():
             return  # abandoned, or the stream is closing: nobody waits for this answer
         # Still listed while queueing (the outbox may be full): the stream must not end first.
-        await outbox.put(response)
-        if running.get(call_id) is asyncio.current_task():
-            del running[call_id]
+        await self.outbox.put(response)
+        if self.running.get(call_id) is asyncio.current_task():
+            del self.running[call_id]
 
-    writer = asyncio.create_task(write_answers(), name="calls-writer")
-    try:
-        while (request := await context.read()) is not grpc.aio.EOF:
-            call_id, kind = request.call_id, request.WhichOneof("call")
-            if kind == "abandon":
-                task = running.pop(call_id, None)
-                if task is not None:
-                    task.cancel()
-                    abandoned.add(task)
-                    task.add_done_callback(abandoned.discard)
-            elif kind not in handlers:
-                await outbox.put(_error(call_id, grpc.StatusCode.INVALID_ARGUMENT, f"call {call_id} names no call"))
-            elif call_id in running:
-                detail = f"call id {call_id} is already running"
-                await outbox.put(_error(call_id, grpc.StatusCode.INVALID_ARGUMENT, detail))
-            elif len(running) >= MAX_CALLS_IN_FLIGHT:
-                detail = f"more than {MAX_CALLS_IN_FLIGHT} calls running on one stream"
-                await outbox.put(_error(call_id, grpc.StatusCode.RESOURCE_EXHAUSTED, detail))
-            else:
-                running[call_id] = asyncio.create_task(run(call_id, kind, getattr(request, kind)))
-        # The client has sent its last request: let the calls still running answer, and the
-        # answers go out, before the stream ends (and sends its status).
-        while running:
-            await asyncio.wait(list(running.values()))
-        await outbox.join()
-    finally:
-        # Lost stream (or daemon stopping): cancel what is left, as for unary calls.
-        tasks = list(running.values())
-        running.clear()
-        for task in (*tasks, writer):
-            task.cancel()
-        await asyncio.gather(*tasks, writer, return_exceptions=True)
+    async def _write_answers(self) -> None:
+        """Write the answers as they come: those ready together in one write where the client
+        reads them so."""
+        outbox, batches = self.outbox, self.batches
+        while True:
+            response = await (outbox.get() if batches is None else batches.next())
+            try:
+                await self.context.write(response)
+            except Exception as exc:  # noqa: BLE001 - the stream is gone; the reader ends it
+                log_event("calls.write_failed", logging.DEBUG, call_id=response.call_id, detail=repr(exc))
+            finally:
+                for _ in unbatched(response):
+                    outbox.task_done()

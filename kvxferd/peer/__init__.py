@@ -7,9 +7,9 @@
 ``identity``        who a peer may say it is (its certificate under mTLS)
 ``directory``       the peers we call: Hello once, a channel, their identity, the calls
 ``stream``          our end of the Transfers stream to a peer: our pulls of its offers
-``batching``        both ends' writers: the messages ready together in one write
 ==================  ===================================================================
 
 ``service`` and ``transfers`` serve (they use the control plane's error mapping and wire
-checks); ``directory`` and ``stream`` are what the handoff paths call.
+checks); ``directory`` and ``stream`` are what the handoff paths call. Both ends' writers
+send the messages ready together in one write (:mod:`kvxfer.batching`).
 """

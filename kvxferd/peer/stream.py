@@ -6,7 +6,7 @@ stream took 1.6 ms where the same four on an open one took 0.95 ms (grpc.aio ove
 dev VM). So the first pull from a peer opens the stream and later ones reuse it.
 
 One reader task hands each message to its transfer's inbox; one writer task sends messages in
-the order they were given, those ready together in one write (:mod:`.batching`; gRPC allows
+the order they were given, those ready together in one write (:mod:`kvxfer.batching`; gRPC allows
 one write at a time, and a write must never be cancelled halfway: a pull is cancelled at any
 await). A lost stream fails every transfer on
 it with the reason, and the next pull opens a new one.
@@ -20,12 +20,12 @@ from typing import Any
 
 import grpc
 
+from kvxfer.batching import Batches, unbatched
 from kvxfer.errors import KvxferError, UnavailableError, error_from_rpc, error_from_status, status_code
 from kvxfer.proto import peer_pb2, peer_pb2_grpc
 
 from .._log import log_event
 from .._steps import within
-from .batching import Batches, unbatched
 
 __all__ = ["TransferCall", "TransferStream"]
 

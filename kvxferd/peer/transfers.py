@@ -22,6 +22,7 @@ from typing import Any
 
 import grpc
 
+from kvxfer.batching import Batches, unbatched
 from kvxfer.errors import (
     CancelledError,
     DeadlineExceededError,
@@ -34,7 +35,6 @@ from kvxfer.proto import peer_pb2
 from .._log import log_event
 from ..edge import wire
 from ..edge.rpc import status_of
-from .batching import Batches, unbatched
 from .identity import PeerCertificate
 from .serve_request import PeerNode, read_start
 

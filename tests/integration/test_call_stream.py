@@ -141,6 +141,21 @@ async def test_answers_come_back_in_completion_order_not_request_order(cluster: 
         await engines.decode.close()
 
 
+async def test_many_calls_in_flight_go_batched_both_ways_and_each_lands_its_own_blocks(engines: Engines) -> None:
+    # 32 offers, then their 32 pulls, all at once: the SDK writes those queued together in one
+    # message once the daemon said it reads them, and the daemon answers so.
+    await engines.prefill.offer(engines.src, [0])  # opens the stream; the daemon's metadata is in
+    streams = [engines.prefill._calls, engines.decode._calls]
+    tickets = await asyncio.gather(*(engines.prefill.offer(engines.src, [i]) for i in range(32)))
+    dst_ids = [63 - i for i in range(32)]
+    pulled = await asyncio.gather(
+        *(engines.decode.pull(t, engines.dst, [d]) for t, d in zip(tickets, dst_ids, strict=True))
+    )
+    assert all(s is not None and s._stream is not None and s._stream.batched for s in streams)
+    assert [p.bytes for p in pulled] == [LAYOUT.bytes_per_block] * 32
+    assert _blocks(engines.dst_buffers, dst_ids) == _blocks(engines.src_buffers, list(range(32)))
+
+
 async def test_callers_cancelled_midway_do_not_disturb_the_other_calls_on_the_stream(engines: Engines) -> None:
     async def offer(i: int) -> str:
         return (await engines.prefill.offer(engines.src, [i % 64])).offer_id

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+from kvxfer.batching import MAX_BATCH, MAX_BATCH_BYTES, Batches, unbatched
 from kvxfer.proto import peer_pb2
-from kvxferd.peer.batching import MAX_BATCH, MAX_BATCH_BYTES, Batches, unbatched
 
 
 def _queued(*messages: peer_pb2.TransferServerMessage) -> asyncio.Queue[peer_pb2.TransferServerMessage]:

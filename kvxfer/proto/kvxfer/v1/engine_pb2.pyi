@@ -256,6 +256,7 @@ class CallRequest(_message.Message):
     RECEIVE_FIELD_NUMBER: _builtins.int
     LAYERS_READY_FIELD_NUMBER: _builtins.int
     ABANDON_FIELD_NUMBER: _builtins.int
+    MORE_FIELD_NUMBER: _builtins.int
     call_id: _builtins.int
     """Chosen by the client; unique among its calls still running on this stream."""
     abandon: _builtins.bool
@@ -272,6 +273,13 @@ class CallRequest(_message.Message):
     def receive(self) -> Global___ReceiveRequest: ...
     @_builtins.property
     def layers_ready(self) -> Global___LayersReadyRequest: ...
+    @_builtins.property
+    def more(self) -> _containers.RepeatedCompositeFieldContainer[Global___CallRequest]:
+        """Calls sent in the same write, after this one and in this order (one level deep: what
+        they carry in turn is ignored). Only where the daemon said it reads them: its initial
+        metadata on the stream carries kvxfer-call-batches: 1.
+        """
+
     def __init__(
         self,
         *,
@@ -282,10 +290,11 @@ class CallRequest(_message.Message):
         receive: Global___ReceiveRequest | None = ...,
         layers_ready: Global___LayersReadyRequest | None = ...,
         abandon: _builtins.bool = ...,
+        more: _abc.Iterable[Global___CallRequest] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["abandon", b"abandon", "call", b"call", "layers_ready", b"layers_ready", "offer", b"offer", "pull", b"pull", "push", b"push", "receive", b"receive"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["abandon", b"abandon", "call", b"call", "call_id", b"call_id", "layers_ready", b"layers_ready", "offer", b"offer", "pull", b"pull", "push", b"push", "receive", b"receive"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abandon", b"abandon", "call", b"call", "call_id", b"call_id", "layers_ready", b"layers_ready", "more", b"more", "offer", b"offer", "pull", b"pull", "push", b"push", "receive", b"receive"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_call: _TypeAlias = _typing.Literal["offer", "pull", "push", "receive", "layers_ready", "abandon"]  # noqa: Y015
     _WhichOneofArgType_call: _TypeAlias = _typing.Literal["call", b"call"]  # noqa: Y015
@@ -304,6 +313,7 @@ class CallResponse(_message.Message):
     RECEIVE_FIELD_NUMBER: _builtins.int
     LAYERS_READY_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    MORE_FIELD_NUMBER: _builtins.int
     call_id: _builtins.int
     @_builtins.property
     def offer(self) -> Global___OfferResponse: ...
@@ -319,6 +329,12 @@ class CallResponse(_message.Message):
     def error(self) -> Global___CallStatus:
         """The call failed: the status a unary call would have ended with."""
 
+    @_builtins.property
+    def more(self) -> _containers.RepeatedCompositeFieldContainer[Global___CallResponse]:
+        """Answers written together with this one, in completion order (one level deep). Only to a
+        client that opened the stream with the metadata kvxfer-call-batches: 1.
+        """
+
     def __init__(
         self,
         *,
@@ -329,10 +345,11 @@ class CallResponse(_message.Message):
         receive: Global___PullResponse | None = ...,
         layers_ready: Global___LayersReadyResponse | None = ...,
         error: Global___CallStatus | None = ...,
+        more: _abc.Iterable[Global___CallResponse] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "layers_ready", b"layers_ready", "offer", b"offer", "pull", b"pull", "push", b"push", "receive", b"receive", "result", b"result"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["call_id", b"call_id", "error", b"error", "layers_ready", b"layers_ready", "offer", b"offer", "pull", b"pull", "push", b"push", "receive", b"receive", "result", b"result"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["call_id", b"call_id", "error", b"error", "layers_ready", b"layers_ready", "more", b"more", "offer", b"offer", "pull", b"pull", "push", b"push", "receive", b"receive", "result", b"result"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["offer", "pull", "push", "receive", "layers_ready", "error"]  # noqa: Y015
     _WhichOneofArgType_result: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015

@@ -185,7 +185,9 @@ class EngineServiceServicer:
         chosen by the client; answers come back in completion order, carrying that id. A call on
         the stream behaves exactly like the unary call of the same name, errors included (same
         status code and message, in CallStatus). Closing or losing the stream cancels the calls
-        still running on it, as a disconnect cancels a unary call.
+        still running on it, as a disconnect cancels a unary call. Calls (and answers) ready
+        together go in one message (``more``) where both ends say they read them (metadata
+        kvxfer-call-batches: 1, the client's at the call, the daemon's as initial metadata).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

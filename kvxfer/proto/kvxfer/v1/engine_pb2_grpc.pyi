@@ -60,7 +60,9 @@ class EngineServiceStub:
     chosen by the client; answers come back in completion order, carrying that id. A call on
     the stream behaves exactly like the unary call of the same name, errors included (same
     status code and message, in CallStatus). Closing or losing the stream cancels the calls
-    still running on it, as a disconnect cancels a unary call.
+    still running on it, as a disconnect cancels a unary call. Calls (and answers) ready
+    together go in one message (``more``) where both ends say they read them (metadata
+    kvxfer-call-batches: 1, the client's at the call, the daemon's as initial metadata).
     """
     Push: _grpc.UnaryUnaryMultiCallable[_engine_pb2.PushRequest, _engine_pb2.PushResponse]
     """Push mode: the router picks a transfer id and gives it to both engines at once. The decode
@@ -135,7 +137,9 @@ class EngineServiceAsyncStub(EngineServiceStub):
     chosen by the client; answers come back in completion order, carrying that id. A call on
     the stream behaves exactly like the unary call of the same name, errors included (same
     status code and message, in CallStatus). Closing or losing the stream cancels the calls
-    still running on it, as a disconnect cancels a unary call.
+    still running on it, as a disconnect cancels a unary call. Calls (and answers) ready
+    together go in one message (``more``) where both ends say they read them (metadata
+    kvxfer-call-batches: 1, the client's at the call, the daemon's as initial metadata).
     """
     Push: _aio.UnaryUnaryMultiCallable[_engine_pb2.PushRequest, _engine_pb2.PushResponse]  # type: ignore[assignment]
     """Push mode: the router picks a transfer id and gives it to both engines at once. The decode
@@ -261,7 +265,9 @@ class EngineServiceServicer(metaclass=_abc_1.ABCMeta):
         chosen by the client; answers come back in completion order, carrying that id. A call on
         the stream behaves exactly like the unary call of the same name, errors included (same
         status code and message, in CallStatus). Closing or losing the stream cancels the calls
-        still running on it, as a disconnect cancels a unary call.
+        still running on it, as a disconnect cancels a unary call. Calls (and answers) ready
+        together go in one message (``more``) where both ends say they read them (metadata
+        kvxfer-call-batches: 1, the client's at the call, the daemon's as initial metadata).
         """
 
     @_abc_1.abstractmethod
