@@ -22,6 +22,7 @@ command line gets one JSON reply line on stdout (``{"ok": true, ...}`` or ``{"ok
 * ``released``: ``{"op": "released", "offer_ids": [...], "timeout_s": 10}`` waits for events;
 * ``echo``: ``{"op": "echo", "count": 20}``: that many gRPC health checks, one at a time, on
   the daemon's engine socket (a unary round trip through its event loop): their seconds;
+  ``"in_flight": 64`` keeps that many going at once instead (and says the wall time);
 * ``exit``.
 
 Run: ``python -m bench.engine --socket /path/to/kvxferd.sock --name prefill``.
@@ -218,18 +219,28 @@ class Engine:
         await self.client.release(offer_id)
         return {}
 
-    async def op_echo(self, count: int) -> Any:
+    async def op_echo(self, count: int, in_flight: int = 1) -> Any:
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
         if self._echo is None:
             channel = grpc.aio.insecure_channel(f"unix:{self.client.socket_path}")
             self._echo = health_pb2_grpc.HealthStub(channel)
-        times = []
-        for _ in range(count):
-            t0 = time.perf_counter()
-            await self._echo.Check(health_pb2.HealthCheckRequest(), timeout=10)
-            times.append(time.perf_counter() - t0)
-        return {"seconds": times}
+        times: list[float] = []
+        slots = asyncio.Semaphore(in_flight)
+
+        async def one() -> None:
+            async with slots:
+                t0 = time.perf_counter()
+                await self._echo.Check(health_pb2.HealthCheckRequest(), timeout=10)
+                times.append(time.perf_counter() - t0)
+
+        t0 = time.perf_counter()
+        if in_flight == 1:
+            for _ in range(count):
+                await one()
+        else:
+            await asyncio.gather(*(one() for _ in range(count)))
+        return {"seconds": times, "wall_s": time.perf_counter() - t0}
 
     async def op_released(self, offer_ids: list[str], timeout_s: float = 10.0) -> Any:
         events = await asyncio.gather(*(self.client.wait_released(o, timeout_s) for o in offer_ids))

@@ -16,7 +16,11 @@ round by round in one run so that the machine's drift hits every figure alike:
   daemons' CPU use while idle with live peers;
 * ``contended``: 256 MiB remote GB/s quiet and with ``--busy`` busy-looping processes beside
   the daemons, over the same-host transport UCX picks between two daemons here and over TCP
-  (a second pair of daemons with ``UCX_TLS=tcp,self``, as two hosts without RDMA use).
+  (a second pair of daemons with ``UCX_TLS=tcp,self``, as two hosts without RDMA use);
+* ``inflight``: 4 KiB handoffs per second with 64 in flight (64 offers at once, then their
+  64 pulls at once, end to end in the engines), local and remote, against pairs of unary
+  echoes per second with 64 echoes in flight;
+* ``targets``: each of the performance targets (docs/benchmarks.md) with this run's figure.
 
 Run: ``python -m bench.lean [--rounds 30] [--busy 1]``; one JSON line per figure (``python
 -m bench`` runs it as workload ``lean``).
@@ -84,6 +88,15 @@ class Bench:
         self.transport = res["transport"]
         return {"offer_s": offered["offer_s"], "pull_s": res["latency_s"], "daemon_s": res["daemon_s"]}
 
+    def in_flight(self, decode: EngineProcess, n: int = 64) -> float:
+        """Handoffs per second, ``n`` 4 KiB offers at once and then their ``n`` pulls at once."""
+        src, dst = self.rng.permutation(4096)[:n].tolist(), self.rng.permutation(4096)[:n].tolist()
+        offered = self.small_p("offer", requests=[[i] for i in src])
+        pulled = decode("pull", pulls=[[t, [d]] for t, d in zip(offered["tickets"], dst, strict=True)])
+        if not all(r["ok"] for r in pulled["results"]):
+            raise RuntimeError("a pull in flight failed")
+        return n / (offered["offer_s"] + pulled["wall_s"])
+
     def offers_under_load(self, inflight: int) -> list[float]:
         """Offer latencies on daemon a while ``inflight`` remote pulls of 4 MiB run from it."""
         tickets = self.big_p("offer", requests=[self.rng.permutation(256)[:2].tolist() for _ in range(inflight)])
@@ -125,7 +138,7 @@ def run(rounds: int, busy: int, emit: Callable[[dict[str, Any]], None]) -> None:
             "tcp": Bench(cluster, "lean-tcp", env={"UCX_TLS": "tcp,self", "KVXFERD_SAME_HOST_DIRECT_READ": "false"}),
         }
         first = pairs["direct"]
-        local, echo2 = [], []
+        local, echo2, echo_pairs = [], [], []
         figs: dict[str, dict[str, list[float]]] = {name: {} for name in pairs}
         for r in range(rounds + 2):
             warm, heavy = r >= 2, r >= 2 and r % 5 == 2
@@ -134,6 +147,9 @@ def run(rounds: int, busy: int, emit: Callable[[dict[str, Any]], None]) -> None:
             if warm:
                 echo2 += [e[0] + e[1], e[2] + e[3]]
                 local.append(h_local["offer_s"] + h_local["pull_s"])
+            if heavy:
+                echo_pairs.append(64 / first.small_local("echo", count=128, in_flight=64)["wall_s"])
+                figs["direct"].setdefault("inflight_local", []).append(first.in_flight(first.small_local))
             for name, bench in pairs.items():
                 if name != "tcp" or heavy:
                     _round(bench, figs[name], warm, heavy and name != "tcp", heavy, busy)
@@ -183,6 +199,14 @@ def run(rounds: int, busy: int, emit: Callable[[dict[str, Any]], None]) -> None:
                     "receiver_cpu_s_per_gb": statistics.median(f["cpu_receiver"]),
                 }
             )
+        inflight = {
+            "figure": "inflight",
+            "echo_pairs_per_s": statistics.median(echo_pairs),
+            "local_per_s": statistics.median(figs["direct"]["inflight_local"]),
+            **{f"remote_{n}_per_s": statistics.median(figs[n]["inflight"]) for n in ("direct", "ucx-shm")},
+        }
+        emit(inflight)
+        emit(_targets(figs, statistics.median(local), statistics.median(echo2), inflight))
         time.sleep(1.0)
         daemons = [d for bench in pairs.values() for d in (bench.a, bench.b)]
         cpu0, t0 = sum(cpu_seconds(d) for d in daemons), time.monotonic()
@@ -204,6 +228,25 @@ def run(rounds: int, busy: int, emit: Callable[[dict[str, Any]], None]) -> None:
                     "transport": bench.transport,
                 }
             )
+
+
+def _targets(
+    figs: dict[str, dict[str, list[float]]], local: float, echo2: float, inflight: dict[str, Any]
+) -> dict[str, Any]:
+    """Issue 38's targets, each with this run's figure and whether it is met."""
+    row: dict[str, Any] = {"figure": "targets"}
+
+    def target(name: str, value: float, bound: float, at_most: bool) -> None:
+        row[name] = {"value": round(value, 3), "target": bound, "met": value <= bound if at_most else value >= bound}
+
+    target("local_4k_vs_echo2", local / echo2, 1.2, True)
+    for n in ("direct", "ucx-shm"):
+        f = figs[n]
+        target(f"remote_4k_{n}_vs_echo2", statistics.median(f["remote"]) / echo2, 1.5, True)
+        target(f"remote_16mib_{n}_of_256mib", statistics.median(f["mid"]) / statistics.median(f["big"]), 0.5, False)
+        target(f"remote_{n}_in_flight_per_s", inflight[f"remote_{n}_per_s"], 1000, False)
+    target("local_in_flight_per_s", inflight["local_per_s"], 2000, False)
+    return row
 
 
 def _size_bound(fixed_s: float, big_bps: float) -> float:
@@ -240,6 +283,7 @@ def _round(bench: Bench, f: dict[str, list[float]], warm: bool, loaded: bool, co
     f.setdefault("idle_offer", []).extend(idle)
     if loaded:
         f.setdefault("loaded_offer", []).extend(bench.offers_under_load(64))
+        f.setdefault("inflight", []).append(bench.in_flight(bench.small_remote))
     if contend:
         q, c, cq, cc = _contended(bench, (bench.a, bench.b), busy)
         for key, value in (("quiet", q), ("contended", c), ("cpu_quiet", cq), ("cpu_contended", cc)):
