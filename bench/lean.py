@@ -167,38 +167,8 @@ def run(rounds: int, busy: int, emit: Callable[[dict[str, Any]], None]) -> None:
             }
         )
         for name in ("direct", "ucx-shm"):
-            f, bench = figs[name], pairs[name]
-            ratio = statistics.median(f["mid"]) / statistics.median(f["big"])
-            bound = _size_bound(statistics.median(f["remote"]), statistics.median(f["big"]))
-            emit(
-                {
-                    "figure": "size",
-                    "pair": name,
-                    "remote_16mib_gbps": statistics.median(f["mid"]) / 1e9,
-                    "remote_256mib_gbps": statistics.median(f["big"]) / 1e9,
-                    "ratio": ratio,
-                    "bound": bound,
-                    "of_bound": ratio / bound,
-                }
-            )
-            emit(
-                {
-                    "figure": "offers",
-                    "pair": name,
-                    "idle_p50_ms": p50(f["idle_offer"]),
-                    "with_64_pulls_p50_ms": p50(f["loaded_offer"]),
-                    "ratio": statistics.median(f["loaded_offer"]) / statistics.median(f["idle_offer"]),
-                    "samples": len(f["loaded_offer"]),
-                }
-            )
-            emit(
-                {
-                    "figure": "cpu",
-                    "pair": name,
-                    "sender_cpu_s_per_gb": statistics.median(f["cpu_sender"]),
-                    "receiver_cpu_s_per_gb": statistics.median(f["cpu_receiver"]),
-                }
-            )
+            for row in _pair_rows(name, figs[name]):
+                emit(row)
         inflight = {
             "figure": "inflight",
             "echo_pairs_per_s": statistics.median(echo_pairs),
@@ -228,6 +198,37 @@ def run(rounds: int, busy: int, emit: Callable[[dict[str, Any]], None]) -> None:
                     "transport": bench.transport,
                 }
             )
+
+
+def _pair_rows(name: str, f: dict[str, list[float]]) -> list[dict[str, Any]]:
+    """A same-host pair's ``size``, ``offers`` and ``cpu`` rows."""
+    ratio = statistics.median(f["mid"]) / statistics.median(f["big"])
+    bound = _size_bound(statistics.median(f["remote"]), statistics.median(f["big"]))
+    return [
+        {
+            "figure": "size",
+            "pair": name,
+            "remote_16mib_gbps": statistics.median(f["mid"]) / 1e9,
+            "remote_256mib_gbps": statistics.median(f["big"]) / 1e9,
+            "ratio": ratio,
+            "bound": bound,
+            "of_bound": ratio / bound,
+        },
+        {
+            "figure": "offers",
+            "pair": name,
+            "idle_p50_ms": p50(f["idle_offer"]),
+            "with_64_pulls_p50_ms": p50(f["loaded_offer"]),
+            "ratio": statistics.median(f["loaded_offer"]) / statistics.median(f["idle_offer"]),
+            "samples": len(f["loaded_offer"]),
+        },
+        {
+            "figure": "cpu",
+            "pair": name,
+            "sender_cpu_s_per_gb": statistics.median(f["cpu_sender"]),
+            "receiver_cpu_s_per_gb": statistics.median(f["cpu_receiver"]),
+        },
+    ]
 
 
 def _targets(
