@@ -46,10 +46,18 @@ IOV_MAX = 1024
 IovArray = npt.NDArray[np.uint64]
 
 
+#: Copies up to this many bytes keep the GIL through the call: they take microseconds, and a
+#: call that lets go of the GIL may wait for another thread to hand it back (a copy thread, or
+#: grpc's poller) longer than the copy took. Larger ones let go, so copy threads run side by
+#: side.
+HOLD_GIL_BYTES = 256 << 10
+
+
 @functools.cache
-def _syscall(name: str) -> ctypes._CFuncPtr:  # type: ignore[name-defined]
-    """``process_vm_readv`` or ``process_vm_writev`` from libc (same signature)."""
-    libc = ctypes.CDLL(None, use_errno=True)
+def _syscall(name: str, hold_gil: bool = False) -> ctypes._CFuncPtr:  # type: ignore[name-defined]
+    """``process_vm_readv`` or ``process_vm_writev`` from libc (same signature), called with
+    the GIL held (``hold_gil``) or released."""
+    libc = (ctypes.PyDLL if hold_gil else ctypes.CDLL)(None, use_errno=True)
     fn = getattr(libc, name)
     fn.restype = ctypes.c_ssize_t
     fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
@@ -96,27 +104,36 @@ def write_iov(pid: int, local: IovArray, remote: IovArray) -> None:
 
 
 def _vm_copy(name: str, pid: int, local: IovArray, remote: IovArray) -> None:
+    local = np.ascontiguousarray(local, dtype=np.uint64)
+    remote = np.ascontiguousarray(remote, dtype=np.uint64)
     total = int(remote[:, 1].sum())
     if total != int(local[:, 1].sum()):
         raise ValueError(f"the two sides differ in length: {total} and {int(local[:, 1].sum())} bytes")
-    fn = _syscall(name)
+    fn = _syscall(name, total <= HOLD_GIL_BYTES)
+    if len(local) <= IOV_MAX and len(remote) <= IOV_MAX:  # one call: nearly every chunk
+        _copied(name, pid, fn(pid, local.ctypes.data, len(local), remote.ctypes.data, len(remote), 0), total)
+        return
     # Working copies: a call that ends inside an entry leaves its rest for the next call.
-    local = np.ascontiguousarray(local, dtype=np.uint64).copy()
-    remote = np.ascontiguousarray(remote, dtype=np.uint64).copy()
+    local, remote = local.copy(), remote.copy()
     lo = re = 0
     while lo < len(local) and re < len(remote):
         ln, rn = min(IOV_MAX, len(local) - lo), min(IOV_MAX, len(remote) - re)
         want = min(int(local[lo : lo + ln, 1].sum()), int(remote[re : re + rn, 1].sum()))
         got = fn(pid, local[lo:].ctypes.data, ln, remote[re:].ctypes.data, rn, 0)
-        if got < 0:
-            err = ctypes.get_errno()
-            if err in (errno.EPERM, errno.EACCES):
-                raise PermissionError(err, f"{name} on pid {pid}: {os.strerror(err)}")
-            raise OSError(err, f"{name} on pid {pid}: {os.strerror(err)}")
-        if got != want:
-            raise OSError(errno.EFAULT, f"{name} copied {got} of {want} bytes (memory not mapped as needed)")
+        _copied(name, pid, got, want)
         lo = _advance(local, lo, got)
         re = _advance(remote, re, got)
+
+
+def _copied(name: str, pid: int, got: int, want: int) -> None:
+    """Raise what a call that copied ``got`` of ``want`` bytes (or failed: -1) means."""
+    if got < 0:
+        err = ctypes.get_errno()
+        if err in (errno.EPERM, errno.EACCES):
+            raise PermissionError(err, f"{name} on pid {pid}: {os.strerror(err)}")
+        raise OSError(err, f"{name} on pid {pid}: {os.strerror(err)}")
+    if got != want:
+        raise OSError(errno.EFAULT, f"{name} copied {got} of {want} bytes (memory not mapped as needed)")
 
 
 def _advance(iov: IovArray, start: int, nbytes: int) -> int:

@@ -9,6 +9,7 @@ import os
 import stat
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -165,9 +166,16 @@ def test_a_peer_cannot_claim_another_daemons_id_under_mtls(tls_cluster: Cluster,
         start = peer_pb2.TransferStart(
             transfer_id="t-forged", offer_id="off-x", receiver_daemon_id="a", chunk_bytes=1 << 20
         )
-        answers = peer.Transfers(
-            iter([peer_pb2.TransferClientMessage(transfer_id="t-forged", start=start)]), timeout=10
-        )
+        answered = threading.Event()
+
+        def requests() -> Iterator[peer_pb2.TransferClientMessage]:
+            yield peer_pb2.TransferClientMessage(transfer_id="t-forged", start=start)
+            # Held open as a puller holds its stream: a half-closed one says the puller left,
+            # and the daemon owes a puller that left no answer.
+            answered.wait(10)
+
+        answers = peer.Transfers(requests(), timeout=10)
         failed = next(iter(answers)).failed
+        answered.set()
         assert failed.code == grpc.StatusCode.PERMISSION_DENIED.value[0], failed
     assert a.proc is not None and a.proc.poll() is None
