@@ -11,7 +11,10 @@ two daemons' peer ports), every figure in one run, rounds interleaved:
   message carrying all 64 payloads (what coalescing concurrent transfers' messages buys);
 * ``busy``: the stream echo while the serving process's event loop is busy (a task that
   holds it 0.5 ms of every 1 ms, as a daemon moving bytes and serving engines does), with the
-  stream served on that loop and on a loop of its own in a second thread.
+  stream served on that loop and on a loop of its own in a second thread;
+* ``core``: the stream echo between two processes that both run gRPC's core as the daemon
+  does (``kvxferd/_grpc_core.py``: the EventEngine client and listener off) against two on
+  gRPC's own defaults, blocks of echoes alternated.
 
 Run: ``python -m bench.grpc_cost [--rounds 400]``; one JSON line per figure.
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -32,9 +36,13 @@ from typing import Any
 import grpc
 import uvloop
 
+from kvxferd._grpc_core import EXPERIMENTS
+
 SERVICE = "kvxfer.bench.Echo"
 SIZES = (64, 4096, 65536)
 BURST = 64
+#: ``GRPC_EXPERIMENTS`` of the two sides of the ``core`` figure ("": gRPC's own defaults).
+CORES = {"grpc_defaults": "", "daemon": EXPERIMENTS}
 
 
 def _handlers() -> grpc.GenericRpcHandler:
@@ -159,13 +167,57 @@ async def measure(ports: dict[str, int], rounds: int, emit: Callable[[dict[str, 
     )
 
 
+def _spawn(args: list[str], experiments: str | None = None) -> subprocess.Popen[str]:
+    env = None if experiments is None else {**os.environ, "GRPC_EXPERIMENTS": experiments}
+    command = [sys.executable, "-m", "bench.grpc_cost", *args]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
+
+
+def probe_main(port: int, count: int) -> None:
+    """A client process: ``count`` stream echoes of 64 B to ``port``, their median in µs."""
+
+    async def run() -> float:
+        client = Client(port)
+        times = [await client.echo_stream(bytes(64)) for _ in range(count + 20)][20:]
+        return statistics.median(times) * 1e6
+
+    print(json.dumps(uvloop.run(run())), flush=True)
+
+
+def core_figure(blocks: int, count: int) -> dict[str, Any]:
+    """The ``core`` figure: each setting's server and client processes, blocks alternated."""
+    servers = {name: _spawn(["--serve", "uvloop"], value) for name, value in CORES.items()}
+    try:
+        ports = {name: int(p.stdout.readline()) for name, p in servers.items() if p.stdout is not None}
+        medians: dict[str, list[float]] = {name: [] for name in CORES}
+        for _ in range(blocks):
+            for name, value in CORES.items():
+                out, _ = _spawn(["--probe", str(ports[name]), "--count", str(count)], value).communicate()
+                medians[name].append(json.loads(out))
+    finally:
+        for p in servers.values():
+            p.kill()
+            p.wait()
+    us = {name: statistics.median(v) for name, v in medians.items()}
+    return {
+        "figure": "core",
+        **{f"stream_64_us_{name}": round(v, 1) for name, v in us.items()},
+        "daemon_vs_grpc_defaults": round(us["daemon"] / us["grpc_defaults"], 3),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=400)
     parser.add_argument("--serve", help=argparse.SUPPRESS)
+    parser.add_argument("--probe", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--count", type=int, default=300, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
         serve_main(args.serve)
+        return
+    if args.probe:
+        probe_main(args.probe, args.count)
         return
     servers = {
         mode: subprocess.Popen(
@@ -180,6 +232,7 @@ def main() -> None:
         for p in servers.values():
             p.kill()
             p.wait()
+    print(json.dumps(core_figure(blocks=6, count=args.rounds)), flush=True)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import uvloop
 from kvxfer.tls import TlsFiles
 from kvxfer.version import PROTOCOL_VERSION, __version__
 
+from . import _grpc_core
 from . import _wiring as wiring
 from ._config import Settings, load_settings
 from ._log import configure, log_event
@@ -233,6 +234,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     configure(settings.log_level, settings.log_json)
     log_event("daemon.config", **settings.as_dict())
+    log_event("daemon.grpc_core", **_grpc_core.choice())
     profile_to = os.environ.get("KVXFERD_PROFILE")
     if not profile_to:
         # Not uvloop.run: after serve() returns it cancels every task left and waits for

@@ -79,12 +79,9 @@ class RemotePull:
             try:
                 asked = await self._ask(order, peer, call)
                 accepted, plan, starts = await self._negotiate(order, call, asked)
-                record.mark("x_negotiated")
                 landing = Landing(record, peer, call, order.dst, order.dst_ids, plan, starts)
                 receiver = choose_receiver(landing, self.services, self.plane, accepted, asked, endpoint)
-                record.mark("x_chosen")
                 await receiver.prepare(stack)
-                record.mark("x_prepared")
                 said = await self._move(receiver, call, ends_at)
                 await self._check(order, call, sums_of(said), plan if record.mapping else None)
                 await self._commit(order, call, hand_on, ends_at)

@@ -35,11 +35,9 @@ class DirectRead(Receiver):
         """Read the offered blocks once this transfer's nonce is found in the offering daemon;
         layer by layer (each once said written) where the offer is written so."""
         t, nonce, source = self.landing, self.nonce, self.source
-        t.record.mark("x_land")
         why = nonce_missing(int(source.pid), int(source.nonce_address), nonce) if nonce else "it was not asked for"
         if why:
             raise IncompatibleError(f"peer {t.peer.daemon_id} answered with a direct read, but {why}")
-        t.record.mark("x_nonce")
         t.record.transport = DIRECT_READ
         layers = len(t.starts) - 1 if t.starts is not None else 0
         remap_to = side_of(t.dst.layout, t.dst.regions, t.dst_ids) if t.record.mapping else None
