@@ -234,7 +234,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     configure(settings.log_level, settings.log_json)
     log_event("daemon.config", **settings.as_dict())
-    log_event("daemon.grpc_core", **_grpc_core.choice())
+    experiments, source = _grpc_core.choice()
+    log_event("daemon.grpc_core", experiments=experiments, source=source)
     profile_to = os.environ.get("KVXFERD_PROFILE")
     if not profile_to:
         # Not uvloop.run: after serve() returns it cancels every task left and waits for

@@ -49,6 +49,7 @@ def choose(env: MutableMapping[str, str] | None = None, grpc_loaded: bool | None
     return _chosen
 
 
-def choice() -> dict[str, str]:
-    """What this process runs with, for the start-up log."""
-    return {"experiments": os.environ.get("GRPC_EXPERIMENTS", ""), "source": _chosen}
+def choice() -> tuple[str, str]:
+    """What this process runs with (``GRPC_EXPERIMENTS``) and where it came from, for the
+    start-up log."""
+    return os.environ.get("GRPC_EXPERIMENTS", ""), _chosen
