@@ -95,7 +95,7 @@ class Bench:
         pulled = decode("pull", pulls=[[t, [d]] for t, d in zip(offered["tickets"], dst, strict=True)])
         if not all(r["ok"] for r in pulled["results"]):
             raise RuntimeError("a pull in flight failed")
-        return n / (offered["offer_s"] + pulled["wall_s"])
+        return float(n / (offered["offer_s"] + pulled["wall_s"]))
 
     def offers_under_load(self, inflight: int) -> list[float]:
         """Offer latencies on daemon a while ``inflight`` remote pulls of 4 MiB run from it."""
