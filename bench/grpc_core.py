@@ -1,8 +1,9 @@
-"""4 KiB handoffs with the daemon's gRPC core settings against gRPC's own defaults.
+"""4 KiB handoffs with daemons on gRPC's core without its EventEngine, against gRPC's defaults.
 
-Two pairs of same-host daemons in one run: one on the daemon's default (``kvxferd/_grpc_core.py``:
-gRPC's EventEngine client and listener off), one started with ``GRPC_EXPERIMENTS=`` (gRPC's own
-defaults). The engines are the same for both (the harness's environment). Round by round, on
+Two pairs of same-host daemons in one run: one started with ``GRPC_EXPERIMENTS`` turning
+gRPC's EventEngine client and listener off (its older poller instead), one with
+``GRPC_EXPERIMENTS=`` (gRPC's own defaults). The engines are the same for both (the
+harness's environment). Round by round, on
 each pair: two unary echoes, a remote and a local 4 KiB handoff (offer + pull, as the engines
 see them), and every tenth round 64 local and 64 remote handoffs in flight.
 
@@ -16,9 +17,10 @@ import json
 import statistics
 
 from .cluster import Cluster
+from .grpc_cost import EVENT_ENGINE_OFF
 from .lean import Bench
 
-PAIRS = {"daemon": {}, "grpc_defaults": {"GRPC_EXPERIMENTS": ""}}
+PAIRS = {"event_engine_off": {"GRPC_EXPERIMENTS": EVENT_ENGINE_OFF}, "grpc_defaults": {"GRPC_EXPERIMENTS": ""}}
 
 
 def main() -> None:

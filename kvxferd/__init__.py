@@ -31,13 +31,8 @@ What the daemon shares with the SDK (errors, tickets, layouts, protos) is in :mo
 Engines never import this package; they use :mod:`kvxfer_client`.
 """
 
-# Before anything here imports gRPC: its core reads its settings once, when loaded.
-from . import _grpc_core
+from kvxfer.version import __version__
 
-_grpc_core.choose()
-
-from kvxfer.version import __version__  # noqa: E402
-
-from ._config import Settings, load_settings  # noqa: E402
+from ._config import Settings, load_settings
 
 __all__ = ["Settings", "__version__", "load_settings"]

@@ -20,7 +20,6 @@ import uvloop
 from kvxfer.tls import TlsFiles
 from kvxfer.version import PROTOCOL_VERSION, __version__
 
-from . import _grpc_core
 from . import _wiring as wiring
 from ._config import Settings, load_settings
 from ._log import configure, log_event
@@ -234,8 +233,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     configure(settings.log_level, settings.log_json)
     log_event("daemon.config", **settings.as_dict())
-    experiments, source = _grpc_core.choice()
-    log_event("daemon.grpc_core", experiments=experiments, source=source)
     profile_to = os.environ.get("KVXFERD_PROFILE")
     if not profile_to:
         # Not uvloop.run: after serve() returns it cancels every task left and waits for
