@@ -32,6 +32,7 @@ b'0123456789abcdef'
 
 from __future__ import annotations
 
+import functools
 import hmac
 import logging
 import os
@@ -161,24 +162,18 @@ def source_plan(
     a hostile peer's numbers fail here, as typed errors, or read only its own memory).
     ``remap_to``: the destination's side, where the two sides cut blocks otherwise; ``layers``:
     chunks cut per layer, for a layer-wise read."""
-    n = len(sender.block_bytes)
-    if not (len(source.region_buffer) == len(source.region_offset) == len(source.region_stride) == n):
-        raise IncompatibleError(f"direct read: {len(source.region_offset)} regions described, the signature has {n}")
-    if not source.block_ids or not source.buffer_address:
-        raise InvalidRequestError("direct read: no blocks or no buffers described")
-    values = [*source.buffer_address, *source.region_offset, *source.region_stride, *sender.block_bytes]
-    if max(values) >= _MAX_ADDRESS or min(source.buffer_address) == 0:
-        raise InvalidRequestError("direct read: an address, offset or stride out of range")
-    if max(source.region_buffer) >= len(source.buffer_address):
-        raise InvalidRequestError("direct read: a region names a buffer that was not described")
-    if max(source.block_ids) >= _MAX_ADDRESS // max(1, max(source.region_stride)):
-        raise InvalidRequestError("direct read: a block id out of range")
-    regions = RegionTable(
-        np.asarray(source.region_buffer, dtype=np.int64),
-        np.asarray(source.region_offset, dtype=np.int64),
-        np.asarray(source.region_stride, dtype=np.int64),
-        np.asarray(sender.block_bytes, dtype=np.int64),
+    memory, regions, id_bound = _lent_pool(
+        int(source.pid),
+        tuple(source.buffer_address),
+        tuple(source.region_buffer),
+        tuple(source.region_offset),
+        tuple(source.region_stride),
+        tuple(sender.block_bytes),
     )
+    if not source.block_ids:
+        raise InvalidRequestError("direct read: no blocks described")
+    if max(source.block_ids) >= id_bound:
+        raise InvalidRequestError("direct read: a block id out of range")
     ids = np.asarray(source.block_ids, dtype=np.int64)
     if remap_to is not None:
         plan = plan_remap(peer_side(sender, len(ids), regions, ids), remap_to, chunk_bytes, "src")
@@ -188,8 +183,36 @@ def source_plan(
         plan = build_layered_plan(regions, ids, chunk_bytes, layers)[0]
     else:
         plan = build_plan(regions, ids, chunk_bytes)
-    memory = ProcessMemory(int(source.pid), np.asarray(source.buffer_address, dtype=np.int64), _never, "peer daemon")
     return memory, plan
+
+
+@functools.lru_cache(maxsize=256)
+def _lent_pool(
+    pid: int,
+    buffers: tuple[int, ...],
+    region_buffer: tuple[int, ...],
+    region_offset: tuple[int, ...],
+    region_stride: tuple[int, ...],
+    block_bytes: tuple[int, ...],
+) -> tuple[ProcessMemory, RegionTable, int]:
+    """A lent pool's memory and regions, checked, and the bound its block ids stay under. The
+    same pool is lent for every pull of its offers: checked and built once per (pid, layout),
+    read-only (an error is raised afresh each time, never cached)."""
+    n = len(block_bytes)
+    if not (len(region_buffer) == len(region_offset) == len(region_stride) == n):
+        raise IncompatibleError(f"direct read: {len(region_offset)} regions described, the signature has {n}")
+    if not buffers or not n:
+        raise InvalidRequestError("direct read: no buffers or no regions described")
+    if max((*buffers, *region_offset, *region_stride, *block_bytes)) >= _MAX_ADDRESS or min(buffers) == 0:
+        raise InvalidRequestError("direct read: an address, offset or stride out of range")
+    if max(region_buffer) >= len(buffers):
+        raise InvalidRequestError("direct read: a region names a buffer that was not described")
+    columns = [np.array(c, dtype=np.int64) for c in (region_buffer, region_offset, region_stride, block_bytes)]
+    base = np.array(buffers, dtype=np.int64)
+    for array in (*columns, base):
+        array.flags.writeable = False  # shared by every pull of this pool
+    memory = ProcessMemory(pid, base, _never, "peer daemon")
+    return memory, RegionTable(*columns), _MAX_ADDRESS // max(1, max(region_stride))
 
 
 def _never() -> None:

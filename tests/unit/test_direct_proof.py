@@ -59,6 +59,7 @@ def test_a_described_source_plans_as_the_offering_daemon_would() -> None:
         ({"buffer_address": [0, 1 << 20]}, InvalidRequestError, "out of range"),
         ({"region_buffer": [0, 5]}, InvalidRequestError, "names a buffer"),
         ({"block_ids": []}, InvalidRequestError, "no blocks"),
+        ({"buffer_address": []}, InvalidRequestError, "no buffers"),
         ({"region_stride": [1 << 40, 4096], "block_ids": [1 << 31]}, InvalidRequestError, "block id"),
     ],
 )
@@ -66,6 +67,20 @@ def test_a_hostile_description_is_refused_typed(change: dict[str, object], error
     source, signature = _source(**change)
     with pytest.raises(error, match=words):
         source_plan(source, signature, 2048)
+
+
+def test_a_lent_pool_is_checked_once_shared_read_only_and_its_errors_never_cached() -> None:
+    (first, signature), (second, _) = _source(), _source(block_ids=[1])
+    (memory, _), (again, plan) = source_plan(first, signature, 2048), source_plan(second, signature, 2048)
+    assert again is memory and not memory.base.flags.writeable  # one view per lent pool
+    assert plan.total_bytes == sum(r[3] for r in REGIONS)  # its own blocks: one here
+    hostile, _ = _source(region_buffer=[0, 5])
+    for _ in range(2):
+        with pytest.raises(InvalidRequestError, match="names a buffer"):
+            source_plan(hostile, signature, 2048)
+    bare, _ = _source(region_buffer=[], region_offset=[], region_stride=[])
+    with pytest.raises(InvalidRequestError, match="no regions"):
+        source_plan(bare, common_pb2.LayoutSignature(), 2048)
 
 
 def test_proofs_take_only_nonces_and_reuse_slots_in_a_ring() -> None:
