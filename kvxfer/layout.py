@@ -155,12 +155,22 @@ class Layout:
                 )
 
     def signature(self) -> common_pb2.LayoutSignature:
-        """What a peer's layout must match, field by field."""
-        return common_pb2.LayoutSignature(
-            block_bytes=[r.block_bytes for r in self.regions],
-            model=self.model.to_proto(),
-            geometry=self.geometry.to_proto() if self.geometry else None,
-        )
+        """What a peer's layout must match, field by field. Built once per layout (every
+        handoff of a pool asks for it): callers read it and never change it.
+
+        >>> layout = Layout.paged_kv(num_layers=1, num_blocks=4, block_bytes=64)
+        >>> layout.signature() is layout.signature(), list(layout.signature().block_bytes)
+        (True, [64, 64])
+        """
+        signature: common_pb2.LayoutSignature | None = self.__dict__.get("_signature")
+        if signature is None:
+            signature = common_pb2.LayoutSignature(
+                block_bytes=[r.block_bytes for r in self.regions],
+                model=self.model.to_proto(),
+                geometry=self.geometry.to_proto() if self.geometry else None,
+            )
+            object.__setattr__(self, "_signature", signature)  # frozen: a cache, not a field
+        return signature
 
     def fingerprint(self) -> str:
         """Short hash of :meth:`signature`: equal fingerprints mean compatible layouts."""
