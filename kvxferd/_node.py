@@ -49,7 +49,8 @@ from .handoff.pull import Pulls
 from .handoff.push import PushHandoff
 from .handoff.remote_pull import RemotePull
 from .handoff.serve import TransferServer
-from .memory.pools import Pool, PoolIdentity, PoolRegistry, check_block_ids
+from .memory.block_ids import check_block_ids
+from .memory.pools import Pool, PoolIdentity, PoolRegistry
 from .peer.directory import PeerDirectory
 from .peer.serve_request import OffererStream, ServeRequest
 from .tier.acts import KvTier

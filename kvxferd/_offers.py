@@ -34,7 +34,8 @@ from kvxfer.proto import common_pb2
 
 from ._log import log_event
 from ._sessions import check_owner
-from .memory.pools import Pool, check_block_ids
+from .memory.block_ids import check_block_ids
+from .memory.pools import Pool
 
 __all__ = ["Offer", "OfferTable", "ReleaseSink"]
 

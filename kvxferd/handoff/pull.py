@@ -31,7 +31,8 @@ from kvxfer.ticket import Ticket
 
 from .._asks import PullAsk
 from .._transfers import TransferRecord, TransferTable
-from ..memory.pools import Pool, check_block_ids
+from ..memory.block_ids import check_block_ids
+from ..memory.pools import Pool
 from .local import LocalHandoff
 from .order import PullOrder
 from .remote_pull import RemotePull

@@ -50,7 +50,7 @@ from .._config import Settings
 from .._log import log_event
 from .._offers import Offer
 from .._transfers import TransferRecord
-from ..memory.pools import check_block_ids
+from ..memory.block_ids import check_block_ids
 from ..peer.directory import PeerDirectory
 
 __all__ = ["Announcement", "PushHandoff", "PushTable", "Pushed"]

@@ -36,7 +36,6 @@ __all__ = [
     "Pool",
     "PoolRegistry",
     "Registrant",
-    "check_block_ids",
     "mapped_pool",
     "regions_of",
 ]
@@ -190,21 +189,6 @@ def mapped_pool(pool_id: str, name: str, layout: Layout, arrays: list[U8]) -> Po
         nbytes=sum(a.nbytes for a in arrays),
         base=np.array([a.ctypes.data for a in arrays], dtype=np.int64),
     )
-
-
-def check_block_ids(ids: Sequence[int] | npt.NDArray[np.int64], num_blocks: int, what: str) -> npt.NDArray[np.int64]:
-    """Validate block ids (non-empty, in range, no repeats) as one vectorised pass."""
-    arr = np.asarray(ids, dtype=np.int64)
-    if arr.size == 0:
-        raise InvalidRequestError(f"{what}: empty block list")
-    lo, hi = int(arr.min()), int(arr.max())
-    if lo < 0 or hi >= num_blocks:
-        bad = lo if lo < 0 else hi
-        raise InvalidRequestError(f"{what}: block id {bad} outside the pool's 0..{num_blocks - 1}")
-    ordered = np.sort(arr)
-    if arr.size > 1 and bool((ordered[1:] == ordered[:-1]).any()):
-        raise InvalidRequestError(f"{what}: block ids repeat")
-    return arr
 
 
 class PoolRegistry:

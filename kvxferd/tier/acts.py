@@ -17,7 +17,7 @@ from .._asks import PullAsk
 from .._config import Settings
 from .._offers import Offer, OfferTable
 from .._transfers import TransferRecord
-from ..memory.pools import check_block_ids
+from ..memory.block_ids import check_block_ids
 from ..peer.directory import PeerDirectory
 from .host import HostTier
 from .offers import TierOffers
