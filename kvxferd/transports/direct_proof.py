@@ -49,7 +49,7 @@ from ..dataplane.cma import read_iov
 from ..dataplane.hostmem import ProcessMemory
 from ..dataplane.plan import RegionTable, SidePlan, build_layered_plan, build_plan
 from ..dataplane.remap import Side, peer_side, plan_remap
-from ..memory.pools import Pool
+from ..memory.pools import MAX_BUFFERS, Pool
 from ..peer.serve_request import NONCE_BYTES
 
 __all__ = [
@@ -162,7 +162,10 @@ def source_plan(
     a hostile peer's numbers fail here, as typed errors, or read only its own memory).
     ``remap_to``: the destination's side, where the two sides cut blocks otherwise; ``layers``:
     chunks cut per layer, for a layer-wise read."""
-    memory, regions, id_bound = _lent_pool(
+    # A peer's description of a pool larger than any a daemon registers is checked uncached:
+    # the cache holds only what honest pools look like.
+    small = len(source.buffer_address) + len(source.region_offset) <= _CACHED_ENTRIES
+    memory, regions, id_bound = (_lent_pool if small else _check_lent_pool)(
         int(source.pid),
         tuple(source.buffer_address),
         tuple(source.region_buffer),
@@ -186,8 +189,7 @@ def source_plan(
     return memory, plan
 
 
-@functools.lru_cache(maxsize=256)
-def _lent_pool(
+def _check_lent_pool(
     pid: int,
     buffers: tuple[int, ...],
     region_buffer: tuple[int, ...],
@@ -213,6 +215,12 @@ def _lent_pool(
         array.flags.writeable = False  # shared by every pull of this pool
     memory = ProcessMemory(pid, base, _never, "peer daemon")
     return memory, RegionTable(*columns), _MAX_ADDRESS // max(1, max(region_stride))
+
+
+#: Lent pools remembered (each a few KiB), and the most buffers plus regions one may describe
+#: to be remembered (a pool has at most MAX_BUFFERS buffers; its regions are of that order).
+_LENT_POOLS, _CACHED_ENTRIES = 64, 2 * MAX_BUFFERS
+_lent_pool = functools.lru_cache(maxsize=_LENT_POOLS)(_check_lent_pool)
 
 
 def _never() -> None:

@@ -83,6 +83,17 @@ def test_a_lent_pool_is_checked_once_shared_read_only_and_its_errors_never_cache
         source_plan(bare, common_pb2.LayoutSignature(), 2048)
 
 
+def test_a_description_larger_than_any_pool_is_checked_but_never_remembered() -> None:
+    from kvxferd.transports import direct_proof
+
+    source, signature = _source()
+    source.buffer_address.extend([1 << 20] * (2 * 4096))  # more buffers than a pool may have
+    before = direct_proof._lent_pool.cache_info().currsize
+    memory, _ = source_plan(source, signature, 2048)
+    again, _ = source_plan(source, signature, 2048)
+    assert again is not memory and direct_proof._lent_pool.cache_info().currsize == before
+
+
 def test_proofs_take_only_nonces_and_reuse_slots_in_a_ring() -> None:
     proofs = ProofSlots()
     with pytest.raises(InvalidRequestError, match=f"{NONCE_BYTES} bytes"):
