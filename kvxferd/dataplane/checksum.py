@@ -133,22 +133,18 @@ def _sums_in_place(
 ) -> U64 | None:
     """A few segments summed where they lie, in plain Python around one product each (numpy's
     per-call cost is most of the work at this size); None if one is not word-aligned."""
-    buffer, offset, stride, nbytes = (
-        regions.buffer.tolist(),
-        regions.offset.tolist(),
-        regions.stride.tolist(),
-        regions.nbytes.tolist(),
-    )
+    buffer, offset, stride, nbytes = regions.lists
     ids_l, reg_l = ids.tolist(), region_of.tolist()
     starts = within[0].tolist() if within is not None else [0] * len(ids_l)
     lengths = within[1].tolist() if within is not None else [nbytes[r] for r in reg_l]
-    out = np.empty(len(ids_l), dtype=np.uint64)
-    for j, (i, r, start, n) in enumerate(zip(ids_l, reg_l, starts, lengths, strict=True)):
+    weights = _weights_for(max(lengths) // 8)
+    sums = []
+    for i, r, start, n in zip(ids_l, reg_l, starts, lengths, strict=True):
         o = offset[r] + i * stride[r] + start
         if (o | n) % 8:
             return None
-        out[j] = arrays[buffer[r]][o : o + n].view(np.uint64) @ _weights_for(n // 8)
-    return out
+        sums.append(arrays[buffer[r]][o : o + n].view(np.uint64) @ weights[: n >> 3])
+    return np.array(sums, dtype=np.uint64)
 
 
 def window_sums(memory: HostMemory, plan: SidePlan, window_bytes: int, windows: npt.NDArray[np.integer]) -> U64:

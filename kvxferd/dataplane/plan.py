@@ -20,6 +20,7 @@ plan grows with the number of chunks and regions, never with the number of block
 from __future__ import annotations
 
 import bisect
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import pairwise
@@ -60,6 +61,11 @@ class RegionTable:
     @property
     def block_bytes(self) -> int:
         return int(self.nbytes.sum())
+
+    @functools.cached_property
+    def lists(self) -> tuple[list[int], list[int], list[int], list[int]]:
+        """The four columns as Python lists (made once: read by loops over a few segments)."""
+        return self.buffer.tolist(), self.offset.tolist(), self.stride.tolist(), self.nbytes.tolist()
 
 
 @dataclass(frozen=True)
