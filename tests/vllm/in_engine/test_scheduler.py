@@ -871,3 +871,83 @@ def test_a_decode_step_that_stalls_past_the_lease_still_pulls_because_its_offer_
             prefill.close()
             kept.close()
             late.close()
+
+
+#: What vLLM's toy proxy (its NIXL integration test's router) and ``vllm-router`` send a
+#: prefill engine: our key, and the NIXL connector's keys set to null.
+ROUTER_PREFILL_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+def test_a_router_written_for_another_connector_hands_off_with_its_own_keys(engines: tuple[Engine, Engine]) -> None:
+    """The prefill request carries other connectors' keys set to null; the answer crosses JSON
+    (as through an HTTP router) and reaches the decode engine with keys of the router's own
+    added: the load runs and lands byte-exact."""
+    import json
+
+    prefill, decode = engines
+    prompt = list(range(3000, 3000 + 2 * BLOCK + 3))
+    prefill.scheduler.add_request(_request("p-router", prompt, 1, dict(ROUTER_PREFILL_PARAMS)))
+    params = _params_of(prefill.step(forward=_filled(prefill, 11)), "p-router")
+    assert params and params["do_remote_prefill"] and params["kvxfer_tickets"], params
+    src = list(prefill.scheduler.kv_cache_manager.get_block_ids("p-router")[0])
+    relayed = json.loads(json.dumps(params))
+    relayed.update({"remote_engine_id": None, "remote_host": None, "router_trace": {"hop": 1}, "kvxfer_stream": None})
+    decode.scheduler.add_request(_request("d-router", prompt, 2, relayed))
+    decode.step()
+    assert decode.scheduler.requests["d-router"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    _run_until(
+        decode,
+        lambda: decode.scheduler.requests["d-router"].status != RequestStatus.WAITING_FOR_REMOTE_KVS,
+        "the pull never finished",
+    )
+    dst = list(decode.scheduler.kv_cache_manager.get_block_ids("d-router")[0])[: len(src)]
+    assert (decode.kv[dst] == prefill.kv[src]).all()
+    _run_until(prefill, lambda: "p-router" not in prefill.scheduler.requests, "finished_sending never came")
+    _run_until(decode, lambda: "d-router" not in decode.scheduler.requests, "the decode request never finished")
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"do_remote_prefill": True, "kvxfer_tickets": None, "kvxfer_stream": None, "remote_block_ids": None},
+        {"do_remote_prefill": None, "kvxfer_tickets": None},
+        {"do_remote_decode": None, "do_remote_prefill": False, "remote_engine_id": None},
+    ],
+    ids=["null-tickets", "null-flags", "nixl-style-nulls"],
+)
+def test_null_keys_are_absent_keys_and_the_decode_engine_computes_the_prompt(
+    engines: tuple[Engine, Engine], params: dict[str, Any]
+) -> None:
+    """Null where a router has nothing to say: no load is attempted, no transfer fails, the
+    request runs as one engine alone would."""
+    _, decode = engines
+    failures = decode.worker.totals["pull_failures"]
+    rid = "d-null-" + secrets.token_hex(4)
+    decode.scheduler.add_request(_request(rid, list(range(3100, 3100 + BLOCK + 1)), 2, params))
+    decode.step()
+    assert decode.scheduler.requests[rid].status != RequestStatus.WAITING_FOR_REMOTE_KVS
+    _run_until(decode, lambda: rid not in decode.scheduler.requests, "the request never finished")
+    assert decode.worker.totals["pull_failures"] == failures
+
+
+@pytest.mark.parametrize("tickets", [5, "tickets", {"offer_id": "x"}, [None, 3]], ids=["int", "str", "dict", "junk"])
+def test_malformed_tickets_from_a_router_fail_the_load_and_the_scheduler_goes_on(
+    engines: tuple[Engine, Engine], tickets: Any
+) -> None:
+    """A router's garbage under our key: the request's load fails under vLLM's policy; the
+    scheduler, its lease keeper and the next request are unharmed."""
+    prefill, decode = engines
+    rid = "d-junk-" + secrets.token_hex(4)
+    params = {"do_remote_prefill": True, "kvxfer_tickets": tickets, "kvxfer_block_tokens": None}
+    decode.scheduler.add_request(_request(rid, list(range(3200, 3200 + BLOCK + 1)), 2, params))
+    _run_until(decode, lambda: rid not in decode.scheduler.requests, "the request hung", after=2)
+    src = _handoff(prefill, decode, rid + "-next", list(range(3300, 3300 + BLOCK + 5)), 2, seed=12)
+    dst = list(decode.scheduler.kv_cache_manager.get_block_ids(rid + "-next")[0])[: len(src)]
+    assert (decode.kv[dst] == prefill.kv[src]).all()
