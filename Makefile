@@ -9,6 +9,9 @@ STAMP  := $(VENV)/.installed
 
 VLLM_VENV  := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
+# vLLM's newest release, at scheduler level (its engine needs a GPU; its scheduler imports on CPU).
+VLLM_NEXT_VENV  := .venv-vllm-next
+VLLM_NEXT_STAMP := $(VLLM_NEXT_VENV)/.installed
 
 .PHONY: all demo test lint typecheck docs docs-reference unit pytest proto bench faults clean promtool vllm-venv vllm-test vllm-engines-test vllm-load-test
 
@@ -93,19 +96,27 @@ $(VLLM_STAMP): constraints-vllm.txt pyproject.toml
 	$(VLLM_VENV)/bin/python -m pip install -q -c constraints-vllm.txt -e . pytest pytest-timeout vllm-router
 	touch $(VLLM_STAMP)
 
-vllm-venv: $(VLLM_STAMP)
+$(VLLM_NEXT_STAMP): constraints-vllm-next.txt pyproject.toml
+	$(PYTHON) -m venv $(VLLM_NEXT_VENV)
+	$(VLLM_NEXT_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_NEXT_VENV)/bin/python -m pip install -q -c constraints-vllm-next.txt vllm==0.33.0
+	$(VLLM_NEXT_VENV)/bin/python -m pip install -q -c constraints-vllm-next.txt -e . pytest pytest-timeout
+	touch $(VLLM_NEXT_STAMP)
 
-# vLLM's own scheduler driving the connector (in .venv-vllm), then real vLLM engines (in
+vllm-venv: $(VLLM_STAMP) $(VLLM_NEXT_STAMP)
+
+# vLLM's own scheduler driving the connector (in .venv-vllm: 0.32, then .venv-vllm-next: 0.33), then real vLLM engines (in
 # .venv-vllm) handing off through real daemons (run from .venv); then served engines under
 # load (-s shows their figures: bursts, soak, restarts).
 vllm-test: vllm-engines-test vllm-load-test
 
-vllm-engines-test: $(STAMP) $(VLLM_STAMP)
+vllm-engines-test: $(STAMP) $(VLLM_STAMP) $(VLLM_NEXT_STAMP)
 	KVXFER_DAEMON_PYTHON=$(BIN)/python $(VLLM_VENV)/bin/python -m pytest -q -o addopts="-p no:cacheprovider" --doctest-modules kvxfer_client/vllm tests/vllm/in_engine
+	KVXFER_DAEMON_PYTHON=$(BIN)/python $(VLLM_NEXT_VENV)/bin/python -m pytest -q -o addopts="-p no:cacheprovider" --doctest-modules kvxfer_client/vllm tests/vllm/in_engine
 	KVXFER_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(BIN)/python -m pytest -q -m vllm tests/vllm --ignore=tests/vllm/test_served_load.py
 
 vllm-load-test: $(STAMP) $(VLLM_STAMP)
 	KVXFER_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(BIN)/python -m pytest -q -s -m vllm tests/vllm/test_served_load.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_NEXT_VENV) .mypy_cache .ruff_cache .pytest_cache
