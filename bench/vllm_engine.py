@@ -93,7 +93,8 @@ def main() -> None:
         dtype="bfloat16",
         **kwargs,
     )
-    _reply({"ready_s": time.monotonic() - started})
+    groups = len(llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config.kv_cache_groups)
+    _reply({"ready_s": time.monotonic() - started, "kv_cache_groups": groups})
     for line in sys.stdin:
         req = json.loads(line)
         if req.get("scramble"):

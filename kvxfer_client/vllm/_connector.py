@@ -37,18 +37,20 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvxfer.defaults import default_socket_path
 from kvxfer.layout import ModelInfo
 from kvxfer.ticket import Ticket
 
 from .._blocking import KvxferClient
 from .._results import PoolRef
 from ._config_facts import backend_name, backend_shape, head_facts, kv_dtype, total_kv_heads
+from ._extra_config import settings
+from ._groups import GROUPS_KEY, offered
 from ._leases import LeaseKeeper
-from ._messages import TICKETS_KEY, UNAVAILABLE_KEY, Load, RankPool, Send, Stream
+from ._messages import STREAM_KEY, TICKETS_KEY, UNAVAILABLE_KEY, Load, RankPool, Send, Stream
 from ._plan import SchedulerPlan
 from ._refusals import RefusedOffers
 from ._stats import KvxferStats
@@ -66,37 +68,6 @@ __all__ = ["KvxferConnector", "KvxferHandshake", "KvxferMetadata"]
 
 #: A child of vLLM's logger, so these lines go where vLLM's own go.
 log = logging.getLogger("vllm.kvxfer")
-
-
-def _settings(given: dict[str, Any], role: KVConnectorRole) -> dict[str, Any]:
-    """``kv_connector_extra_config`` checked (unknown keys refused: a typo must not silently
-    fall back to a default) and completed; every default taken is logged."""
-    defaults: dict[str, Any] = {
-        "socket": default_socket_path(),
-        "lease_s": 60.0,
-        "pull_timeout_s": 60.0,
-        # The decode deployment's tensor-parallel size, when it differs from this engine's: each
-        # prefill rank's offer then waits for every decode rank that takes its heads.
-        "decode_tp_size": 0,
-        # The node's KV tier (see ._tier): load stored prefixes, store finished requests.
-        "tier": False,
-        "tier_salt": "",
-    }
-    unknown = sorted(set(given) - set(defaults))
-    if unknown:
-        raise ValueError(
-            f"kv_connector_extra_config: unknown key(s) {unknown} for KvxferConnector (known: {sorted(defaults)})"
-        )
-    for key, value in defaults.items():
-        if key not in given:
-            log.info("kvxfer (%s): %s not set in kv_connector_extra_config, using %r", role.name, key, value)
-    settings = {**defaults, **given}
-    for key in ("lease_s", "pull_timeout_s"):
-        if not float(settings[key]) > 0:
-            raise ValueError(
-                f"kv_connector_extra_config: {key} must be a positive number of seconds, got {settings[key]!r}"
-            )
-    return settings
 
 
 class KvxferMetadata(KVConnectorMetadata):
@@ -129,7 +100,11 @@ class KvxferHandshake(KVConnectorHandshakeMetadata):
         self.pool = pool
 
 
-class KvxferConnector(KVConnectorBase_V1):
+class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
+    """Both roles (module docstring). ``SupportsHMA``: vLLM's hybrid KV-cache manager stays on,
+    and a model with several KV-cache groups hands off every group in pull mode
+    (:mod:`._groups`); streaming and the node's tier serve single-group models."""
+
     #: Loaded tokens come from another engine (vLLM's cache-hit metrics by source).
     _cache_hit_source = CacheHitSource.P2P
 
@@ -141,7 +116,7 @@ class KvxferConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
         super().__init__(vllm_config, role, kv_cache_config)
-        extra = _settings(self._kv_transfer_config.kv_connector_extra_config or {}, role)
+        extra = settings(self._kv_transfer_config.kv_connector_extra_config or {}, role)
         self._block_size = int(vllm_config.cache_config.block_size)
         self._plan: SchedulerPlan | None = None
         self._worker: WorkerTransfers | None = None
@@ -154,7 +129,12 @@ class KvxferConnector(KVConnectorBase_V1):
         self._tier_salt = str(extra["tier_salt"]).encode()
         #: Offers the daemon refused: their blocks go back to vLLM (see ._refusals).
         self._refusals: RefusedOffers | None = None
+        #: KV-cache groups (vLLM's hybrid manager: sliding-window layers beside full ones).
+        self._groups = len(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else 1
         self._tier = TierPlan(self._block_size) if extra["tier"] else None
+        if self._tier is not None and self._groups > 1:
+            log.warning("kvxfer: the node's KV tier serves models of one KV-cache group; off for this one")
+            self._tier = None
         if role == KVConnectorRole.SCHEDULER:
             decode_tp = int(extra["decode_tp_size"] or vllm_config.parallel_config.tensor_parallel_size)
             self._plan = SchedulerPlan(self._block_size, total_kv_heads(vllm_config), decode_tp)
@@ -298,6 +278,15 @@ class KvxferConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self._plan is not None
+        if len(blocks.blocks) > 1:  # several KV-cache groups: pulled group by group
+            params = request.kv_transfer_params
+            if params and params.get(STREAM_KEY) is not None and params.get("do_remote_decode"):
+                log.warning("kvxfer: request %s does not stream (several KV-cache groups): a pull", request.request_id)
+            if num_external_tokens:
+                dst = [[None if b.is_null else b.block_id for b in group] for group in blocks.blocks]
+                new = [[b.block_hash is None for b in group] for group in blocks.blocks]
+                self._plan.after_alloc_groups(request.request_id, params, dst, new)
+            return
         self._plan.expect_stream(request.request_id, request.kv_transfer_params, request.num_prompt_tokens)
         block_ids = list(blocks.get_block_ids()[0]) if num_external_tokens else []
         new = len(blocks.get_unhashed_block_ids()) if num_external_tokens else 0
@@ -324,6 +313,25 @@ class KvxferConnector(KVConnectorBase_V1):
         meta = KvxferMetadata(loads, sends, streams, cancels, tier_loads, tier_saves)
         meta.unoffered = self._refusals.for_workers() if self._refusals is not None else []
         return meta
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """``request_finished`` with each KV-cache group's blocks (``SupportsHMA``): one group
+        goes as ever; several are offered in one offer, group after group, their spans in
+        ``kvxfer_groups`` (a request that cannot be handed off is computed by the decode
+        engine: its blocks are freed here at once)."""
+        if len(block_ids) == 1:
+            return self.request_finished(request, block_ids[0])
+        try:
+            spans, ids = offered(block_ids)
+        except ValueError as exc:
+            log.warning("kvxfer: request %s: no KV handed off: %s", request.request_id, exc)
+            return False, {"do_remote_prefill": False, "do_remote_decode": False, UNAVAILABLE_KEY: str(exc)}
+        delay, params = self.request_finished(request, ids)
+        if params is not None and params.get(TICKETS_KEY):
+            params[GROUPS_KEY] = spans
+        return delay, params
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._plan is not None

@@ -57,6 +57,7 @@ from kvxfer.errors import IncompatibleError
 from kvxfer.geometry import readers
 from kvxfer.ticket import Ticket
 
+from ._groups import GROUPS_KEY, landing, spans_of
 from ._messages import (
     BLOCK_TOKENS_KEY,
     STREAM_KEY,
@@ -328,6 +329,46 @@ class SchedulerPlan:
         self._loads.append(Load(request_id, tuple(tickets), new_ids, indices, transfer_id=transfer_id))
         if transfer_id:
             self._receiving[request_id] = transfer_id
+
+    def after_alloc_groups(
+        self,
+        request_id: str,
+        params: dict[str, Any] | None,
+        dst: list[list[int | None]],
+        new: list[list[bool]],
+    ) -> None:
+        """:meth:`after_alloc` for an engine with several KV-cache groups (:mod:`._groups`):
+        ``dst`` each group's blocks (None: the null block), ``new`` which of them this
+        engine's prefix cache does not hold. Pulls land group by group; the prefill must have
+        the same groups and block size, and pull mode (streaming moves one group)."""
+        if not params or not params.get("do_remote_prefill"):
+            return
+        params["do_remote_prefill"] = False  # vLLM may call this twice: load once
+        tickets = params.get(TICKETS_KEY)
+        wanted = tuple(
+            b
+            for ids, fresh in zip(dst, new, strict=True)
+            for b, f in zip(ids, fresh, strict=True)
+            if f and b is not None
+        )
+        reason = ""
+        if not isinstance(tickets, list) or not tickets or not all(isinstance(t, dict) for t in tickets):
+            tickets = []
+            reason = f"kv_transfer_params carry no {TICKETS_KEY}" + (
+                f" (streaming moves one KV-cache group; this engine has {len(dst)})" if params.get(STREAM_KEY) else ""
+            )
+        elif params.get(BLOCK_TOKENS_KEY) not in (None, self.block_size):
+            reason = f"the prefill's blocks hold {params.get(BLOCK_TOKENS_KEY)} tokens, these {self.block_size}: "
+            reason += "with several KV-cache groups the block sizes must match"
+        else:
+            spans = spans_of(params.get(GROUPS_KEY), len(dst), int(tickets[0].get("num_blocks", 0) or 0))
+            where = spans if isinstance(spans, str) else landing(spans, dst, new)
+            if isinstance(where, str):
+                reason = where
+            elif where[1]:
+                self._loads.append(Load(request_id, tuple(tickets), where[1], where[0]))
+        if reason and wanted:
+            self._loads.append(Load(request_id, tuple(tickets), wanted, None, reason))
 
     def take(self) -> tuple[list[Load], list[Send]]:
         """This step's loads and sends (the metadata for the workers); starts a new step."""

@@ -99,7 +99,9 @@ class WorkerTransfers:
         ``backend_shape`` as :func:`block_dim_of` takes it; ``heads``: what vLLM says of the
         heads, to declare the pool's geometry (then other TP sizes can pull from it);
         ``backend``: the attention backend's name, for the pool's KV format."""
-        tensors = list(kv_caches.values())
+        # KV-cache groups of a hybrid model may share tensors (one layer of each group): each
+        # memory once in the pool (a block id is one group's block in all of them).
+        tensors = list({_address(t): t for t in kv_caches.values()}.values())
         self.pushes.register(list(kv_caches), getattr(tensors[0], "is_cuda", False))
         layout = pool_layout(tensors, num_blocks, model, backend_shape, heads, backend)
         geometry = layout.geometry
@@ -327,3 +329,11 @@ def _zero_stats() -> dict[str, Any]:
         "tier_saves": 0,
         "tier_loaded_blocks": 0,
     }
+
+
+def _address(tensor: Any) -> Any:
+    """Where a KV tensor's memory starts (torch, CuPy or numpy), or the tensor itself."""
+    if hasattr(tensor, "data_ptr"):
+        return int(tensor.data_ptr())
+    interface = getattr(tensor, "__array_interface__", None) or getattr(tensor, "__cuda_array_interface__", None)
+    return int(interface["data"][0]) if interface else id(tensor)

@@ -326,7 +326,7 @@ class ToyRouter:
             def log_message(self, *args: Any) -> None:
                 pass
 
-            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 rid = str(uuid.uuid4())
                 headers = {"Content-Type": "application/json", "Authorization": "Bearer None", "X-Request-Id": rid}
@@ -467,3 +467,45 @@ def test_vllm_router_in_pd_mode_disaggregates_concurrent_requests(
         _concurrently(router.url, setup)
     finally:
         router.close()
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """A hybrid model (layer 0 sliding-window attention over 64 tokens, layer 1 full), served
+    with vLLM's hybrid KV-cache manager on (its default for a connector that supports it): a
+    prefill engine on one daemon, a decode engine on another, one alone for reference."""
+    work = tmp_path_factory.mktemp("vllm-hybrid")
+    layers = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 64}
+    model = write_model(str(work / "model"), **layers)
+    with Cluster() as cluster:
+        a, b = cluster.daemon("a"), cluster.daemon("b")
+        engines = {
+            "single": VllmEngine("single", a.socket, model, str(work / "single.log")),
+            "prefill": VllmEngine("prefill", a.socket, model, str(work / "prefill.log")),
+            "decode": VllmEngine("decode", b.socket, model, str(work / "decode.log")),
+        }
+        try:
+            for engine in engines.values():
+                engine.wait()
+            yield {"daemons": (a, b), **engines}
+        finally:
+            for e in engines.values():
+                e.close()
+
+
+def test_a_sliding_window_model_with_the_hybrid_manager_on_hands_off_every_group(hybrid: dict[str, Any]) -> None:
+    """Both KV-cache groups cross the daemons (the window's only the blocks vLLM keeps), and the
+    decode engine generates one engine's tokens, for prompts within and past the window."""
+    assert hybrid["prefill"].ready["kv_cache_groups"] == hybrid["decode"].ready["kv_cache_groups"] == 2
+    for prompt in [list(range(3, 3 + n)) for n in (40, 129, 300)]:
+        first = hybrid["prefill"](prompt=prompt, max_tokens=1, kv={"do_remote_decode": True})
+        assert first["kv"] and first["kv"]["do_remote_prefill"] and len(first["kv"]["kvxfer_groups"]) == 2, first
+        (window_first, end), (full_first, full_end) = first["kv"]["kvxfer_groups"]
+        assert full_first == 0 and end == full_end
+        if len(prompt) > 64 + 2 * BLOCK_SIZE:
+            assert window_first > 0, "the window's dropped blocks are not offered"
+        out = hybrid["decode"](prompt=prompt, max_tokens=MAX_TOKENS, kv=first["kv"])
+        assert out["tokens"] == hybrid["single"](prompt=prompt, max_tokens=MAX_TOKENS)["tokens"], len(prompt)
+    lines = hybrid["daemons"][1].log().splitlines()
+    pulled = [line for line in lines if "transfer.done" in line and "role=decode" in line]
+    assert len(pulled) == 3 and all("transport=local" not in line for line in pulled), pulled

@@ -34,7 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogg
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
@@ -91,14 +91,22 @@ class Engine:
         extra: dict[str, Any] | None = None,
         block: int = BLOCK,
         layers: int = 1,
+        sliding_window: int = 0,
     ) -> None:
+        """``sliding_window`` (tokens): a hybrid model, layer 0 a sliding-window group of its own
+        beside the full-attention layers (vLLM's hybrid KV-cache manager: two groups)."""
         self.block = block
         self.layer_names = [f"layer{i}" for i in range(layers)]
         config = _config(model, role, socket_path, tp, lease_s=lease_s, extra=extra, block=block)
-        spec = FullAttentionSpec(block_size=block, num_kv_heads=HEADS // tp, head_size=HEAD, dtype=torch.bfloat16)
-        kv_cache_config = KVCacheConfig(
-            num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(self.layer_names, spec)]
-        )
+        facts = {"block_size": block, "num_kv_heads": HEADS // tp, "head_size": HEAD, "dtype": torch.bfloat16}
+        groups = [KVCacheGroupSpec(self.layer_names, FullAttentionSpec(**facts))]
+        if sliding_window:
+            window = SlidingWindowSpec(**facts, sliding_window=sliding_window)
+            groups = [
+                KVCacheGroupSpec(self.layer_names[:1], window),
+                KVCacheGroupSpec(self.layer_names[1:], groups[0].kv_cache_spec),
+            ]
+        kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
         config.cache_config.num_gpu_blocks = num_blocks
         self.scheduler = Scheduler(
             vllm_config=config,
@@ -951,3 +959,53 @@ def test_malformed_tickets_from_a_router_fail_the_load_and_the_scheduler_goes_on
     src = _handoff(prefill, decode, rid + "-next", list(range(3300, 3300 + BLOCK + 5)), 2, seed=12)
     dst = list(decode.scheduler.kv_cache_manager.get_block_ids(rid + "-next")[0])[: len(src)]
     assert (decode.kv[dst] == prefill.kv[src]).all()
+
+
+def test_a_hybrid_models_groups_each_land_the_blocks_vllm_keeps_for_them(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """A sliding-window layer beside a full-attention one (two KV-cache groups, the hybrid
+    manager on): the prefill offers each group's blocks, the sliding window's only those vLLM
+    still holds; the decode engine lands each group's in the blocks it allocated for that group,
+    byte-exact, and the window's dropped blocks are neither moved nor needed."""
+    model = write_model(str(tmp_path_factory.mktemp("model")), num_key_value_heads=HEADS)
+    window = 2 * BLOCK
+    with Cluster() as cluster:
+        a = cluster.daemon("a")
+        prefill = Engine(model, "kv_producer", a.socket, layers=2, sliding_window=window)
+        decode = Engine(model, "kv_consumer", a.socket, layers=2, sliding_window=window)
+        try:
+            assert prefill.scheduler.kv_cache_manager.num_kv_cache_groups == 2
+            prompt = list(range(4000, 4000 + 5 * BLOCK + 3))  # 6 blocks, the window 2 of them
+            prefill.scheduler.add_request(_request("p-hma", prompt, 1, {"do_remote_decode": True}))
+            params = _params_of(prefill.step(forward=_filled(prefill, 21)), "p-hma")
+            assert params and params["kvxfer_tickets"] and len(params["kvxfer_groups"]) == 2, params
+            src = prefill.scheduler.kv_cache_manager.get_block_ids("p-hma")
+            (sw_first, sw_end), (full_first, full_end) = params["kvxfer_groups"]
+            assert full_first == 0 and full_end == len(src[1]) == 6
+            assert params["kvxfer_tickets"][0]["num_blocks"] == (sw_end - sw_first) + 6
+
+            decode.scheduler.add_request(_request("d-hma", prompt, 2, params))
+            decode.step()
+            assert decode.scheduler.requests["d-hma"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+            _run_until(
+                decode,
+                lambda: decode.scheduler.requests["d-hma"].status != RequestStatus.WAITING_FOR_REMOTE_KVS,
+                "the pull never finished",
+            )
+            assert decode.worker.totals["pull_failures"] == 0
+            blocks = decode.scheduler.kv_cache_manager.get_blocks("d-hma").blocks
+            for layer, (group, theirs) in enumerate(zip(blocks, src, strict=True)):
+                kept = [(i, b.block_id) for i, b in enumerate(group[: len(theirs)]) if not b.is_null]
+                assert kept, f"group {layer} kept no block"
+                for i, block in kept:
+                    assert (decode.layer_kvs[0][layer][block] == prefill.layer_kvs[0][layer][theirs[i]]).all(), (
+                        layer,
+                        i,
+                    )
+            # The window's group: only the blocks it keeps (at most the window's, and the last).
+            assert len([b for b in blocks[0][:6] if not b.is_null]) <= window // BLOCK + 1
+            _run_until(prefill, lambda: "p-hma" not in prefill.scheduler.requests, "finished_sending never came")
+        finally:
+            prefill.close()
+            decode.close()
