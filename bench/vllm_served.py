@@ -54,8 +54,8 @@ def free_port() -> int:
 class ServedEngine:
     """``vllm serve`` of ``model_dir`` with the connector in ``role`` (``""``: no connector),
     attached to the daemon at ``socket_path``; ``extra``: more ``kv_transfer_config`` keys
-    (e.g. ``kv_load_failure_policy``) and server flags under ``"args"``. Started now;
-    :meth:`wait` for it."""
+    (e.g. ``kv_load_failure_policy``), server flags under ``"args"`` and more
+    ``kv_connector_extra_config`` under ``"connector"``. Started now; :meth:`wait` for it."""
 
     def __init__(self, role: str, socket_path: str, model_dir: str, log_path: str, **extra: Any) -> None:
         self.port = free_port()
@@ -68,7 +68,7 @@ class ServedEngine:
                 "kv_connector": "KvxferConnector",
                 "kv_connector_module_path": "kvxfer_client.vllm",
                 "kv_role": role,
-                "kv_connector_extra_config": {"socket": socket_path},
+                "kv_connector_extra_config": {"socket": socket_path, **extra.pop("connector", {})},
                 **extra,
             }
             args += ["--kv-transfer-config", json.dumps(config)]

@@ -49,12 +49,14 @@ from .._results import PoolRef
 from ._config_facts import backend_name, backend_shape, head_facts, kv_dtype, total_kv_heads
 from ._extra_config import settings
 from ._groups import GROUPS_KEY, offered
+from ._kv_events import WorkerEvents
 from ._leases import LeaseKeeper
 from ._messages import STREAM_KEY, TICKETS_KEY, UNAVAILABLE_KEY, Load, RankPool, Send, Stream
 from ._plan import SchedulerPlan
 from ._refusals import RefusedOffers
 from ._stats import KvxferStats
-from ._tier import TierLoad, TierPlan, TierSave
+from ._tier import TierLoad, TierSave
+from ._tier_side import TierSide
 from ._worker import WorkerTransfers
 
 if TYPE_CHECKING:
@@ -126,15 +128,20 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         self._offerer: KvxferClient | None = None
         #: Decode side: keeps the offers of requests waiting here alive (see ._leases).
         self._leases: LeaseKeeper | None = None
-        self._tier_salt = str(extra["tier_salt"]).encode()
         #: Offers the daemon refused: their blocks go back to vLLM (see ._refusals).
         self._refusals: RefusedOffers | None = None
         #: KV-cache groups (vLLM's hybrid manager: sliding-window layers beside full ones).
         self._groups = len(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else 1
-        self._tier = TierPlan(self._block_size) if extra["tier"] else None
-        if self._tier is not None and self._groups > 1:
+        #: The node's KV tier (scheduler side), with vLLM's KV events of what it holds when
+        #: vLLM publishes them (``--kv-events-config``).
+        self._tier: TierSide | None = None
+        self._tier_salt = str(extra["tier_salt"]).encode()
+        if extra["tier"] and self._groups > 1:
             log.warning("kvxfer: the node's KV tier serves models of one KV-cache group; off for this one")
-            self._tier = None
+        elif extra["tier"]:
+            events = getattr(vllm_config, "kv_events_config", None)
+            publish = bool(events is not None and events.enable_kv_cache_events)
+            self._tier = TierSide(self._block_size, self._tier_salt, self._lease_s, publish)
         if role == KVConnectorRole.SCHEDULER:
             decode_tp = int(extra["decode_tp_size"] or vllm_config.parallel_config.tensor_parallel_size)
             self._plan = SchedulerPlan(self._block_size, total_kv_heads(vllm_config), decode_tp)
@@ -203,6 +210,14 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()
 
+    def get_kv_connector_kv_cache_events(self) -> WorkerEvents | None:
+        """This worker's tier stores and loads that landed since the last step, as vLLM's KV
+        events (the scheduler publishes each once every rank gave it back)."""
+        if self._worker is None or not self._worker.kv_events:
+            return None
+        reports, self._worker.kv_events = self._worker.kv_events, []
+        return WorkerEvents(reports)
+
     def get_kv_connector_stats(self) -> KvxferStats | None:
         """This worker's counters since the last step (None in the scheduler, or when idle)."""
         if self._worker is None:
@@ -242,22 +257,15 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
             self._leases = LeaseKeeper(renew, lease_s).start()
             self._refusals = RefusedOffers(offerer.start_release)
         if self._tier is not None and self._offerer is not None and self._plan.pools:
-            first, offerer, salt = min(self._plan.pools.items())[1], self._offerer, self._tier_salt
-            ranks, lease = len(self._plan.pools), self._lease_s
-
-            def offer(keys: list[bytes]) -> Any:
-                # The stored prefix, pinned for its load: every rank pulls its heads.
-                ref = PoolRef(first.pool_id, bytes.fromhex(first.offer_key))
-                return offerer.start_tier_offer(ref, keys, salt=salt, lease_s=lease, readers=ranks, prefix=True)
-
-            self._tier.offer = offer
-            self._tier.release = lambda offer_id: offerer.start_release(offer_id)
+            self._tier.connect(self._offerer, self._plan.pools)
 
     def update_connector_output(self, connector_output: Any) -> None:
         assert self._plan is not None
         self._plan.received(connector_output.finished_recving or ())
         if self._leases is not None:
             self._leases.release(connector_output.finished_recving or ())
+        if self._tier is not None:
+            self._tier.landed(connector_output, len(self._plan.pools))
         unoffered = self._refusals.take() if self._refusals is not None else set()
         if connector_output.finished_sending or unoffered:
             finished = set(connector_output.finished_sending or ()) | unoffered
@@ -272,9 +280,7 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
             self._leases.claim(request.request_id, tickets if isinstance(tickets, list) else ())
         if matched[0] or self._tier is None or _remote(request.kv_transfer_params):
             return matched
-        return self._tier.matched_tokens(
-            request.request_id, request.block_hashes, request.num_prompt_tokens, num_computed_tokens
-        )
+        return self._tier.matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self._plan is not None
@@ -284,15 +290,15 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
                 log.warning("kvxfer: request %s does not stream (several KV-cache groups): a pull", request.request_id)
             if num_external_tokens:
                 dst = [[None if b.is_null else b.block_id for b in group] for group in blocks.blocks]
-                new = [[b.block_hash is None for b in group] for group in blocks.blocks]
-                self._plan.after_alloc_groups(request.request_id, params, dst, new)
+                fresh = [[b.block_hash is None for b in group] for group in blocks.blocks]
+                self._plan.after_alloc_groups(request.request_id, params, dst, fresh)
             return
         self._plan.expect_stream(request.request_id, request.kv_transfer_params, request.num_prompt_tokens)
         block_ids = list(blocks.get_block_ids()[0]) if num_external_tokens else []
         new = len(blocks.get_unhashed_block_ids()) if num_external_tokens else 0
         self._plan.after_alloc(request.request_id, request.kv_transfer_params, block_ids, num_external_tokens, new)
         if self._tier is not None:
-            self._tier.after_alloc(request.request_id, block_ids, num_external_tokens)
+            self._tier.plan.after_alloc(request.request_id, block_ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KvxferMetadata:
         assert self._plan is not None
@@ -333,6 +339,10 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
             params[GROUPS_KEY] = spans
         return delay, params
 
+    def take_events(self) -> list[Any]:
+        """The tier's stores and loads every rank finished, as vLLM's KV events (._kv_events)."""
+        return self._tier.take_events() if self._tier is not None else []
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._plan is not None
         if self._leases is not None:
@@ -349,9 +359,7 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
             log.warning("kvxfer: request %s: no KV handed off: %s", request.request_id, away)
         if not delay and send is None and self._tier is not None and not _remote(request.kv_transfer_params):
             # Kept for the next turn: the blocks wait until every worker stored its heads.
-            delay = self._tier.finished(
-                request.request_id, request.block_hashes, request.num_computed_tokens, list(block_ids)
-            )
+            delay = self._tier.finished(request, list(block_ids))
         if send is not None:
             assert self._offerer is not None
             offers = []

@@ -63,6 +63,10 @@ class TierLoad:
     request_id: str
     block_ids: tuple[int, ...]
     ticket: dict[str, Any]
+    #: The position of its first block in the request (its KV events name the blocks).
+    first: int = 0
+    #: vLLM's KV event for it, given back once loaded (None: KV events are off).
+    event: Any = None
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,8 @@ class TierSave:
     request_id: str
     block_ids: tuple[int, ...]
     keys: tuple[bytes, ...]
+    #: vLLM's KV event for it, given back once stored (None: KV events are off).
+    event: Any = None
 
 
 @dataclass
@@ -136,7 +142,7 @@ class TierPlan:
         if count <= 0:
             self.release(ticket.offer_id)  # vLLM took none of it
             return
-        self._loads.append(TierLoad(request_id, tuple(block_ids[first : first + count]), ticket.to_dict()))
+        self._loads.append(TierLoad(request_id, tuple(block_ids[first : first + count]), ticket.to_dict(), first))
 
     def finished(
         self, request_id: str, block_hashes: Sequence[bytes], num_computed_tokens: int, block_ids: list[int]

@@ -78,7 +78,10 @@ class WorkerTransfers:
         #: What each finished request waits for before vLLM may free its blocks: its offer's or
         #: push's release, or its tier store.
         self._released: dict[str, tuple[str, concurrent.futures.Future[Any]]] = {}
-
+        #: vLLM KV events of tier stores and loads under way, given back once they landed
+        #: (``kv_events``, taken each step: see ._kv_events).
+        self._events_due: dict[tuple[str, str], Any] = {}
+        self.kv_events: list[tuple[str, str, Any]] = []
         self.load_errors: set[int] = set()
         self.pushes = StepPushes(self.client, lambda rid, future: self._released.__setitem__(rid, ("push", future)))
         #: Counters since the last :meth:`take_stats` (vLLM's connector stats, per step).
@@ -212,6 +215,8 @@ class WorkerTransfers:
         for save in saves:
             store = self.client.start_tier_store(self.pool, save.block_ids, save.keys, salt=salt)
             self._released[save.request_id] = ("tier store", store)
+            if save.event is not None:
+                self._events_due[(save.request_id, "store")] = save.event
             self._count("tier_saves")
         for load in loads:  # the tier's offer of a stored prefix: pulled like a prefill's
             ticket = Ticket.from_dict(load.ticket)
@@ -220,6 +225,8 @@ class WorkerTransfers:
                 ticket, self.pool, load.block_ids, timeout_s=self.pull_timeout_s, offer_block_indices=indices
             )
             self._loading[load.request_id] = _Loading(load.request_id, load.block_ids, [pull], tier=True)
+            if load.event is not None:
+                self._events_due[(load.request_id, "load")] = load.event
 
     def sources(self, prefill_tp: int) -> list[int]:
         """The prefill ranks whose tickets this rank pulls (each its share of this rank's heads):
@@ -242,6 +249,9 @@ class WorkerTransfers:
         for rid in sending:
             what, future = self._released.pop(rid)
             error = future.exception()
+            event = self._events_due.pop((rid, "store"), None) if what == "tier store" else None
+            if event is not None and error is None:
+                self.kv_events.append((rid, "store", event))
             if error is not None and what == "tier store":  # nothing is lost but the cache
                 log.warning("kvxfer: request %s: its tier store failed (%s); the next turn recomputes it", rid, error)
             elif error is not None:  # the daemon's session ended: so did the offer (blocks freed)
@@ -291,6 +301,9 @@ class WorkerTransfers:
                 self._count("pull_seconds", max(r.duration_s for r in results))
                 if loading.tier:
                     self._count("tier_loaded_blocks", len(loading.block_ids))
+                    if (event := self._events_due.get((rid, "load"))) is not None:
+                        self.kv_events.append((rid, "load", event))
+            self._events_due.pop((rid, "load"), None)
         return sending, receiving, failed
 
     def take_stats(self) -> dict[str, Any]:
