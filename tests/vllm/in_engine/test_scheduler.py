@@ -816,7 +816,7 @@ def test_a_prefix_found_is_held_for_its_load_however_the_tier_fills_meanwhile(ti
         first.step(forward=forward)
     kv_then = first.kv[stored].copy()
     _run_until(first, lambda: "e1" not in first.scheduler.requests, "e1 was never stored")
-    plan = second.scheduler.connector._tier
+    plan = second.scheduler.connector._tier.plan
     assert plan is not None
     second.scheduler.add_request(_request("e2", [*prompt, 1, 2], 1, None))
     second.step()  # the lookup (an offer of the stored prefix) starts; e2 waits for its answer
