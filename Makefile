@@ -62,7 +62,7 @@ pytest: $(STAMP)
 # loops would starve the suite's timing checks) run alone. make vllm-test runs all vLLM tests.
 test:
 	@rm -f $(VLLM_VENV).rc $(VLLM_VENV)-test.rc $(VLLM_VENV).main-done
-	@( $(MAKE) --no-print-directory vllm-venv > $(VLLM_VENV).log 2>&1; rc=$$?; echo $$rc > $(VLLM_VENV).rc; \
+	@( $(MAKE) -j2 --no-print-directory vllm-venv > $(VLLM_VENV).log 2>&1; rc=$$?; echo $$rc > $(VLLM_VENV).rc; \
 	   while [ ! -f $(STAMP) ] && [ ! -f $(VLLM_VENV).main-done ]; do sleep 2; done; \
 	   if [ $$rc = 0 ] && [ -f $(STAMP) ]; then \
 	     $(MAKE) --no-print-directory vllm-engines-test > $(VLLM_VENV)-test.log 2>&1; echo $$? > $(VLLM_VENV)-test.rc; \

@@ -4,11 +4,12 @@ taken logged."""
 from __future__ import annotations
 
 import logging
-from typing import Any
-
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from typing import TYPE_CHECKING, Any
 
 from kvxfer.defaults import default_socket_path
+
+if TYPE_CHECKING:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 __all__ = ["settings"]
 
