@@ -13,7 +13,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_NEXT_VENV  := .venv-vllm-next
 VLLM_NEXT_STAMP := $(VLLM_NEXT_VENV)/.installed
 
-.PHONY: all demo test lint typecheck docs docs-reference unit pytest proto bench faults clean promtool vllm-venv vllm-test vllm-engines-test vllm-load-test
+.PHONY: all demo test lint typecheck docs docs-reference unit pytest proto bench bench-serve faults clean promtool vllm-venv vllm-test vllm-engines-test vllm-load-test
 
 all: test
 
@@ -104,6 +104,12 @@ $(VLLM_NEXT_STAMP): constraints-vllm-next.txt pyproject.toml
 	touch $(VLLM_NEXT_STAMP)
 
 vllm-venv: $(VLLM_STAMP) $(VLLM_NEXT_STAMP)
+
+# vLLM's own load generator against one engine and against a prefill + decode pair through
+# kvxfer: bench/results/serve/serve.{md,jsonl,png} (matplotlib for the plot).
+bench-serve: $(STAMP) $(VLLM_STAMP)
+	$(BIN)/python -m pip install -q -c constraints.txt matplotlib
+	KVXFER_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(BIN)/python -m bench.serve
 
 # vLLM's own scheduler driving the connector (in .venv-vllm: 0.32, then .venv-vllm-next: 0.33), then real vLLM engines (in
 # .venv-vllm) handing off through real daemons (run from .venv); then served engines under
