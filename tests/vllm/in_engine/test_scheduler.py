@@ -1009,3 +1009,33 @@ def test_a_hybrid_models_groups_each_land_the_blocks_vllm_keeps_for_them(
         finally:
             prefill.close()
             decode.close()
+
+
+def test_vllms_factory_loads_the_connector_with_default_settings_and_keeps_the_hybrid_manager_on(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """What ``--kv-transfer-config`` alone does in this vLLM (0.32 and 0.33 run this test): the
+    connector factory loads the connector by module path for both roles, and vLLM's config
+    leaves its hybrid KV-cache manager on for it (``SupportsHMA``), where it turns it off, or
+    refuses, for a connector without it."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.platforms import current_platform
+
+    model = write_model(str(tmp_path_factory.mktemp("model")), num_key_value_heads=HEADS)
+    with Cluster() as cluster:
+        a = cluster.daemon("a")
+        config = _config(model, "kv_both", a.socket)
+        assert KVConnectorFactory.supports_hma_config(config.kv_transfer_config)
+        # Off only where the platform has no hybrid manager (0.33's GPU build on this CPU).
+        platform_off = not current_platform.support_hybrid_kv_cache()
+        assert config.scheduler_config.disable_hybrid_kv_cache_manager is platform_off
+        spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD, dtype=torch.bfloat16)
+        kv_cache_config = KVCacheConfig(
+            num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer0"], spec)]
+        )
+        for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+            connector = KVConnectorFactory.create_connector(config, role, kv_cache_config)
+            try:
+                assert isinstance(connector, KvxferConnector)
+            finally:
+                connector.shutdown()
