@@ -16,7 +16,8 @@ the part of TTFT spent moving KV: the decode daemon's mean transfer time over th
 
 A small Llama with dummy weights on CPU: absolute figures mean little. The shape does: what
 disaggregation adds to TTFT, how much of that is the KV's move, how both grow with load. On a
-GPU node the same harness runs with a real model (``--model``).
+GPU node the same harness runs with a real model and its engines' flags (``--model``,
+``--engine-args``; ``$KVXFER_VLLM_PYTHON`` names the vLLM install).
 
 Run: ``python -m bench.serve [--rates 2,4,8] [--prompts 32] [--out bench/results/serve]``
 (``make bench-serve``: it installs matplotlib for the plot). Writes ``serve.jsonl`` (one line
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -63,6 +65,8 @@ FIGURES = [
     ("output_throughput", "tok/s"),
 ]
 TRANSFER = "kvxfer_transfer_duration_seconds"
+#: Every engine's flags, unless ``--engine-args`` says otherwise.
+ENGINE_ARGS = "--max-model-len 1024 --block-size 32 --dtype bfloat16"
 
 
 class Proxy:
@@ -92,6 +96,7 @@ def run_once(url: str, model: str, workload: str, rate: float, prompts: int, out
     cmd = [vllm_python(), "-m", "bench.vllm_bench_serve", "--base-url", url, "--model", model, "--tokenizer", model]
     cmd += ["--backend", "openai", "--endpoint", "/v1/completions", *WORKLOADS[workload], "--ignore-eos"]
     cmd += ["--num-prompts", str(prompts), "--request-rate", str(rate), "--seed", "7", "--disable-tqdm"]
+    cmd += ["--num-warmups", "4"]  # a fresh engine's first requests are slower: not measured
     cmd += ["--percentile-metrics", "ttft,itl,e2el", "--metric-percentiles", "50,90,99"]
     cmd += ["--save-result", "--result-dir", os.path.dirname(out), "--result-filename", name]
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=900)
@@ -141,8 +146,10 @@ def plot(rows: list[dict[str, Any]], out: str) -> None:
     fig.savefig(out, dpi=110)
 
 
-def measure(url: str, setup: str, decode: Daemon, model: str, workload: str, rate: float, args: Any) -> dict[str, Any]:
-    """One run of ``setup`` at ``url``: its figures, and for ``disagg`` the KV's move."""
+def measure(args: Any, model: str, decode: Daemon, target: tuple[str, str], load: tuple[str, float]) -> dict[str, Any]:
+    """One run of ``target`` (setup, url) under ``load`` (workload, rate): its figures, and for
+    ``disagg`` the KV's move (the decode daemon's)."""
+    (setup, url), (workload, rate) = target, load
     before = _moved(decode)
     out = os.path.join(args.out, f"run-{workload}-{rate:g}-{setup}.json")
     result = run_once(url, model, workload, rate, args.prompts, out)
@@ -159,10 +166,12 @@ def measure(url: str, setup: str, decode: Daemon, model: str, workload: str, rat
 
 def run_all(args: Any, cluster: Cluster) -> list[dict[str, Any]]:
     """Start the engines and the proxy, and run every workload and rate, setups interleaved."""
-    model = write_model(os.path.join(cluster.workdir, "model"))
-    subprocess.run([vllm_python(), "-m", "bench.vllm_tokenizer", model], check=True, cwd=ROOT)
+    model = args.model
+    if not model:  # the test model, with a tokenizer of its own so that text can drive it
+        model = write_model(os.path.join(cluster.workdir, "model"))
+        subprocess.run([vllm_python(), "-m", "bench.vllm_tokenizer", model], check=True, cwd=ROOT)
     a, b = cluster.daemon("serve-a"), cluster.daemon("serve-b")
-    flags = {"args": ["--max-model-len", "1024", "--block-size", "32", "--dtype", "bfloat16"], "tokenizer": True}
+    flags = {"args": shlex.split(args.engine_args), "tokenizer": True, "dummy": not args.model}
     logs = os.path.join(cluster.workdir, "serve")
     engines = {
         "single": ServedEngine("", a.socket, model, logs + "-single.log", **flags),
@@ -179,7 +188,7 @@ def run_all(args: Any, cluster: Cluster) -> list[dict[str, Any]]:
         for workload in args.workloads.split(","):
             for n, rate in enumerate(float(r) for r in args.rates.split(",")):
                 for setup in ["single", "disagg"] if n % 2 == 0 else ["disagg", "single"]:
-                    rows.append(measure(urls[setup], setup, b, model, workload, rate, args))
+                    rows.append(measure(args, model, b, (setup, urls[setup]), (workload, rate)))
                     print(json.dumps(rows[-1]), flush=True)
     finally:
         if proxy is not None:
@@ -195,6 +204,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=32, help="requests per run")
     parser.add_argument("--workloads", default="random,prefix")
     parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "serve"))
+    parser.add_argument("--model", default="", help="a real model (path or name; default: the small test model)")
+    parser.add_argument("--engine-args", default=ENGINE_ARGS, help=f"the engines' flags (default: {ENGINE_ARGS!r})")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     with Cluster() as cluster:

@@ -55,14 +55,16 @@ class ServedEngine:
     """``vllm serve`` of ``model_dir`` with the connector in ``role`` (``""``: no connector),
     attached to the daemon at ``socket_path``; ``extra``: more ``kv_transfer_config`` keys
     (e.g. ``kv_load_failure_policy``), server flags under ``"args"``, more
-    ``kv_connector_extra_config`` under ``"connector"``, and ``tokenizer=True`` for a model
-    that has one. Started now; :meth:`wait` for it."""
+    ``kv_connector_extra_config`` under ``"connector"``, ``tokenizer=True`` for a model that
+    has one, ``dummy=False`` for its real weights. Started now; :meth:`wait` for it."""
 
     def __init__(self, role: str, socket_path: str, model_dir: str, log_path: str, **extra: Any) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        args = ["--model", model_dir, "--port", str(self.port), "--load-format", "dummy"]
+        args = ["--model", model_dir, "--port", str(self.port)]
+        if extra.pop("dummy", True):  # random weights of the model's shape (a test model has no others)
+            args += ["--load-format", "dummy"]
         if not extra.pop("tokenizer", False):  # the model has one (bench.vllm_tokenizer): text in and out
             args.append("--skip-tokenizer-init")
         args += ["--seed", "0", "--enforce-eager", *extra.pop("args", [])]
