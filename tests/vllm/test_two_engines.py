@@ -25,7 +25,7 @@ import pytest
 
 from bench.cluster import ROOT, Cluster
 from bench.vllm_engine import BLOCK_SIZE, write_model
-from bench.vllm_served import ServedEngine
+from bench.vllm_served import PREFILL_PARAMS, ServedEngine
 
 pytestmark = pytest.mark.vllm
 
@@ -293,25 +293,15 @@ def test_a_second_turn_loads_the_first_turns_prefix_from_the_tier_and_generates_
 
 # -- routers that are not ours ----------------------------------------------------------------
 
-#: What vLLM's toy proxy (the router of its NIXL integration test) sends a prefill engine.
-TOY_PREFILL_PARAMS = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
-
 
 class ToyRouter:
     """An HTTP router speaking vLLM's toy-proxy protocol, written here from that protocol: per
     request one id (``X-Request-Id``) for both engines; to the prefill engine the body with
-    :data:`TOY_PREFILL_PARAMS`, ``stream`` false, ``max_tokens`` (and ``max_completion_tokens``
-    if present) 1, no ``stream_options``, ``min_tokens`` and ``min_completion_tokens`` popped
-    and put back (as null) for decode; the prefill answer's ``kv_transfer_params`` copied
-    verbatim into the decode request when not empty; the decode answer streamed back as it
-    comes. Served by threads of this process."""
+    NIXL's keys set to null (``PREFILL_PARAMS``), ``stream`` false, ``max_tokens`` (and
+    ``max_completion_tokens`` if present) 1, no ``stream_options``, ``min_tokens`` and
+    ``min_completion_tokens`` popped and put back (as null) for decode; the prefill answer's
+    ``kv_transfer_params`` copied verbatim into the decode request when not empty; the decode
+    answer streamed back as it comes. Served by threads of this process."""
 
     def __init__(self, prefill: str, decode: str) -> None:
         import http.server
@@ -330,7 +320,7 @@ class ToyRouter:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 rid = str(uuid.uuid4())
                 headers = {"Content-Type": "application/json", "Authorization": "Bearer None", "X-Request-Id": rid}
-                first = {**body, "kv_transfer_params": dict(TOY_PREFILL_PARAMS), "stream": False, "max_tokens": 1}
+                first = {**body, "kv_transfer_params": dict(PREFILL_PARAMS), "stream": False, "max_tokens": 1}
                 if "max_completion_tokens" in first:
                     first["max_completion_tokens"] = 1
                 first.pop("stream_options", None)

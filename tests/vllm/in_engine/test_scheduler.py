@@ -41,6 +41,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from bench.cluster import Cluster
 from bench.vllm_engine import write_model
+from bench.vllm_served import PREFILL_PARAMS
 from kvxfer_client.vllm._connector import KvxferConnector
 
 BLOCK = 32
@@ -881,18 +882,6 @@ def test_a_decode_step_that_stalls_past_the_lease_still_pulls_because_its_offer_
             late.close()
 
 
-#: What vLLM's toy proxy (its NIXL integration test's router) and ``vllm-router`` send a
-#: prefill engine: our key, and the NIXL connector's keys set to null.
-ROUTER_PREFILL_PARAMS = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
-
-
 def test_a_router_written_for_another_connector_hands_off_with_its_own_keys(engines: tuple[Engine, Engine]) -> None:
     """The prefill request carries other connectors' keys set to null; the answer crosses JSON
     (as through an HTTP router) and reaches the decode engine with keys of the router's own
@@ -901,7 +890,8 @@ def test_a_router_written_for_another_connector_hands_off_with_its_own_keys(engi
 
     prefill, decode = engines
     prompt = list(range(3000, 3000 + 2 * BLOCK + 3))
-    prefill.scheduler.add_request(_request("p-router", prompt, 1, dict(ROUTER_PREFILL_PARAMS)))
+    # What vLLM's toy proxy and vllm-router send a prefill engine: NIXL's keys, set to null.
+    prefill.scheduler.add_request(_request("p-router", prompt, 1, dict(PREFILL_PARAMS)))
     params = _params_of(prefill.step(forward=_filled(prefill, 11)), "p-router")
     assert params and params["do_remote_prefill"] and params["kvxfer_tickets"], params
     src = list(prefill.scheduler.kv_cache_manager.get_block_ids("p-router")[0])
