@@ -99,7 +99,7 @@ $(VLLM_STAMP): constraints-vllm.txt pyproject.toml
 $(VLLM_NEXT_STAMP): constraints-vllm-next.txt pyproject.toml
 	$(PYTHON) -m venv $(VLLM_NEXT_VENV)
 	$(VLLM_NEXT_VENV)/bin/python -m pip install -q --upgrade pip
-	$(VLLM_NEXT_VENV)/bin/python -m pip install -q -c constraints-vllm-next.txt vllm==0.33.0
+	$(VLLM_NEXT_VENV)/bin/python -m pip install -q --no-cache-dir -c constraints-vllm-next.txt vllm==0.33.0
 	$(VLLM_NEXT_VENV)/bin/python -m pip install -q -c constraints-vllm-next.txt -e . pytest pytest-timeout
 	touch $(VLLM_NEXT_STAMP)
 
