@@ -235,62 +235,6 @@ def test_the_streaming_proxy_sends_to_both_servers_at_once_and_the_tokens_match(
     assert all("transport=local" not in line for line in received), received  # across daemons
 
 
-@pytest.fixture(scope="module")
-def tiered(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    """Engines of one node over a daemon with a KV tier, and one alone for reference."""
-    work = tmp_path_factory.mktemp("vllm-tier")
-    model = write_model(str(work / "model"))
-    with Cluster() as cluster:
-        a = cluster.daemon("a", "--tier-host-bytes", str(256 << 20))
-        engines = {
-            "single": VllmEngine("single", a.socket, model, str(work / "single.log")),
-            "first": VllmEngine("tier", a.socket, model, str(work / "tier-first.log")),
-            "second": VllmEngine("tier", a.socket, model, str(work / "tier-second.log")),
-        }
-        try:
-            for engine in engines.values():
-                engine.wait()
-            yield {"daemon": a, **engines}
-        finally:
-            for e in engines.values():
-                e.close()
-
-
-def _tier_hits(socket_path: str) -> int:
-    import grpc
-
-    from kvxfer.proto import admin_pb2, admin_pb2_grpc
-
-    with grpc.insecure_channel("unix:" + socket_path) as channel:
-        tier = admin_pb2_grpc.AdminServiceStub(channel).ListTier(admin_pb2.ListTierRequest(), timeout=5)
-    return sum(n.hits for n in tier.namespaces)
-
-
-def test_a_second_turn_loads_the_first_turns_prefix_from_the_tier_and_generates_the_same_tokens(
-    tiered: dict[str, Any],
-) -> None:
-    """Turn 1 on one engine stores its blocks; turn 2 (turn 1, its answer and a new question)
-    on another engine loads that prefix from the node's tier and generates what one engine
-    computing everything does. Negative control: a prefix whose KV was scrambled before it was
-    stored, loaded the same way, changes the tokens (the loaded KV is what decodes)."""
-    socket_path = tiered["daemon"].socket
-    turn1 = list(range(100, 170))
-    answer = tiered["first"](prompt=turn1, max_tokens=MAX_TOKENS)["tokens"]
-    turn2 = [*turn1, *answer, *range(400, 440)]
-    hits_before = _tier_hits(socket_path)
-    got = tiered["second"](prompt=turn2, max_tokens=MAX_TOKENS)["tokens"]
-    assert _tier_hits(socket_path) >= hits_before + (len(turn1) + len(answer) - 1) // BLOCK_SIZE
-    assert got == tiered["single"](prompt=turn2, max_tokens=MAX_TOKENS)["tokens"]
-
-    other = list(range(600, 680))
-    tiered["first"](prompt=other, max_tokens=1, scramble_stored=True)  # stores noise under its keys
-    follow = [*other, *range(700, 740)]
-    hits_before = _tier_hits(socket_path)
-    wrong = tiered["second"](prompt=follow, max_tokens=MAX_TOKENS)["tokens"]
-    assert _tier_hits(socket_path) > hits_before
-    assert wrong != tiered["single"](prompt=follow, max_tokens=MAX_TOKENS)["tokens"]
-
-
 # -- routers that are not ours ----------------------------------------------------------------
 
 
@@ -460,122 +404,56 @@ def test_vllm_router_in_pd_mode_disaggregates_concurrent_requests(
 
 
 @pytest.fixture(scope="module")
-def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    """A hybrid model (layer 0 sliding-window attention over 64 tokens, layer 1 full), served
-    with vLLM's hybrid KV-cache manager on (its default for a connector that supports it): a
-    prefill engine on one daemon, a decode engine on another, one alone for reference."""
-    work = tmp_path_factory.mktemp("vllm-hybrid")
-    layers = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 64}
-    model = write_model(str(work / "model"), **layers)
+def tiered(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """Engines of one node over a daemon with a KV tier, and one alone for reference."""
+    work = tmp_path_factory.mktemp("vllm-tier")
+    model = write_model(str(work / "model"))
     with Cluster() as cluster:
-        a, b = cluster.daemon("a"), cluster.daemon("b")
+        a = cluster.daemon("a", "--tier-host-bytes", str(256 << 20))
         engines = {
             "single": VllmEngine("single", a.socket, model, str(work / "single.log")),
-            "prefill": VllmEngine("prefill", a.socket, model, str(work / "prefill.log")),
-            "decode": VllmEngine("decode", b.socket, model, str(work / "decode.log")),
+            "first": VllmEngine("tier", a.socket, model, str(work / "tier-first.log")),
+            "second": VllmEngine("tier", a.socket, model, str(work / "tier-second.log")),
         }
         try:
             for engine in engines.values():
                 engine.wait()
-            yield {"daemons": (a, b), **engines}
+            yield {"daemon": a, **engines}
         finally:
             for e in engines.values():
                 e.close()
 
 
-def test_a_sliding_window_model_with_the_hybrid_manager_on_hands_off_every_group(hybrid: dict[str, Any]) -> None:
-    """Both KV-cache groups cross the daemons (the window's only the blocks vLLM keeps), and the
-    decode engine generates one engine's tokens, for prompts within and past the window."""
-    assert hybrid["prefill"].ready["kv_cache_groups"] == hybrid["decode"].ready["kv_cache_groups"] == 2
-    for prompt in [list(range(3, 3 + n)) for n in (40, 129, 300)]:
-        first = hybrid["prefill"](prompt=prompt, max_tokens=1, kv={"do_remote_decode": True})
-        assert first["kv"] and first["kv"]["do_remote_prefill"] and len(first["kv"]["kvxfer_groups"]) == 2, first
-        (window_first, end), (full_first, full_end) = first["kv"]["kvxfer_groups"]
-        assert full_first == 0 and end == full_end
-        if len(prompt) > 64 + 2 * BLOCK_SIZE:
-            assert window_first > 0, "the window's dropped blocks are not offered"
-        out = hybrid["decode"](prompt=prompt, max_tokens=MAX_TOKENS, kv=first["kv"])
-        assert out["tokens"] == hybrid["single"](prompt=prompt, max_tokens=MAX_TOKENS)["tokens"], len(prompt)
-    lines = hybrid["daemons"][1].log().splitlines()
-    pulled = [line for line in lines if "transfer.done" in line and "role=decode" in line]
-    assert len(pulled) == 3 and all("transport=local" not in line for line in pulled), pulled
+def _tier_hits(socket_path: str) -> int:
+    import grpc
+
+    from kvxfer.proto import admin_pb2, admin_pb2_grpc
+
+    with grpc.insecure_channel("unix:" + socket_path) as channel:
+        tier = admin_pb2_grpc.AdminServiceStub(channel).ListTier(admin_pb2.ListTierRequest(), timeout=5)
+    return sum(n.hits for n in tier.namespaces)
 
 
-def test_a_served_engines_kv_events_show_what_the_node_tier_holds(tmp_path_factory: pytest.TempPathFactory) -> None:
-    """Two served engines of one node share its KV tier, each publishing vLLM's KV events over
-    ZMQ (``--kv-events-config``), with a subscriber as a KV-aware router has: the first engine's
-    stored turn appears as ``BlockStored`` on medium CPU with its full blocks' tokens, and the
-    second engine's load of that prefix from the tier appears the same, under the same hashes."""
-    import threading
-    import time
+def test_a_second_turn_loads_the_first_turns_prefix_from_the_tier_and_generates_the_same_tokens(
+    tiered: dict[str, Any],
+) -> None:
+    """Turn 1 on one engine stores its blocks; turn 2 (turn 1, its answer and a new question)
+    on another engine loads that prefix from the node's tier and generates what one engine
+    computing everything does. Negative control: a prefix whose KV was scrambled before it was
+    stored, loaded the same way, changes the tokens (the loaded KV is what decodes)."""
+    socket_path = tiered["daemon"].socket
+    turn1 = list(range(100, 170))
+    answer = tiered["first"](prompt=turn1, max_tokens=MAX_TOKENS)["tokens"]
+    turn2 = [*turn1, *answer, *range(400, 440)]
+    hits_before = _tier_hits(socket_path)
+    got = tiered["second"](prompt=turn2, max_tokens=MAX_TOKENS)["tokens"]
+    assert _tier_hits(socket_path) >= hits_before + (len(turn1) + len(answer) - 1) // BLOCK_SIZE
+    assert got == tiered["single"](prompt=turn2, max_tokens=MAX_TOKENS)["tokens"]
 
-    from bench.vllm_served import free_port
-
-    work = tmp_path_factory.mktemp("vllm-events")
-    model = write_model(str(work / "model"))
-    ports = free_port(), free_port()
-    with Cluster() as cluster:
-        daemon = cluster.daemon("a", "--tier-host-bytes", str(256 << 20))
-        served = []
-        for n, port in enumerate(ports):
-            events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{port}"}
-            args = [*SERVE_ARGS["args"], "--kv-events-config", json.dumps(events)]
-            served.append(
-                ServedEngine(
-                    "kv_both", daemon.socket, model, str(work / f"serve-{n}.log"), args=args, connector={"tier": True}
-                )
-            )
-        endpoints = [f"tcp://127.0.0.1:{port}" for port in ports]
-        errors = open(work / "listen.log", "w")  # noqa: SIM115 - closed below
-        listen = subprocess.Popen(
-            [_vllm_python(), "-m", "bench.kv_events_listen", *endpoints],
-            stdout=subprocess.PIPE,
-            stderr=errors,
-            text=True,
-            cwd=ROOT,
-        )
-        seen: list[dict[str, Any]] = []
-        lines = listen.stdout
-        assert lines is not None and json.loads(lines.readline()) == {"ready": True}
-
-        def read() -> None:
-            for line in lines:
-                seen.append(json.loads(line))
-
-        threading.Thread(target=read, daemon=True).start()
-        try:
-            for engine in served:
-                engine.wait()
-            turn1 = list(range(100, 170))  # 2 full blocks of 32, and 6 tokens
-            body = {"model": model, "max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True}
-            status, answer = served[0].post({**body, "prompt": turn1}, "turn1")
-            assert status == 200, answer
-            answer_ids = answer["choices"][0]["token_ids"]
-            turn2 = [*turn1, *answer_ids, *range(400, 440)]
-            status, answer = served[1].post({**body, "prompt": turn2}, "turn2")
-            assert status == 200, answer
-
-            def tier_events(endpoint: str) -> list[dict[str, Any]]:
-                return [
-                    e for e in seen if e["endpoint"] == endpoint and e["type"] == "BlockStored" and e["medium"] == "CPU"
-                ]
-
-            deadline = time.monotonic() + 30
-            while not (tier_events(endpoints[0]) and tier_events(endpoints[1])) and time.monotonic() < deadline:
-                time.sleep(0.2)
-            stored, loaded = tier_events(endpoints[0]), tier_events(endpoints[1])
-            assert stored, (seen[-10:], listen.poll(), (work / "listen.log").read_text()[-2000:])
-            full = (len(turn1) + len(answer_ids) - 1) // BLOCK_SIZE  # turn 1's computed full blocks
-            assert stored[0]["token_ids"] == [*turn1, *answer_ids][: full * BLOCK_SIZE]
-            assert stored[0]["parent_block_hash"] is None and len(stored[0]["block_hashes"]) == full
-            assert loaded, "the second engine's load from the tier was not published"
-            first_loaded = loaded[0]
-            assert first_loaded["block_hashes"] == stored[0]["block_hashes"][: len(first_loaded["block_hashes"])]
-            assert first_loaded["token_ids"] == turn2[: len(first_loaded["block_hashes"]) * BLOCK_SIZE]
-            gpu = [e for e in seen if e["endpoint"] == endpoints[0] and e["medium"] in (None, "GPU")]
-            assert gpu, "the engine's own events (its prefix cache) flow on the same stream"
-        finally:
-            listen.kill()
-            errors.close()
-            for engine in served:
-                engine.close()
+    other = list(range(600, 680))
+    tiered["first"](prompt=other, max_tokens=1, scramble_stored=True)  # stores noise under its keys
+    follow = [*other, *range(700, 740)]
+    hits_before = _tier_hits(socket_path)
+    wrong = tiered["second"](prompt=follow, max_tokens=MAX_TOKENS)["tokens"]
+    assert _tier_hits(socket_path) > hits_before
+    assert wrong != tiered["single"](prompt=follow, max_tokens=MAX_TOKENS)["tokens"]
