@@ -160,6 +160,15 @@ class Settings:
         "Windows per offer the sampled integrity mode checks: the offer's bytes cut into this many equal parts, "
         "one window of at most 64 KiB (or the segment it starts in, if smaller) at a random byte of each.",
     )
+    registry: str = _setting(
+        "",
+        "The fleet registry: etcd://host:port[,host:port...] (etcds:// for TLS with the tls_* files). Each daemon "
+        "keeps its record there under a lease and watches the others'. Empty: no registry; peers by ticket address.",
+    )
+    cluster: str = _setting("default", "Cluster name: the registry key prefix /kvxfer/<cluster>/daemons/.")
+    registry_ttl_s: int = _setting(
+        10, "Lease of this daemon's registry record: a daemon that stops renewing it leaves the fleet this much later."
+    )
     drain_grace_s: float = _setting(10.0, "Seconds SIGTERM waits for running transfers before cancelling them.")
     history: int = _setting(1000, "Finished transfers kept for kvxferctl.")
     log_level: str = _setting("info", "Least severe log level written: debug, info, warning or error.")
@@ -209,6 +218,16 @@ class Settings:
             raise ValueError("tier_host_bytes must be >= 0 and 0 < tier_low_watermark <= tier_high_watermark <= 1")
         if bool(self.tier_disk_dir) != (self.tier_disk_bytes > 0) or (self.tier_disk_dir and not self.tier_host_bytes):
             raise ValueError("tier_disk_dir and tier_disk_bytes go together, and with tier_host_bytes")
+        if self.registry:
+            from kvxfer.fleet import RegistryUrl, check_advertised, check_cluster_name
+
+            url = RegistryUrl.parse(self.registry)
+            check_cluster_name(self.cluster)
+            if not 2 <= self.registry_ttl_s <= 3600:
+                raise ValueError("registry_ttl_s must be in 2..3600")
+            check_advertised(self.peer_advertise or self.peer_listen, url)
+            if self.daemon_id and ("/" in self.daemon_id or len(self.daemon_id) > 200):
+                raise ValueError("with a registry, daemon_id must be at most 200 characters and hold no '/'")
         if not 1 <= self.tcp_lane_count <= 16:
             raise ValueError("tcp_lane_count must be in 1..16")
 

@@ -28,6 +28,7 @@ from ._wiring import PEER_SERVICE, Running
 from .control.listen_errors import ListenError
 from .dataplane.ucx import UcxTransport
 from .dataplane.ucx_setup import ucx_available
+from .fleet import RegistryConflictError
 from .memory.cuda_ipc import gpu_support, init_cuda
 
 __all__ = ["main", "serve"]
@@ -85,6 +86,13 @@ async def serve(settings: Settings) -> int:
             fix=exc.fix,
         )
         return 2
+    if running.node.registry is not None:
+        try:
+            await running.node.registry.start()
+        except RegistryConflictError as exc:
+            log_event("daemon.registry_conflict", logging.ERROR, detail=str(exc))
+            await _drain(settings, running, ucx)
+            return 2
     if stop.is_set():  # asked to stop while starting
         request_drain()
     _announce_ready(settings, running, ucx, tls is not None)
@@ -153,6 +161,8 @@ async def _drain(settings: Settings, running: Running, ucx: UcxTransport | None)
     if not finished:
         node.transfers.abort_all(f"daemon {node.daemon_id} is shutting down (drain grace over)")
         await node.transfers.wait_idle(2.0)
+    if node.registry is not None:  # peers stop looking for us here once our work is done
+        await node.registry.close(deregister=True)
     node.shutdown()
     running.fd_socket.close()
     for listener in running.listeners:

@@ -124,6 +124,15 @@ class _StateCollector(Collector):
             value=s.ucx_receives_unconfirmed,
         )
         yield GaugeMetricFamily("kvxfer_serving", "1 while accepting work, 0 while draining", value=not s.draining)
+        registry = GaugeMetricFamily(
+            "kvxfer_registry_state", "1 for the fleet registry's state as this daemon sees it", labels=["state"]
+        )
+        for state in ("off", "connecting", "registered", "unreachable", "conflict"):
+            registry.add_metric([state], s.registry.state == state)
+        yield registry
+        yield GaugeMetricFamily(
+            "kvxfer_registry_nodes", "Daemons in the fleet registry, this one included", value=s.registry.nodes
+        )
         info = InfoMetricFamily("kvxfer_build", "Version of this daemon")
         info.add_metric([], {"version": __version__, "protocol_version": str(PROTOCOL_VERSION)})
         yield info

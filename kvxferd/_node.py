@@ -21,11 +21,10 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import grpc
-
 from kvxfer.errors import NotFoundError, UnavailableError
 from kvxfer.proto import common_pb2, peer_pb2
 from kvxfer.ticket import Ticket
+from kvxfer.tls import TlsFiles
 from kvxfer.version import PROTOCOL_VERSION, __version__
 
 from ._admission import Admission
@@ -45,11 +44,14 @@ from ._transfers import TransferRecord, TransferTable
 from .dataplane.gpucopy import GpuDevices
 from .dataplane.staging import StagingPool
 from .dataplane.ucx import UcxTransport
+from .fleet import Registry
+from .fleet.record import own_record
 from .handoff.pull import Pulls
 from .handoff.push import PushHandoff
 from .handoff.remote_pull import RemotePull
 from .handoff.serve import TransferServer
 from .memory.block_ids import check_block_ids
+from .memory.cuda_ipc import gpu_support
 from .memory.pools import Pool, PoolIdentity, PoolRegistry
 from .peer.directory import PeerDirectory
 from .peer.serve_request import OffererStream, ServeRequest
@@ -77,7 +79,7 @@ class Node:
         settings: Settings,
         ucx: UcxTransport | None,
         addresses: Addresses,
-        credentials: grpc.ChannelCredentials | None = None,
+        tls: TlsFiles | None = None,
     ) -> None:
         """Build every part of the daemon, once (``_wiring`` binds the listeners first, so
         every address is known). Raises OSError or ValueError when the TCP lanes cannot
@@ -117,7 +119,19 @@ class Node:
         self.kv_tier = KvTier(self, self._published)
         #: Where same-host peers' direct-read probes are answered (see :mod:`.transports.direct_proof`).
         self.proofs = ProofSlots(settings.same_host_direct_read)
-        self.peers = PeerDirectory(self.identity(), settings.peer_timeout_s, credentials)
+        #: The fleet registry (None without one): our record, and the other daemons' addresses.
+        self.registry: Registry | None = None
+        if settings.registry:
+            record = own_record(
+                settings,
+                self.daemon_id,
+                (addresses.peer, addresses.admin),
+                self.identity().ucx_transports,
+                0 if gpu_support() else 1,
+            )
+            self.registry = Registry(settings, tls, record, self.peer_left)
+        credentials = tls.channel_credentials() if tls else None
+        self.peers = PeerDirectory(self.identity(), settings.peer_timeout_s, credentials, self.registry)
         #: The remote data plane and both its ends (all None without UCX: local handoffs only).
         self.remote: RemotePlane | None = None
         self.server: TransferServer | None = None
@@ -178,6 +192,14 @@ class Node:
             peer_address=self.peer_address,
             ucx_error_handling=self.settings.ucx_error_handling,
         )
+
+    def peer_left(self, daemon_id: str, why: str) -> None:
+        """The registry lost the daemon's record: what runs with it fails now (typed, as if its
+        stream broke), and no new pull dials it until it registers again."""
+        gone = UnavailableError(f"peer {daemon_id!r} left cluster {self.settings.cluster!r}: {why}")
+        if self.remote is not None:
+            self.remote.forget_peer(daemon_id, gone)
+        self.transfers.abort_all(str(gone), where=lambda r: r.role == "prefill" and r.peer_daemon_id == daemon_id)
 
     def accept_hello(self, identity: peer_pb2.PeerIdentity) -> None:
         if self.remote is not None:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Protocol
 from kvxfer.host_memory import MEMORY_KIND_NAMES
 from kvxfer.version import __version__
 
+from .fleet.view import RegistryView
 from .tier.views import TierView
 
 if TYPE_CHECKING:
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
     from .dataplane.gpucopy import GpuDevices
     from .dataplane.staging import StagingPool
     from .dataplane.ucx import UcxTransport
+    from .fleet.registry import Registry
     from .memory.pools import Pool, PoolRegistry
     from .peer.directory import Peer, PeerDirectory
     from .tier.host import HostTier
@@ -151,6 +153,8 @@ class NodeSnapshot:
     ucx_receives_unconfirmed: int = 0
     #: Why remote handoffs cannot run ("" when they can).
     data_plane_detail: str = ""
+    #: The fleet registry as this daemon sees it (state "off" without one).
+    registry: RegistryView = field(default_factory=RegistryView)
 
     @property
     def offer_count(self) -> int:
@@ -233,6 +237,7 @@ class _Node(Protocol):
     send_staging: StagingPool
     recv_staging: StagingPool
     _gpu: GpuDevices | None
+    registry: Registry | None
 
     @property
     def draining(self) -> bool: ...
@@ -274,6 +279,7 @@ def node_snapshot(node: _Node, history: bool = False) -> NodeSnapshot:
         ucx_endpoints=node.ucx.endpoint_count if node.ucx else 0,
         ucx_receives_unconfirmed=node.ucx.receives_unconfirmed if node.ucx is not None else 0,
         data_plane_detail=node.data_plane_detail,
+        registry=node.registry.view() if node.registry is not None else RegistryView(),
     )
 
 

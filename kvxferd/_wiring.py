@@ -79,7 +79,7 @@ async def _start(
         lanes_listen = settings.tcp_lanes_listen or peer.address.rsplit(":", 1)[0] + ":0"
     addresses = Addresses(settings.peer_advertise or peer.address, admin.address if admin else "", lanes_listen)
     try:
-        node = Node(settings, ucx, addresses, tls.channel_credentials() if tls else None)
+        node = Node(settings, ucx, addresses, tls)
     except (OSError, ValueError) as exc:
         raise explain("tcp lanes", lanes_listen, exc) from None
     add_admin = admin_pb2_grpc.add_AdminServiceServicer_to_server

@@ -61,6 +61,11 @@ class AdminService(admin_pb2_grpc.AdminServiceServicer):
             ucx_receives_unconfirmed=s.ucx_receives_unconfirmed,
             data_plane_serving=not s.data_plane_detail,
             data_plane_detail=s.data_plane_detail,
+            registry=s.registry.url,
+            cluster=s.registry.cluster,
+            registry_state=s.registry.state,
+            registry_detail=s.registry.detail,
+            registry_nodes=s.registry.nodes,
         )
 
     @rpc_method

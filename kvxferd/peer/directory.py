@@ -3,7 +3,10 @@ from it share (:mod:`.stream`); the client side of the other peer calls (lease
 extension, direct-read probe) with their errors as kvxfer errors.
 
 Outgoing peers are dialled by address (from a ticket); incoming ones are known from the Hello
-they sent. Either way a peer is keyed by daemon id once its Hello is done.
+they sent. Either way a peer is keyed by daemon id once its Hello is done. Where a fleet
+registry runs, a daemon that is not at its ticket's address any more is looked up there by id
+(:meth:`PeerDirectory.reach`); the registry is only a hint: the daemon found still proves
+itself in Hello, by the id it answers with and, over mTLS, by a certificate naming that id.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import asyncio
 import socket
 import time
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import grpc
 
@@ -25,6 +29,7 @@ from kvxfer.errors import (
 from kvxfer.proto import peer_pb2, peer_pb2_grpc
 from kvxfer.version import PROTOCOL_VERSION
 
+from .._log import log_event
 from ..dataplane.ucx_address import check_worker_address
 from .stream import TransferCall, TransferStream, peer_error
 
@@ -126,13 +131,26 @@ def check_compatible(ours: peer_pb2.PeerIdentity, theirs: peer_pb2.PeerIdentity)
     check_worker_address(theirs.ucx_worker_address, repr(theirs.daemon_id))
 
 
+class AddressBook(Protocol):
+    """Where daemons are, by id (the fleet registry)."""
+
+    def address_of(self, daemon_id: str) -> str | None: ...
+
+    def left_why(self, daemon_id: str) -> str: ...
+
+
 class PeerDirectory:
     def __init__(
-        self, identity: peer_pb2.PeerIdentity, timeout_s: float, credentials: grpc.ChannelCredentials | None = None
+        self,
+        identity: peer_pb2.PeerIdentity,
+        timeout_s: float,
+        credentials: grpc.ChannelCredentials | None = None,
+        book: AddressBook | None = None,
     ) -> None:
         assert identity.protocol_version == PROTOCOL_VERSION
         self.identity = identity
         self._credentials = credentials
+        self.book = book
         self.timeout_s = timeout_s
         self.by_id: dict[str, Peer] = {}
         self._by_address: dict[str, Peer] = {}
@@ -153,8 +171,34 @@ class PeerDirectory:
             raise IncompatibleError(f"daemon {daemon_id!r} has not said Hello to this daemon")
         return peer
 
-    async def dial(self, address: str) -> Peer:
-        """The peer at ``address``, saying Hello first if we have not (or it failed)."""
+    async def reach(self, daemon_id: str, address: str) -> Peer:
+        """The daemon ``daemon_id``: at ``address`` (a ticket's), or, where nothing answers
+        there or another daemon does, at the address the registry has for it. The caller
+        checks the id of the peer returned (without a registry it may be another daemon's)."""
+        why = self.book.left_why(daemon_id) if self.book is not None else ""
+        if why:
+            raise UnavailableError(f"daemon {daemon_id!r} left the fleet registry ({why}); its offers went with it")
+        try:
+            peer = await self.dial(address, daemon_id)
+        except UnavailableError as exc:
+            if (found := self._elsewhere(daemon_id, address)) is None:
+                raise
+            log_event("peer.found_in_registry", peer=daemon_id, ticket_address=address, address=found, detail=str(exc))
+            return await self.dial(found, daemon_id)
+        if peer.daemon_id == daemon_id or (found := self._elsewhere(daemon_id, address)) is None:
+            return peer
+        log_event(
+            "peer.found_in_registry", peer=daemon_id, ticket_address=address, address=found, answered=peer.daemon_id
+        )
+        return await self.dial(found, daemon_id)
+
+    def _elsewhere(self, daemon_id: str, address: str) -> str | None:
+        found = self.book.address_of(daemon_id) if self.book is not None else None
+        return found if found != address else None
+
+    async def dial(self, address: str, expect_id: str = "") -> Peer:
+        """The peer at ``address``, saying Hello first if we have not (or it failed). Over
+        mTLS, ``expect_id`` must be named by the certificate the peer presents."""
         lock = self._locks.setdefault(address, asyncio.Lock())
         async with lock:
             peer = self._by_address.get(address)
@@ -162,8 +206,11 @@ class PeerDirectory:
                 return peer
             if peer is not None:
                 await peer.close()
+            options: list[tuple[str, Any]] = list(channel_options())
+            if expect_id and self._credentials is not None:
+                options = [*options, ("grpc.ssl_target_name_override", expect_id)]
             channel = (
-                grpc.aio.secure_channel(address, self._credentials, options=channel_options())
+                grpc.aio.secure_channel(address, self._credentials, options=options)
                 if self._credentials is not None
                 else grpc.aio.insecure_channel(address, options=channel_options())
             )
@@ -186,6 +233,16 @@ class PeerDirectory:
 
     def mark_failed(self, peer: Peer) -> None:
         peer.state = FAILED
+
+    def forget(self, daemon_id: str, why: UnavailableError) -> Peer | None:
+        """The daemon is gone: every pull on its stream fails with ``why``, and the next
+        transfer says Hello again. Returns the peer (None if we never knew it)."""
+        peer = self.by_id.get(daemon_id)
+        if peer is not None:
+            if peer.transfers is not None:
+                peer.transfers.fail(why)
+            peer.state = FAILED
+        return peer
 
     async def close(self) -> None:
         for peer in self._by_address.values():

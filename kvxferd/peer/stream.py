@@ -68,6 +68,12 @@ class TransferStream:
     def forget(self, transfer_id: str) -> None:
         self._inboxes.pop(transfer_id, None)
 
+    def fail(self, why: KvxferError) -> None:
+        """Fail every transfer on the stream with ``why`` (its peer is known to be gone); the
+        next pull opens a new stream."""
+        self._lost(why)
+        self._call.cancel()
+
     async def close(self) -> None:
         self._lost(UnavailableError(f"the transfer stream to {self.address} was closed"))
         self._call.cancel()

@@ -113,11 +113,16 @@ class RemotePlane:
     async def dial_offerer(self, ticket: Ticket) -> Peer:
         """The daemon the ticket names, at the ticket's address. When another daemon answers
         there, ours may have restarted on that address since our Hello: say Hello again (once)."""
-        peer = await self.peers.dial(ticket.peer_address)
+        peer = await self.peers.reach(ticket.daemon_id, ticket.peer_address)
         if peer.daemon_id != ticket.daemon_id:
             self.drop_peer(peer)
-            peer = await self.peers.dial(ticket.peer_address)
+            peer = await self.peers.reach(ticket.daemon_id, ticket.peer_address)
         return peer
+
+    def forget_peer(self, daemon_id: str, why: UnavailableError) -> None:
+        """The daemon left the fleet: its pulls fail with ``why`` and its endpoint goes."""
+        if self.peers.forget(daemon_id, why) is not None:
+            self.ucx.abort_endpoint(daemon_id)
 
     async def direct_read_ok(self, peer: Peer) -> bool:
         """Whether pulls from ``peer`` read its memory directly: a same-host peer whose probe

@@ -26,7 +26,7 @@ _sym_db = _symbol_database.Default()
 from . import common_pb2 as kvxfer_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15kvxfer/v1/admin.proto\x12\tkvxfer.v1\x1a\x16kvxfer/v1/common.proto\"\x12\n\x10WatchTierRequest\"+\n\x08TierKeys\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"o\n\x0eTierEventBatch\x12#\n\x06stored\x18\x01 \x03(\x0b\x32\x13.kvxfer.v1.TierKeys\x12$\n\x07removed\x18\x02 \x03(\x0b\x32\x13.kvxfer.v1.TierKeys\x12\x12\n\noverflowed\x18\x03 \x01(\x08\"\x11\n\x0fListTierRequest\"\xa0\x01\n\x10ListTierResponse\x12\x13\n\x0blimit_bytes\x18\x01 \x01(\x04\x12\x12\n\nused_bytes\x18\x02 \x01(\x04\x12\x30\n\nnamespaces\x18\x03 \x03(\x0b\x32\x1c.kvxfer.v1.TierNamespaceInfo\x12\x18\n\x10\x64isk_limit_bytes\x18\x04 \x01(\x04\x12\x17\n\x0f\x64isk_used_bytes\x18\x05 \x01(\x04\"\xf0\x01\n\x11TierNamespaceInfo\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\r\n\x05label\x18\x02 \x01(\t\x12\x0e\n\x06\x63hunks\x18\x03 \x01(\x04\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\x12\x0c\n\x04hits\x18\x05 \x01(\x04\x12\x0e\n\x06misses\x18\x06 \x01(\x04\x12\x11\n\tevictions\x18\x07 \x01(\x04\x12\x13\n\x0b\x64isk_chunks\x18\x08 \x01(\x04\x12\x12\n\ndisk_bytes\x18\t \x01(\x04\x12\x11\n\tdisk_hits\x18\n \x01(\x04\x12\x16\n\x0e\x64isk_evictions\x18\x0b \x01(\x04\x12\x15\n\rdisk_failures\x18\x0c \x01(\x04\"\x0f\n\rStatusRequest\"\xf6\x04\n\x0eStatusResponse\x12\x11\n\tdaemon_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x10\n\x08hostname\x18\x03 \x01(\t\x12\x0b\n\x03pid\x18\x04 \x01(\r\x12\x10\n\x08uptime_s\x18\x05 \x01(\x01\x12\x10\n\x08\x64raining\x18\x06 \x01(\x08\x12\x15\n\rengine_socket\x18\x07 \x01(\t\x12\x14\n\x0cpeer_address\x18\x08 \x01(\t\x12\x15\n\radmin_address\x18\t \x01(\t\x12\x16\n\x0eucx_transports\x18\n \x03(\t\x12\x10\n\x08sessions\x18\x0b \x01(\r\x12\r\n\x05pools\x18\x0c \x01(\r\x12\x18\n\x10registered_bytes\x18\r \x01(\x04\x12\x15\n\ractive_offers\x18\x0e \x01(\r\x12\x18\n\x10\x61\x63tive_transfers\x18\x0f \x01(\r\x12\r\n\x05peers\x18\x10 \x01(\r\x12\x1b\n\x13transfers_succeeded\x18\x11 \x01(\x04\x12\x18\n\x10transfers_failed\x18\x12 \x01(\x04\x12\x13\n\x0b\x62ytes_moved\x18\x13 \x01(\x04\x12\x16\n\x0elease_expiries\x18\x14 \x01(\x04\x12\x1b\n\x13staging_send_in_use\x18\x15 \x01(\r\x12\x1e\n\x16staging_receive_in_use\x18\x16 \x01(\r\x12\x15\n\rucx_endpoints\x18\x17 \x01(\r\x12 \n\x18ucx_receives_unconfirmed\x18\x18 \x01(\r\x12\x1a\n\x12\x64\x61ta_plane_serving\x18\x19 \x01(\x08\x12\x19\n\x11\x64\x61ta_plane_detail\x18\x1a \x01(\t\x12\x15\n\rlanes_address\x18\x1b \x01(\t\"\xf8\x01\n\x08PoolInfo\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\x13\n\x0b\x65ngine_name\x18\x04 \x01(\t\x12#\n\x04kind\x18\x05 \x01(\x0e\x32\x15.kvxfer.v1.MemoryKind\x12\x0f\n\x07\x62uffers\x18\x06 \x01(\r\x12\r\n\x05\x62ytes\x18\x07 \x01(\x04\x12\x12\n\nnum_blocks\x18\x08 \x01(\r\x12\x0f\n\x07regions\x18\t \x01(\r\x12\x13\n\x0b\x66ingerprint\x18\n \x01(\t\x12\x15\n\ractive_offers\x18\x0b \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x0c \x01(\t\"\x12\n\x10ListPoolsRequest\"7\n\x11ListPoolsResponse\x12\"\n\x05pools\x18\x01 \x03(\x0b\x32\x13.kvxfer.v1.PoolInfo\"{\n\tOfferInfo\x12\x10\n\x08offer_id\x18\x01 \x01(\t\x12\x0f\n\x07pool_id\x18\x02 \x01(\t\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\x12\x19\n\x11lease_remaining_s\x18\x05 \x01(\x01\x12\r\n\x05state\x18\x06 \x01(\t\"\x13\n\x11ListOffersRequest\":\n\x12ListOffersResponse\x12$\n\x06offers\x18\x01 \x03(\x0b\x32\x14.kvxfer.v1.OfferInfo\"\x87\x03\n\x0cTransferInfo\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12%\n\x04path\x18\x03 \x01(\x0e\x32\x17.kvxfer.v1.TransferPath\x12\x11\n\ttransport\x18\x04 \x01(\t\x12\'\n\x05state\x18\x05 \x01(\x0e\x32\x18.kvxfer.v1.TransferState\x12\x10\n\x08offer_id\x18\x06 \x01(\t\x12\x16\n\x0epeer_daemon_id\x18\x07 \x01(\t\x12\r\n\x05\x62ytes\x18\x08 \x01(\x04\x12\x14\n\x0cstarted_unix\x18\t \x01(\x01\x12\x12\n\nduration_s\x18\n \x01(\x01\x12\x0e\n\x06\x64\x65tail\x18\x0b \x01(\t\x12\x0f\n\x07mapping\x18\x0c \x01(\t\x12\x0c\n\x04mode\x18\r \x01(\t\x12\x13\n\x0bmode_reason\x18\x0e \x01(\t\x12\x16\n\x0eintegrity_mode\x18\x0f \x01(\t\x12\x18\n\x10integrity_blocks\x18\x10 \x01(\r\x12\x18\n\x10integrity_result\x18\x11 \x01(\t\"0\n\x14ListTransfersRequest\x12\x18\n\x10include_finished\x18\x01 \x01(\x08\"C\n\x15ListTransfersResponse\x12*\n\ttransfers\x18\x01 \x03(\x0b\x32\x17.kvxfer.v1.TransferInfo\"\x91\x01\n\x08PeerInfo\x12\x11\n\tdaemon_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x10\n\x08hostname\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\t\x12\r\n\x05state\x18\x05 \x01(\t\x12\x16\n\x0eucx_transports\x18\x06 \x03(\t\x12\x17\n\x0flast_hello_unix\x18\x07 \x01(\x01\"\x12\n\x10ListPeersRequest\"7\n\x11ListPeersResponse\x12\"\n\x05peers\x18\x01 \x03(\x0b\x32\x13.kvxfer.v1.PeerInfo\" \n\x12\x41\x64minCancelRequest\x12\n\n\x02id\x18\x01 \x01(\t\"8\n\x13\x41\x64minCancelResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\"\x0e\n\x0c\x44rainRequest\"!\n\rDrainResponse\x12\x10\n\x08\x64raining\x18\x01 \x01(\x08\x32\x8d\x05\n\x0c\x41\x64minService\x12=\n\x06Status\x12\x18.kvxfer.v1.StatusRequest\x1a\x19.kvxfer.v1.StatusResponse\x12\x46\n\tListPools\x12\x1b.kvxfer.v1.ListPoolsRequest\x1a\x1c.kvxfer.v1.ListPoolsResponse\x12I\n\nListOffers\x12\x1c.kvxfer.v1.ListOffersRequest\x1a\x1d.kvxfer.v1.ListOffersResponse\x12R\n\rListTransfers\x12\x1f.kvxfer.v1.ListTransfersRequest\x1a .kvxfer.v1.ListTransfersResponse\x12\x46\n\tListPeers\x12\x1b.kvxfer.v1.ListPeersRequest\x1a\x1c.kvxfer.v1.ListPeersResponse\x12G\n\x06\x43\x61ncel\x12\x1d.kvxfer.v1.AdminCancelRequest\x1a\x1e.kvxfer.v1.AdminCancelResponse\x12:\n\x05\x44rain\x12\x17.kvxfer.v1.DrainRequest\x1a\x18.kvxfer.v1.DrainResponse\x12\x43\n\x08ListTier\x12\x1a.kvxfer.v1.ListTierRequest\x1a\x1b.kvxfer.v1.ListTierResponse\x12\x45\n\tWatchTier\x12\x1b.kvxfer.v1.WatchTierRequest\x1a\x19.kvxfer.v1.TierEventBatch0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15kvxfer/v1/admin.proto\x12\tkvxfer.v1\x1a\x16kvxfer/v1/common.proto\"\x12\n\x10WatchTierRequest\"+\n\x08TierKeys\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"o\n\x0eTierEventBatch\x12#\n\x06stored\x18\x01 \x03(\x0b\x32\x13.kvxfer.v1.TierKeys\x12$\n\x07removed\x18\x02 \x03(\x0b\x32\x13.kvxfer.v1.TierKeys\x12\x12\n\noverflowed\x18\x03 \x01(\x08\"\x11\n\x0fListTierRequest\"\xa0\x01\n\x10ListTierResponse\x12\x13\n\x0blimit_bytes\x18\x01 \x01(\x04\x12\x12\n\nused_bytes\x18\x02 \x01(\x04\x12\x30\n\nnamespaces\x18\x03 \x03(\x0b\x32\x1c.kvxfer.v1.TierNamespaceInfo\x12\x18\n\x10\x64isk_limit_bytes\x18\x04 \x01(\x04\x12\x17\n\x0f\x64isk_used_bytes\x18\x05 \x01(\x04\"\xf0\x01\n\x11TierNamespaceInfo\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\r\n\x05label\x18\x02 \x01(\t\x12\x0e\n\x06\x63hunks\x18\x03 \x01(\x04\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\x12\x0c\n\x04hits\x18\x05 \x01(\x04\x12\x0e\n\x06misses\x18\x06 \x01(\x04\x12\x11\n\tevictions\x18\x07 \x01(\x04\x12\x13\n\x0b\x64isk_chunks\x18\x08 \x01(\x04\x12\x12\n\ndisk_bytes\x18\t \x01(\x04\x12\x11\n\tdisk_hits\x18\n \x01(\x04\x12\x16\n\x0e\x64isk_evictions\x18\x0b \x01(\x04\x12\x15\n\rdisk_failures\x18\x0c \x01(\x04\"\x0f\n\rStatusRequest\"\xe2\x05\n\x0eStatusResponse\x12\x11\n\tdaemon_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12\x10\n\x08hostname\x18\x03 \x01(\t\x12\x0b\n\x03pid\x18\x04 \x01(\r\x12\x10\n\x08uptime_s\x18\x05 \x01(\x01\x12\x10\n\x08\x64raining\x18\x06 \x01(\x08\x12\x15\n\rengine_socket\x18\x07 \x01(\t\x12\x14\n\x0cpeer_address\x18\x08 \x01(\t\x12\x15\n\radmin_address\x18\t \x01(\t\x12\x16\n\x0eucx_transports\x18\n \x03(\t\x12\x10\n\x08sessions\x18\x0b \x01(\r\x12\r\n\x05pools\x18\x0c \x01(\r\x12\x18\n\x10registered_bytes\x18\r \x01(\x04\x12\x15\n\ractive_offers\x18\x0e \x01(\r\x12\x18\n\x10\x61\x63tive_transfers\x18\x0f \x01(\r\x12\r\n\x05peers\x18\x10 \x01(\r\x12\x1b\n\x13transfers_succeeded\x18\x11 \x01(\x04\x12\x18\n\x10transfers_failed\x18\x12 \x01(\x04\x12\x13\n\x0b\x62ytes_moved\x18\x13 \x01(\x04\x12\x16\n\x0elease_expiries\x18\x14 \x01(\x04\x12\x1b\n\x13staging_send_in_use\x18\x15 \x01(\r\x12\x1e\n\x16staging_receive_in_use\x18\x16 \x01(\r\x12\x15\n\rucx_endpoints\x18\x17 \x01(\r\x12 \n\x18ucx_receives_unconfirmed\x18\x18 \x01(\r\x12\x1a\n\x12\x64\x61ta_plane_serving\x18\x19 \x01(\x08\x12\x19\n\x11\x64\x61ta_plane_detail\x18\x1a \x01(\t\x12\x15\n\rlanes_address\x18\x1b \x01(\t\x12\x10\n\x08registry\x18\x1c \x01(\t\x12\x0f\n\x07\x63luster\x18\x1d \x01(\t\x12\x16\n\x0eregistry_state\x18\x1e \x01(\t\x12\x17\n\x0fregistry_detail\x18\x1f \x01(\t\x12\x16\n\x0eregistry_nodes\x18  \x01(\r\"\xf8\x01\n\x08PoolInfo\x12\x0f\n\x07pool_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x12\n\nsession_id\x18\x03 \x01(\t\x12\x13\n\x0b\x65ngine_name\x18\x04 \x01(\t\x12#\n\x04kind\x18\x05 \x01(\x0e\x32\x15.kvxfer.v1.MemoryKind\x12\x0f\n\x07\x62uffers\x18\x06 \x01(\r\x12\r\n\x05\x62ytes\x18\x07 \x01(\x04\x12\x12\n\nnum_blocks\x18\x08 \x01(\r\x12\x0f\n\x07regions\x18\t \x01(\r\x12\x13\n\x0b\x66ingerprint\x18\n \x01(\t\x12\x15\n\ractive_offers\x18\x0b \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x0c \x01(\t\"\x12\n\x10ListPoolsRequest\"7\n\x11ListPoolsResponse\x12\"\n\x05pools\x18\x01 \x03(\x0b\x32\x13.kvxfer.v1.PoolInfo\"{\n\tOfferInfo\x12\x10\n\x08offer_id\x18\x01 \x01(\t\x12\x0f\n\x07pool_id\x18\x02 \x01(\t\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\r\n\x05\x62ytes\x18\x04 \x01(\x04\x12\x19\n\x11lease_remaining_s\x18\x05 \x01(\x01\x12\r\n\x05state\x18\x06 \x01(\t\"\x13\n\x11ListOffersRequest\":\n\x12ListOffersResponse\x12$\n\x06offers\x18\x01 \x03(\x0b\x32\x14.kvxfer.v1.OfferInfo\"\x87\x03\n\x0cTransferInfo\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12%\n\x04path\x18\x03 \x01(\x0e\x32\x17.kvxfer.v1.TransferPath\x12\x11\n\ttransport\x18\x04 \x01(\t\x12\'\n\x05state\x18\x05 \x01(\x0e\x32\x18.kvxfer.v1.TransferState\x12\x10\n\x08offer_id\x18\x06 \x01(\t\x12\x16\n\x0epeer_daemon_id\x18\x07 \x01(\t\x12\r\n\x05\x62ytes\x18\x08 \x01(\x04\x12\x14\n\x0cstarted_unix\x18\t \x01(\x01\x12\x12\n\nduration_s\x18\n \x01(\x01\x12\x0e\n\x06\x64\x65tail\x18\x0b \x01(\t\x12\x0f\n\x07mapping\x18\x0c \x01(\t\x12\x0c\n\x04mode\x18\r \x01(\t\x12\x13\n\x0bmode_reason\x18\x0e \x01(\t\x12\x16\n\x0eintegrity_mode\x18\x0f \x01(\t\x12\x18\n\x10integrity_blocks\x18\x10 \x01(\r\x12\x18\n\x10integrity_result\x18\x11 \x01(\t\"0\n\x14ListTransfersRequest\x12\x18\n\x10include_finished\x18\x01 \x01(\x08\"C\n\x15ListTransfersResponse\x12*\n\ttransfers\x18\x01 \x03(\x0b\x32\x17.kvxfer.v1.TransferInfo\"\x91\x01\n\x08PeerInfo\x12\x11\n\tdaemon_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x10\n\x08hostname\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\t\x12\r\n\x05state\x18\x05 \x01(\t\x12\x16\n\x0eucx_transports\x18\x06 \x03(\t\x12\x17\n\x0flast_hello_unix\x18\x07 \x01(\x01\"\x12\n\x10ListPeersRequest\"7\n\x11ListPeersResponse\x12\"\n\x05peers\x18\x01 \x03(\x0b\x32\x13.kvxfer.v1.PeerInfo\" \n\x12\x41\x64minCancelRequest\x12\n\n\x02id\x18\x01 \x01(\t\"8\n\x13\x41\x64minCancelResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\"\x0e\n\x0c\x44rainRequest\"!\n\rDrainResponse\x12\x10\n\x08\x64raining\x18\x01 \x01(\x08\x32\x8d\x05\n\x0c\x41\x64minService\x12=\n\x06Status\x12\x18.kvxfer.v1.StatusRequest\x1a\x19.kvxfer.v1.StatusResponse\x12\x46\n\tListPools\x12\x1b.kvxfer.v1.ListPoolsRequest\x1a\x1c.kvxfer.v1.ListPoolsResponse\x12I\n\nListOffers\x12\x1c.kvxfer.v1.ListOffersRequest\x1a\x1d.kvxfer.v1.ListOffersResponse\x12R\n\rListTransfers\x12\x1f.kvxfer.v1.ListTransfersRequest\x1a .kvxfer.v1.ListTransfersResponse\x12\x46\n\tListPeers\x12\x1b.kvxfer.v1.ListPeersRequest\x1a\x1c.kvxfer.v1.ListPeersResponse\x12G\n\x06\x43\x61ncel\x12\x1d.kvxfer.v1.AdminCancelRequest\x1a\x1e.kvxfer.v1.AdminCancelResponse\x12:\n\x05\x44rain\x12\x17.kvxfer.v1.DrainRequest\x1a\x18.kvxfer.v1.DrainResponse\x12\x43\n\x08ListTier\x12\x1a.kvxfer.v1.ListTierRequest\x1a\x1b.kvxfer.v1.ListTierResponse\x12\x45\n\tWatchTier\x12\x1b.kvxfer.v1.WatchTierRequest\x1a\x19.kvxfer.v1.TierEventBatch0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -48,39 +48,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STATUSREQUEST']._serialized_start=663
   _globals['_STATUSREQUEST']._serialized_end=678
   _globals['_STATUSRESPONSE']._serialized_start=681
-  _globals['_STATUSRESPONSE']._serialized_end=1311
-  _globals['_POOLINFO']._serialized_start=1314
-  _globals['_POOLINFO']._serialized_end=1562
-  _globals['_LISTPOOLSREQUEST']._serialized_start=1564
-  _globals['_LISTPOOLSREQUEST']._serialized_end=1582
-  _globals['_LISTPOOLSRESPONSE']._serialized_start=1584
-  _globals['_LISTPOOLSRESPONSE']._serialized_end=1639
-  _globals['_OFFERINFO']._serialized_start=1641
-  _globals['_OFFERINFO']._serialized_end=1764
-  _globals['_LISTOFFERSREQUEST']._serialized_start=1766
-  _globals['_LISTOFFERSREQUEST']._serialized_end=1785
-  _globals['_LISTOFFERSRESPONSE']._serialized_start=1787
-  _globals['_LISTOFFERSRESPONSE']._serialized_end=1845
-  _globals['_TRANSFERINFO']._serialized_start=1848
-  _globals['_TRANSFERINFO']._serialized_end=2239
-  _globals['_LISTTRANSFERSREQUEST']._serialized_start=2241
-  _globals['_LISTTRANSFERSREQUEST']._serialized_end=2289
-  _globals['_LISTTRANSFERSRESPONSE']._serialized_start=2291
-  _globals['_LISTTRANSFERSRESPONSE']._serialized_end=2358
-  _globals['_PEERINFO']._serialized_start=2361
-  _globals['_PEERINFO']._serialized_end=2506
-  _globals['_LISTPEERSREQUEST']._serialized_start=2508
-  _globals['_LISTPEERSREQUEST']._serialized_end=2526
-  _globals['_LISTPEERSRESPONSE']._serialized_start=2528
-  _globals['_LISTPEERSRESPONSE']._serialized_end=2583
-  _globals['_ADMINCANCELREQUEST']._serialized_start=2585
-  _globals['_ADMINCANCELREQUEST']._serialized_end=2617
-  _globals['_ADMINCANCELRESPONSE']._serialized_start=2619
-  _globals['_ADMINCANCELRESPONSE']._serialized_end=2675
-  _globals['_DRAINREQUEST']._serialized_start=2677
-  _globals['_DRAINREQUEST']._serialized_end=2691
-  _globals['_DRAINRESPONSE']._serialized_start=2693
-  _globals['_DRAINRESPONSE']._serialized_end=2726
-  _globals['_ADMINSERVICE']._serialized_start=2729
-  _globals['_ADMINSERVICE']._serialized_end=3382
+  _globals['_STATUSRESPONSE']._serialized_end=1419
+  _globals['_POOLINFO']._serialized_start=1422
+  _globals['_POOLINFO']._serialized_end=1670
+  _globals['_LISTPOOLSREQUEST']._serialized_start=1672
+  _globals['_LISTPOOLSREQUEST']._serialized_end=1690
+  _globals['_LISTPOOLSRESPONSE']._serialized_start=1692
+  _globals['_LISTPOOLSRESPONSE']._serialized_end=1747
+  _globals['_OFFERINFO']._serialized_start=1749
+  _globals['_OFFERINFO']._serialized_end=1872
+  _globals['_LISTOFFERSREQUEST']._serialized_start=1874
+  _globals['_LISTOFFERSREQUEST']._serialized_end=1893
+  _globals['_LISTOFFERSRESPONSE']._serialized_start=1895
+  _globals['_LISTOFFERSRESPONSE']._serialized_end=1953
+  _globals['_TRANSFERINFO']._serialized_start=1956
+  _globals['_TRANSFERINFO']._serialized_end=2347
+  _globals['_LISTTRANSFERSREQUEST']._serialized_start=2349
+  _globals['_LISTTRANSFERSREQUEST']._serialized_end=2397
+  _globals['_LISTTRANSFERSRESPONSE']._serialized_start=2399
+  _globals['_LISTTRANSFERSRESPONSE']._serialized_end=2466
+  _globals['_PEERINFO']._serialized_start=2469
+  _globals['_PEERINFO']._serialized_end=2614
+  _globals['_LISTPEERSREQUEST']._serialized_start=2616
+  _globals['_LISTPEERSREQUEST']._serialized_end=2634
+  _globals['_LISTPEERSRESPONSE']._serialized_start=2636
+  _globals['_LISTPEERSRESPONSE']._serialized_end=2691
+  _globals['_ADMINCANCELREQUEST']._serialized_start=2693
+  _globals['_ADMINCANCELREQUEST']._serialized_end=2725
+  _globals['_ADMINCANCELRESPONSE']._serialized_start=2727
+  _globals['_ADMINCANCELRESPONSE']._serialized_end=2783
+  _globals['_DRAINREQUEST']._serialized_start=2785
+  _globals['_DRAINREQUEST']._serialized_end=2799
+  _globals['_DRAINRESPONSE']._serialized_start=2801
+  _globals['_DRAINRESPONSE']._serialized_end=2834
+  _globals['_ADMINSERVICE']._serialized_start=2837
+  _globals['_ADMINSERVICE']._serialized_end=3490
 # @@protoc_insertion_point(module_scope)

@@ -240,6 +240,11 @@ class StatusResponse(_message.Message):
     DATA_PLANE_SERVING_FIELD_NUMBER: _builtins.int
     DATA_PLANE_DETAIL_FIELD_NUMBER: _builtins.int
     LANES_ADDRESS_FIELD_NUMBER: _builtins.int
+    REGISTRY_FIELD_NUMBER: _builtins.int
+    CLUSTER_FIELD_NUMBER: _builtins.int
+    REGISTRY_STATE_FIELD_NUMBER: _builtins.int
+    REGISTRY_DETAIL_FIELD_NUMBER: _builtins.int
+    REGISTRY_NODES_FIELD_NUMBER: _builtins.int
     daemon_id: _builtins.str
     version: _builtins.str
     hostname: _builtins.str
@@ -273,6 +278,15 @@ class StatusResponse(_message.Message):
     data_plane_detail: _builtins.str
     lanes_address: _builtins.str
     """host:port of the TCP lanes listener (empty: tcp_lanes is off or UCX is missing)."""
+    registry: _builtins.str
+    """The fleet registry (etcd): its address ("" without one), this daemon's cluster, the
+    registry's state here (off, connecting, registered, unreachable, conflict) and why,
+    and how many daemons it lists, this one included.
+    """
+    cluster: _builtins.str
+    registry_state: _builtins.str
+    registry_detail: _builtins.str
+    registry_nodes: _builtins.int
     @_builtins.property
     def ucx_transports(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
@@ -305,10 +319,15 @@ class StatusResponse(_message.Message):
         data_plane_serving: _builtins.bool = ...,
         data_plane_detail: _builtins.str = ...,
         lanes_address: _builtins.str = ...,
+        registry: _builtins.str = ...,
+        cluster: _builtins.str = ...,
+        registry_state: _builtins.str = ...,
+        registry_detail: _builtins.str = ...,
+        registry_nodes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_offers", b"active_offers", "active_transfers", b"active_transfers", "admin_address", b"admin_address", "bytes_moved", b"bytes_moved", "daemon_id", b"daemon_id", "data_plane_detail", b"data_plane_detail", "data_plane_serving", b"data_plane_serving", "draining", b"draining", "engine_socket", b"engine_socket", "hostname", b"hostname", "lanes_address", b"lanes_address", "lease_expiries", b"lease_expiries", "peer_address", b"peer_address", "peers", b"peers", "pid", b"pid", "pools", b"pools", "registered_bytes", b"registered_bytes", "sessions", b"sessions", "staging_receive_in_use", b"staging_receive_in_use", "staging_send_in_use", b"staging_send_in_use", "transfers_failed", b"transfers_failed", "transfers_succeeded", b"transfers_succeeded", "ucx_endpoints", b"ucx_endpoints", "ucx_receives_unconfirmed", b"ucx_receives_unconfirmed", "ucx_transports", b"ucx_transports", "uptime_s", b"uptime_s", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_offers", b"active_offers", "active_transfers", b"active_transfers", "admin_address", b"admin_address", "bytes_moved", b"bytes_moved", "cluster", b"cluster", "daemon_id", b"daemon_id", "data_plane_detail", b"data_plane_detail", "data_plane_serving", b"data_plane_serving", "draining", b"draining", "engine_socket", b"engine_socket", "hostname", b"hostname", "lanes_address", b"lanes_address", "lease_expiries", b"lease_expiries", "peer_address", b"peer_address", "peers", b"peers", "pid", b"pid", "pools", b"pools", "registered_bytes", b"registered_bytes", "registry", b"registry", "registry_detail", b"registry_detail", "registry_nodes", b"registry_nodes", "registry_state", b"registry_state", "sessions", b"sessions", "staging_receive_in_use", b"staging_receive_in_use", "staging_send_in_use", b"staging_send_in_use", "transfers_failed", b"transfers_failed", "transfers_succeeded", b"transfers_succeeded", "ucx_endpoints", b"ucx_endpoints", "ucx_receives_unconfirmed", b"ucx_receives_unconfirmed", "ucx_transports", b"ucx_transports", "uptime_s", b"uptime_s", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
