@@ -17,8 +17,16 @@ import subprocess
 import tempfile
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["EtcdCluster", "etcd_missing"]
+if TYPE_CHECKING:
+    from .cluster import Cluster, Daemon
+
+__all__ = ["TTL_S", "EtcdCluster", "etcd_missing", "handoff", "registry_args"]
+
+#: The fleet tests' lease: short, to keep the suite quick (the daemon's default is 10 s).
+TTL_S = 3
+SHAPE = {"layers": 2, "blocks": 32, "block_bytes": 16 << 10}
 
 
 def etcd_missing() -> str:
@@ -153,3 +161,27 @@ class EtcdCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def registry_args(etcd: EtcdCluster, cluster: str = "t", ttl_s: int = TTL_S) -> list[str]:
+    """A daemon's flags to register in ``etcd`` under ``cluster``."""
+    return ["--registry", etcd.url, "--cluster", cluster, "--registry-ttl-s", str(ttl_s)]
+
+
+def handoff(
+    cluster: Cluster, src: Daemon, dst: Daemon, name: str, blocks: int = 4, timeout_s: float = 20.0
+) -> dict[str, Any]:
+    """One verified handoff of ``blocks`` blocks from an engine on ``src`` to one on ``dst``."""
+    prefill, decode = cluster.engine(src, f"p-{name}"), cluster.engine(dst, f"d-{name}")
+    prefill("pool", shape=SHAPE, seed=5)
+    decode("pool", shape=SHAPE)
+    ids = list(range(blocks))
+    ticket = prefill("offer", requests=[ids], lease_s=60)["tickets"][0]
+    started = time.monotonic()
+    result: dict[str, Any] = decode("pull", pulls=[[ticket, ids[::-1]]], timeout_s=timeout_s)["results"][0]
+    result["waited_s"] = time.monotonic() - started
+    if result["ok"]:
+        result["verified"] = decode("verify", seed=5, pairs=[[ids, ids[::-1]]])["verified"]
+    prefill.close()
+    decode.close()
+    return result

@@ -6,6 +6,7 @@
     kvxferctl transfers --watch      # live view, refreshed every second
     kvxferctl health                 # exit 0 when serving; else 1, naming what is not (draining,
                                      # no data plane for remote handoffs)
+    kvxferctl fleet --registry etcd://h:2379 --cluster prod   # every daemon of a cluster
 
 A remote daemon with mTLS needs --tls-cert, --tls-key and --tls-ca (or KVXFER_TLS_CERT,
 KVXFER_TLS_KEY, KVXFER_TLS_CA); cancel and drain are accepted over the Unix socket or mTLS only.
@@ -34,6 +35,7 @@ from kvxfer.tls import TlsFiles
 from kvxfer.version import PROTOCOL_VERSION, __version__
 
 from . import _ctl_views as views
+from ._ctl_fleet import run_fleet
 from ._ctl_views import human_bytes as size
 
 EXIT_OK, EXIT_ERROR, EXIT_UNREACHABLE = 0, 1, 3  # 2: usage (argparse's own)
@@ -175,6 +177,8 @@ def run(args: argparse.Namespace, ctl: Ctl) -> int:
             f"ucx         {','.join(s.ucx_transports) or 'unavailable'}; {s.ucx_endpoints} endpoints, "
             f"{s.ucx_receives_unconfirmed} receives unconfirmed"
         )
+        registry = f"{s.registry_state} in {s.registry} (cluster {s.cluster}, {s.registry_nodes} daemons)"
+        print(f"registry    {registry if s.registry else 'off'}{': ' + s.registry_detail if s.registry_detail else ''}")
         print(
             f"totals      {s.transfers_succeeded} transfers ok, {s.transfers_failed} failed, "
             f"{size(s.bytes_moved)} moved, {s.lease_expiries} leases expired"
@@ -314,12 +318,21 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("cancel", help="cancel a transfer or release an offer", parents=[json_anywhere])
     c.add_argument("id")
     sub.add_parser("drain", help="stop taking offers and pulls, finish what runs, exit", parents=[json_anywhere])
+    f = sub.add_parser("fleet", help="every daemon of a cluster, from the etcd registry", parents=[json_anywhere])
+    f.add_argument("--registry", default=os.environ.get("KVXFERD_REGISTRY", ""), help="etcd://host:port[,...]")
+    f.add_argument("--cluster", default=os.environ.get("KVXFERD_CLUSTER", "default"), help="cluster name")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "fleet":
+        try:
+            files = TlsFiles.from_paths(args.tls_cert, args.tls_key, args.tls_ca)
+        except ValueError as exc:
+            parser.error(str(exc))
+        raise SystemExit(run_fleet(args, files))
     target = args.addr if args.addr else "unix:" + (args.socket or default_socket_path())
     try:
         tls = TlsFiles.from_paths(args.tls_cert, args.tls_key, args.tls_ca) if args.addr else None

@@ -12,6 +12,7 @@ itself in Hello, by the id it answers with and, over mTLS, by a certificate nami
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import time
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from kvxfer.defaults import channel_options
 from kvxfer.errors import (
     DeadlineExceededError,
     IncompatibleError,
+    KvxferError,
     UnavailableError,
     error_from_rpc,
 )
@@ -172,29 +174,31 @@ class PeerDirectory:
         return peer
 
     async def reach(self, daemon_id: str, address: str) -> Peer:
-        """The daemon ``daemon_id``: at ``address`` (a ticket's), or, where nothing answers
-        there or another daemon does, at the address the registry has for it. The caller
-        checks the id of the peer returned (without a registry it may be another daemon's)."""
+        """The daemon ``daemon_id``: where the registry has it, when that is not ``address``
+        (a ticket's: the daemon restarted elsewhere since) and it proves to be that daemon
+        there; else at ``address``. The caller checks the id of the peer returned (the daemon
+        at a ticket's address may be another one by now)."""
         why = self.book.left_why(daemon_id) if self.book is not None else ""
         if why:
             raise UnavailableError(f"daemon {daemon_id!r} left the fleet registry ({why}); its offers went with it")
-        try:
-            peer = await self.dial(address, daemon_id)
-        except UnavailableError as exc:
-            if (found := self._elsewhere(daemon_id, address)) is None:
-                raise
-            log_event("peer.found_in_registry", peer=daemon_id, ticket_address=address, address=found, detail=str(exc))
-            return await self.dial(found, daemon_id)
-        if peer.daemon_id == daemon_id or (found := self._elsewhere(daemon_id, address)) is None:
-            return peer
-        log_event(
-            "peer.found_in_registry", peer=daemon_id, ticket_address=address, address=found, answered=peer.daemon_id
-        )
-        return await self.dial(found, daemon_id)
-
-    def _elsewhere(self, daemon_id: str, address: str) -> str | None:
         found = self.book.address_of(daemon_id) if self.book is not None else None
-        return found if found != address else None
+        if found is not None and found != address:
+            try:
+                peer = await self.dial(found, daemon_id)
+            except KvxferError as exc:
+                log_event("peer.registry_refused", logging.WARNING, peer=daemon_id, address=found, detail=str(exc))
+            else:
+                if peer.daemon_id == daemon_id:
+                    log_event("peer.found_in_registry", peer=daemon_id, ticket_address=address, address=found)
+                    return peer
+                log_event(
+                    "peer.registry_refused",
+                    logging.WARNING,
+                    peer=daemon_id,
+                    address=found,
+                    detail=f"the daemon there said Hello as {peer.daemon_id!r}",
+                )
+        return await self.dial(address, daemon_id)
 
     async def dial(self, address: str, expect_id: str = "") -> Peer:
         """The peer at ``address``, saying Hello first if we have not (or it failed). Over
