@@ -107,11 +107,14 @@ class Daemon:
             return getattr(admin_pb2_grpc.AdminServiceStub(channel), method)(request, timeout=5)
 
     def metric(self, name: str) -> float:
-        """The sum of a metric's samples over all its labels (0 when it has none yet)."""
+        """The sum of a metric's samples over all its labels (0 when it has none yet); a name
+        with labels (``m{l="v"}``, as exposed) is that one series."""
         import urllib.request
 
         with urllib.request.urlopen(f"http://{self.info['metrics_address']}/metrics", timeout=5) as resp:
             lines = resp.read().decode().splitlines()
+        if "{" in name:
+            return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines if ln.startswith(name + " "))
         return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines if ln.split("{")[0].split(" ")[0] == name)
 
     def transfer(self, transfer_id: str) -> Any:
