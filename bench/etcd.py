@@ -48,11 +48,12 @@ class _Member:
     client_port: int
     peer_port: int
     data_dir: str
+    host: str = "127.0.0.1"
     proc: subprocess.Popen[bytes] | None = None
 
     @property
     def endpoint(self) -> str:
-        return f"127.0.0.1:{self.client_port}"
+        return f"{self.host}:{self.client_port}"
 
 
 class EtcdCluster:
@@ -62,7 +63,8 @@ class EtcdCluster:
         self.host = host
         self._tmp = tempfile.TemporaryDirectory(prefix="kvxfer-etcd-")
         self.members = [
-            _Member(f"m{i}", _free_port(), _free_port(), os.path.join(self._tmp.name, f"m{i}")) for i in range(size)
+            _Member(f"m{i}", _free_port(), _free_port(), os.path.join(self._tmp.name, f"m{i}"), host)
+            for i in range(size)
         ]
         self._initial = ",".join(f"{m.name}=http://{host}:{m.peer_port}" for m in self.members)
         for m in self.members:
@@ -95,8 +97,7 @@ class EtcdCluster:
             "warn",
         ]
         log = open(os.path.join(self._tmp.name, f"{m.name}.log"), "ab")  # noqa: SIM115 - the child keeps it
-        env = dict(os.environ, ETCD_UNSUPPORTED_ARCH=os.environ.get("ETCD_UNSUPPORTED_ARCH", ""))
-        m.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        m.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         log.close()
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
