@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from bench.cluster import ROOT, Cluster, wait_for
-from bench.etcd import TTL_S, EtcdCluster, handoff, registry_args
+from bench.etcd import SHAPE, TTL_S, EtcdCluster, handoff, registry_args
 from kvxfer.proto import admin_pb2
 from kvxfer_client import AsyncKvxferClient, HostBuffer, Layout
 
@@ -55,13 +55,22 @@ def test_four_daemons_register_see_each_other_and_leave_on_drain_or_death(etcd: 
         assert "/kvxfer/four/daemons/n3" not in etcd.keys("/kvxfer/four/")
         wait_for(lambda: _status(daemons[0]).registry_nodes == 3, "n0 to see n3 leave", timeout_s=5)
 
-        # Killed: the record goes with its lease.
+        # Killed: the record goes with its lease, and no pull dials it any more.
+        prefill, decode = cluster.engine(daemons[2], "p-dead"), cluster.engine(daemons[1], "d-dead")
+        prefill("pool", shape=SHAPE, seed=1)
+        decode("pool", shape=SHAPE)
+        ticket = prefill("offer", requests=[[0, 1]], lease_s=60)["tickets"][0]
         daemons[2].kill()
         killed = time.monotonic()
         wait_for(lambda: "/kvxfer/four/daemons/n2" not in etcd.keys("/kvxfer/four/"), "n2's record to lapse", 30)
         gone_s = time.monotonic() - killed
         assert gone_s < TTL_S + 2, gone_s
         wait_for(lambda: "registry.peer_left peer=n2" in daemons[0].log(), "n0 to log n2's leaving", 5)
+        wait_for(lambda: "registry.peer_left peer=n2" in daemons[1].log(), "n1 to log n2's leaving", 5)
+        started = time.monotonic()
+        result = decode("pull", pulls=[[ticket, [0, 1]]], timeout_s=20)["results"][0]
+        assert not result["ok"] and result["type"] == "UnavailableError", result
+        assert "left the fleet registry" in result["error"] and time.monotonic() - started < 1.0
         print(f"\nSIGKILLed daemon's record gone after {gone_s:.2f}s (ttl {TTL_S}s)")
 
 
