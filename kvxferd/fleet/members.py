@@ -7,8 +7,8 @@
 ('10.0.0.2:7461', '')
 >>> m.drop("b", "its lease expired")
 True
->>> m.address_of("b"), m.left_why("b")
-(None, 'its lease expired')
+>>> m.address_of("b"), m.left_why("b")  # doctest: +ELLIPSIS
+(None, 'its lease expired at ...')
 >>> m.put(FleetRecord("b", "10.0.0.2:7470", "", "1", 3, "h", 0.0))  # back, on a new port
 >>> m.address_of("b"), m.left_why("b")
 ('10.0.0.2:7470', '')
