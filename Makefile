@@ -13,7 +13,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_NEXT_VENV  := .venv-vllm-next
 VLLM_NEXT_STAMP := $(VLLM_NEXT_VENV)/.installed
 
-.PHONY: all demo test lint typecheck docs docs-reference unit pytest proto bench bench-serve faults clean promtool vllm-venv vllm-test vllm-engines-test vllm-load-test
+.PHONY: all demo test lint typecheck docs docs-reference unit pytest proto bench bench-serve faults clean promtool etcd vllm-venv vllm-test vllm-engines-test vllm-load-test
 
 all: test
 
@@ -27,6 +27,11 @@ venv: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/python -m bench.demo
+
+# etcd for the fleet registry's tests (Debian's etcd-server; etcdctl comes with etcd-client).
+etcd:
+	@command -v etcd >/dev/null && command -v etcdctl >/dev/null || { apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends etcd-server etcd-client >/dev/null; }
 
 # promtool checks the alert rules and the metrics exposition (Debian's prometheus package).
 promtool:
@@ -53,7 +58,7 @@ docs: $(STAMP)
 docs-reference: $(STAMP)
 	$(BIN)/python tools/gen_docs.py
 
-pytest: $(STAMP)
+pytest: $(STAMP) etcd
 	$(BIN)/python -m pytest -q
 
 # make test: lint, types and the suite in .venv while, in the background, .venv-vllm is built
