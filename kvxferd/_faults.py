@@ -64,6 +64,7 @@ POINTS = (
     "before_local_copy",
     "endpoint_broken",
     "peer_endpoint",
+    "registry_watch",
     "tier_disk_write",
 )
 _CHUNK_POINT = re.compile(r"^after_chunk_sent:(\d{1,9})$")

@@ -129,7 +129,7 @@ class Node:
                 self.identity().ucx_transports,
                 0 if gpu_support() else 1,
             )
-            self.registry = Registry(settings, tls, record, self.peer_left)
+            self.registry = Registry(settings, tls, record, self.peer_left, self.faults)
         credentials = tls.channel_credentials() if tls else None
         self.peers = PeerDirectory(self.identity(), settings.peer_timeout_s, credentials, self.registry)
         #: The remote data plane and both its ends (all None without UCX: local handoffs only).

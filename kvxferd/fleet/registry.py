@@ -32,12 +32,15 @@ from kvxfer.fleet import FleetRecord, RegistryUrl, cluster_prefix, etcd_client, 
 from kvxfer.tls import TlsFiles
 
 from .._config import Settings
+from .._faults import Faults
 from .._log import log_event
 from .members import Members
 from .view import RegistryView
 
 __all__ = ["Registry", "RegistryConflictError", "RegistryView"]
 
+#: Seconds a watch runs before the records are listed again (a safety net, see ``_follow``).
+RELIST_S = 60.0
 #: What etcd's client raises when etcd does not answer (or answers with an error).
 _ETCD_DOWN = (EtcdError, grpc.RpcError, TimeoutError, OSError)
 
@@ -48,7 +51,12 @@ class RegistryConflictError(Exception):
 
 class Registry:
     def __init__(
-        self, settings: Settings, tls: TlsFiles | None, record: FleetRecord, on_left: Callable[[str, str], None]
+        self,
+        settings: Settings,
+        tls: TlsFiles | None,
+        record: FleetRecord,
+        on_left: Callable[[str, str], None],
+        faults: Faults,
     ) -> None:
         self.url = RegistryUrl.parse(settings.registry)
         self.cluster = settings.cluster
@@ -58,6 +66,7 @@ class Registry:
         self.record = record
         self.members = Members(record.daemon_id)
         self._on_left = on_left
+        self._faults = faults
         self._client = etcd_client(self.url, tls)
         self._key = record_key(self.cluster, record.daemon_id)
         self._lease = 0
@@ -196,16 +205,27 @@ class Registry:
                 listed = await self._client.kv.get(prefix, range_end=end, timeout=self.op_timeout_s)
                 for gone in self.members.replace([r for kv in listed.kvs if (r := _parsed(kv.value)) is not None]):
                     self._left(gone, "its record was gone when the registry was listed again")
-                async for resp in self._client.watch.watch(
-                    prefix, range_end=end, start_revision=listed.header.revision + 1
-                ):
-                    if resp.canceled or resp.compact_revision:
-                        break  # compacted past us: list again
-                    for event in resp.events:
-                        self._apply(event)
+                await self._faults.hit("registry_watch")  # tests: compact etcd between list and watch
+                await self._follow(prefix, end, listed.header.revision + 1)
             except _ETCD_DOWN as exc:
                 self._set("unreachable", _why(exc))
                 await asyncio.sleep(min(1.0, self.ttl_s / 3))
+
+    async def _follow(self, prefix: bytes, end: bytes, revision: int) -> None:
+        """Apply the watch's events from ``revision`` until etcd says it compacted past it, or
+        for RELIST_S at most: a compaction at exactly ``revision`` drops the tombstones of
+        records deleted then, which no watch delivers, so the listing is redone now and then."""
+        assert self._client.watch is not None
+        try:
+            async with asyncio.timeout(RELIST_S):
+                async for resp in self._client.watch.watch(prefix, range_end=end, start_revision=revision):
+                    if resp.canceled or resp.compact_revision:
+                        log_event("registry.relist", detail=f"watch compacted past revision {revision}")
+                        return
+                    for event in resp.events:
+                        self._apply(event)
+        except TimeoutError:
+            return
 
     def _apply(self, event: Any) -> None:
         daemon_id = event.kv.key[len(cluster_prefix(self.cluster)) :].decode(errors="replace")

@@ -173,3 +173,47 @@ def test_the_registry_is_not_reachable_at_all_and_the_daemon_starts_anyway() -> 
         assert status.registry_state == "unreachable", status
         assert d.metric("kvxfer_registry_state") == 1
         assert "registry.state state=unreachable" in d.log()
+
+
+def _lease_of(etcd: EtcdCluster, key: str) -> str:
+    """The lease a key is attached to, as etcdctl writes it (hex)."""
+    kvs = json.loads(etcd.ctl("get", key, "-w", "json")).get("kvs", [])
+    return format(int(kvs[0]["lease"]), "x") if kvs else ""
+
+
+def test_a_lost_lease_and_a_deleted_record_are_put_back_without_a_restart(etcd: EtcdCluster) -> None:
+    key = "/kvxfer/lost/daemons/keeper"
+    with Cluster() as cluster:
+        d = cluster.daemon("keeper", *registry_args(etcd, "lost"))
+        pid, lease = d.proc.pid, _lease_of(etcd, key)
+        etcd.ctl("lease", "revoke", lease)  # what etcd does to a lease it stopped hearing about
+        wait_for(lambda: _lease_of(etcd, key) not in ("", lease), "the record on a new lease", 3 * TTL_S)
+        assert "registry.lease_lost" in d.log()
+        etcd.ctl("del", key)  # someone deleted our record
+        wait_for(lambda: _lease_of(etcd, key) != "", "the record put back", 3 * TTL_S)
+        assert d.proc.pid == pid and d.proc.poll() is None
+        assert _status(d).registry_state == "registered"
+
+
+def test_a_watch_compacted_past_lists_again_and_sees_who_left(etcd: EtcdCluster) -> None:
+    """Between the listing and the watch (a fault point holds it there), a record leaves and
+    etcd compacts its history: the watch cannot start where it should, lists again, and finds
+    the daemon gone."""
+    ghost = "/kvxfer/compact/daemons/ghost"
+    record = {"v": 1, "daemon_id": "ghost", "peer_address": "10.9.9.9:7461", "admin_address": ""}
+    record |= {"version": "0", "protocol_version": 3, "hostname": "h", "started_at": 0.0}
+    etcd.ctl("put", ghost, json.dumps(record))
+    with Cluster() as cluster:
+        d = cluster.daemon(
+            "watcher", *registry_args(etcd, "compact"), "--fault-injection", "--faults", "registry_watch=pause:4"
+        )
+        wait_for(lambda: "fault.hit point=registry_watch" in d.log(), "the watch to be held")
+        etcd.ctl("del", ghost)
+        etcd.ctl("put", "/kvxfer-test/filler", "x")  # compacted past the deletion, not to it
+        revision = json.loads(etcd.ctl("get", "/", "-w", "json"))["header"]["revision"]
+        etcd.ctl("compaction", str(revision))
+        assert "registry.relist" not in d.log()  # all of that while the watch was held
+        assert _status(d).registry_nodes == 2  # it listed the ghost, and has heard nothing since
+        wait_for(lambda: "registry.peer_left peer=ghost" in d.log(), "the ghost noticed gone", 15)
+        assert "registry.relist" in d.log() and "listed again" in d.log()
+        assert _status(d).registry_nodes == 1
