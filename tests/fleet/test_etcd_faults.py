@@ -3,11 +3,14 @@ etcd stopped altogether. Neither may fail a handoff, and the records are back af
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 from typing import Any
 
-from bench.cluster import Cluster, Daemon, wait_for
+from bench.cluster import ROOT, Cluster, Daemon, wait_for
 from bench.etcd import TTL_S, EtcdCluster, handoff, registry_args
 from kvxfer.proto import admin_pb2
 
@@ -81,6 +84,15 @@ def test_etcd_stopped_for_a_while_stops_no_handoff_and_the_records_come_back() -
             results.append(handoff(cluster, a, b, f"down{len(results)}"))
         assert results and all(r["ok"] and r["verified"] for r in results), results
         assert a.log().count("registry.state state=unreachable") == 1  # logged once per change
+        shown = subprocess.run(
+            [sys.executable, "-m", "kvxfer_client._ctl", "--socket", a.socket, "status"],
+            capture_output=True,
+            text=True,
+            env=dict(os.environ, PYTHONPATH=ROOT),
+            timeout=60,
+            check=True,
+        ).stdout
+        assert f"registry    unreachable in {etcd.url} (cluster down" in shown, shown
         etcd.start_all()
         for d in (a, b):
             wait_for(lambda d=d: _state(d) == "registered", f"{d.name} to register again", 5 * TTL_S)
