@@ -124,15 +124,7 @@ class _StateCollector(Collector):
             value=s.ucx_receives_unconfirmed,
         )
         yield GaugeMetricFamily("kvxfer_serving", "1 while accepting work, 0 while draining", value=not s.draining)
-        registry = GaugeMetricFamily(
-            "kvxfer_registry_state", "1 for the fleet registry's state as this daemon sees it", labels=["state"]
-        )
-        for state in ("off", "connecting", "registered", "unreachable", "conflict"):
-            registry.add_metric([state], s.registry.state == state)
-        yield registry
-        yield GaugeMetricFamily(
-            "kvxfer_registry_nodes", "Daemons in the fleet registry, this one included", value=s.registry.nodes
-        )
+        yield from _registry_gauges(s)
         info = InfoMetricFamily("kvxfer_build", "Version of this daemon")
         info.add_metric([], {"version": __version__, "protocol_version": str(PROTOCOL_VERSION)})
         yield info
@@ -144,6 +136,19 @@ RPC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
 REASONS = ("none", "refused", "expired", "deadline", "unavailable", "cancelled", "resources", "integrity", "internal")
 #: Outcomes of a transfer's block checksums, as ``integrity_checks`` counts them.
 INTEGRITY_RESULTS = ("ok", "mismatch", "not_checked")
+
+
+def _registry_gauges(s: NodeSnapshot) -> Iterable[Metric]:
+    """The fleet registry as this daemon sees it (:mod:`.fleet`)."""
+    registry = GaugeMetricFamily(
+        "kvxfer_registry_state", "1 for the fleet registry's state as this daemon sees it", labels=["state"]
+    )
+    for state in ("off", "connecting", "registered", "unreachable", "conflict"):
+        registry.add_metric([state], s.registry.state == state)
+    yield registry
+    yield GaugeMetricFamily(
+        "kvxfer_registry_nodes", "Daemons in the fleet registry, this one included", value=s.registry.nodes
+    )
 
 
 class Metrics:
