@@ -105,7 +105,7 @@ class Registry:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if deregister and self._lease:
             with contextlib.suppress(*_ETCD_DOWN):
-                await self._client.lease.revoke(self._lease, timeout=self.op_timeout_s)  # type: ignore[union-attr]
+                await self._client.lease.revoke(self._lease, timeout=min(2.0, self.op_timeout_s))  # type: ignore[union-attr]
                 log_event("registry.deregistered", cluster=self.cluster, daemon_id=self.record.daemon_id)
         with contextlib.suppress(*_ETCD_DOWN):
             await self._client.close()
