@@ -105,6 +105,23 @@ PANELS: list[tuple[str, str, list[tuple[str, str]], int]] = [
         [("serving", 'sum(kvxfer_serving{instance=~"$instance"})'), ("up", 'sum(up{job="kvxferd"})')],
         8,
     ),
+    # The fleet (docs/fleet.md): what the registry lists against what Prometheus reaches.
+    (
+        "Fleet: daemons registered and up",
+        "short",
+        [
+            ("listed by the registry", "max(kvxfer_registry_nodes)"),
+            ("registered by their own word", 'sum(kvxfer_registry_state{state="registered"})'),
+            ("up (scraped)", 'sum(up{job="kvxferd"})'),
+        ],
+        12,
+    ),
+    (
+        "Fleet: registry state per daemon",
+        "short",
+        [("{{state}}", 'sum by (state) (kvxfer_registry_state{instance=~"$instance"})')],
+        12,
+    ),
 ]
 
 

@@ -6,6 +6,7 @@ import os
 from collections import defaultdict
 from pathlib import Path
 
+import pytest
 import yaml
 
 from kvxferd._config import load_settings
@@ -141,3 +142,28 @@ def test_constraints_pin_every_dependency_make_test_and_the_image_install() -> N
     with open(os.path.join(ROOT, "Dockerfile")) as fh:
         dockerfile = fh.read()
     assert "-c constraints.txt" in dockerfile and "sha256sum --check" in dockerfile
+
+
+def test_the_daemonset_advertises_the_pods_address_and_takes_the_registry_from_its_config_map(tmp_path: Path) -> None:
+    with open(os.path.join(ROOT, "deploy/kubernetes/daemonset.yaml")) as fh:
+        env = {e["name"]: e for e in yaml.safe_load(fh)["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert env["KVXFERD_PEER_ADVERTISE"]["value"] == "$(POD_IP):7461"
+    with open(os.path.join(ROOT, "deploy/kubernetes/fleet-configmap.yaml")) as fh:
+        fleet = yaml.safe_load(fh)
+    for name, key in (("KVXFERD_REGISTRY", "registry"), ("KVXFERD_CLUSTER", "cluster")):
+        ref = env[name]["valueFrom"]["configMapKeyRef"]
+        assert (ref["name"], ref["key"], ref["optional"]) == (fleet["metadata"]["name"], key, True)
+    with open(os.path.join(ROOT, "deploy/kubernetes/configmap.yaml")) as fh:
+        path = tmp_path / "kvxferd.yaml"
+        path.write_text(yaml.safe_load(fh)["data"]["kvxferd.yaml"])
+    # What the pod runs with: the file, the fleet ConfigMap and the pod's IP in the environment.
+    environ = {
+        "KVXFERD_REGISTRY": fleet["data"]["registry"],
+        "KVXFERD_CLUSTER": fleet["data"]["cluster"],
+        "KVXFERD_PEER_ADVERTISE": "10.1.2.3:7461",
+    }
+    settings = load_settings(["--config", str(path)], environ=environ)
+    assert settings.registry.startswith("etcd://") and settings.peer_advertise == "10.1.2.3:7461"
+    with pytest.raises(ValueError, match="not routable"):  # what the pod would do without its IP
+        load_settings(["--config", str(path)], environ={**environ, "KVXFERD_PEER_ADVERTISE": ""})
