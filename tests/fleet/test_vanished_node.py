@@ -21,7 +21,7 @@ import pytest
 from bench.cluster import Cluster, Daemon
 from bench.etcd import TTL_S, EtcdCluster, handoff, registry_args
 
-PULL_DEADLINE_S = 20.0
+PULL_DEADLINE_S = 12.0
 UCX_TCP = {"UCX_TLS": "tcp,self", "UCX_TCP_CM_REUSEADDR": "y"}
 
 
@@ -30,12 +30,13 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
 
 
 class Namespace:
-    """Namespace ``ns`` (10.79.x.2) joined to this one (10.79.x.1) by a veth pair."""
+    """Namespace ``ns`` (10.79.n.2) joined to this one (10.79.n.1) by a veth pair."""
 
     def __init__(self) -> None:
         tag = uuid.uuid4().hex[:6]
         self.ns, self.outer_dev, self.inner_dev = f"kvx-f-{tag}", f"kvo{tag}", f"kvi{tag}"
-        self.outer, self.inner = "10.79.3.1", "10.79.3.2"
+        net = int(tag[:2], 16)  # a subnet of its own: two runs on one machine do not collide
+        self.outer, self.inner = f"10.79.{net}.1", f"10.79.{net}.2"
         _ip("netns", "add", self.ns)
         _ip("link", "add", self.outer_dev, "type", "veth", "peer", "name", self.inner_dev)
         _ip("link", "set", self.inner_dev, "netns", self.ns)
