@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 __all__ = ["TTL_S", "EtcdCluster", "etcd_missing", "handoff", "registry_args"]
 
 #: The fleet tests' lease: short, to keep the suite quick (the daemon's default is 10 s).
-TTL_S = 3
+TTL_S = 5
 SHAPE = {"layers": 2, "blocks": 32, "block_bytes": 16 << 10}
 
 

@@ -167,14 +167,11 @@ class Registry:
         while True:
             await asyncio.sleep(self.ttl_s / 3 if self.state == "registered" else min(1.0, self.ttl_s / 3))
             try:
-                if self._lease and self.state in ("registered", "unreachable") and await self._refresh():
-                    if self.state != "registered":
-                        await self._register(wait_out=False)  # the record may have gone meanwhile
-                    continue
-                if self._lease:
+                if self._lease and not await self._refresh():
                     log_event("registry.lease_lost", logging.WARNING, lease=f"{self._lease:x}")
                     self._lease = 0
-                await self._register(wait_out=False)
+                if self.state != "registered" or not self._lease:
+                    await self._register(wait_out=False)  # the record may have gone meanwhile
             except RegistryConflictError:
                 continue  # logged by the state change; tried again next turn
             except _ETCD_DOWN as exc:
