@@ -128,7 +128,8 @@ def test_a_node_cut_off_mid_pull_fails_the_pull_within_a_lease_with_the_registry
         if transport == "ucx":
             assert without["after_cut_s"] > PULL_DEADLINE_S / 2, without
         assert not with_registry["ok"] and with_registry["type"] == "UnavailableError", with_registry
-        assert "left cluster 'cut'" in with_registry["error"], with_registry
+        if transport == "ucx":  # only the registry notices there; lanes may race it (their own timeouts)
+            assert "left cluster 'cut'" in with_registry["error"], with_registry
         assert with_registry["after_cut_s"] < TTL_S + 2, with_registry
         # The node comes back: it registers again and pulls from it work.
         deadline = time.monotonic() + 60
