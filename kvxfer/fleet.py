@@ -26,7 +26,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from .errors import InvalidRequestError
@@ -157,7 +157,7 @@ class FleetRecord:
     tier_host_bytes: int = 0
     tier_disk_bytes: int = 0
     #: ``push``, ``layerwise``, ``heterogeneous-tp``, ``integrity:<mode>``, ``tier``.
-    capabilities: tuple[str, ...] = field(default=())
+    capabilities: tuple[str, ...] = ()
 
     def to_json(self) -> bytes:
         data = {"v": RECORD_VERSION, **asdict(self)}
