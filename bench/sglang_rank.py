@@ -1,0 +1,303 @@
+"""One SGLang rank (prefill or decode) on kvxfer's backend, driven over stdin by a test.
+
+It builds what SGLang's scheduler builds for a PD rank, with SGLang's own classes: the
+runtime context (``publish`` of its ``ServerArgs``), its plugins (kvxfer's registration, by
+its entry point), a CPU ``MHATokenToKVPool`` and ``MetadataBuffers``, the ``KVArgs`` its
+bootstrap/prealloc queue fills, and the backend's manager from ``get_kv_class``. Then each
+command drives a request's sender or receiver the way SGLang's queues do (see
+``tests/sglang/in_engine``). The model runner is the test: the prefill rank writes a known
+pattern for its heads into the request's pages; the decode rank checks its own heads.
+
+Usage: ``python -m bench.sglang_rank ROLE TP RANK BOOTSTRAP_PORT MODEL_DIR`` (``$KVXFER_SOCKET``:
+its daemon). Commands and answers are JSON lines; answers start with ``@@``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from typing import Any
+
+from bench.cluster import ROOT, Daemon, _env
+
+import numpy as np
+
+PAGE = 16
+HEADS, HEAD_DIM, LAYERS = 4, 32, 2  # the test model: 4 KV heads of 32, two layers
+POOL_TOKENS = 4096
+SLOTS = 16
+
+
+def write_model(directory: str) -> str:
+    """The test model's config (SGLang reads its KV heads off it)."""
+    from bench.vllm_engine import write_model as write
+
+    return write(directory, num_attention_heads=8, num_key_value_heads=HEADS, head_dim=HEAD_DIM, hidden_size=256)
+
+
+def pattern(room: int, tokens: int) -> np.ndarray[Any, Any]:
+    """Every byte a request's KV holds, [layer, K/V, token, head, dim] in bfloat16 bits."""
+    rng = np.random.default_rng(room)
+    return rng.integers(0, 1 << 15, size=(LAYERS, 2, tokens, HEADS, HEAD_DIM), dtype=np.uint16)
+
+
+class _OneStage:
+    """A pipeline group of one stage (SGLang reads it off the parallel context)."""
+
+    world_size, rank_in_group, is_first_rank, is_last_rank = 1, 0, True, True
+
+
+class Rank:
+    def __init__(self, role: str, tp: int, rank: int, port: int, model: str) -> None:
+        from sglang.srt.plugins import load_plugins
+
+        load_plugins()  # kvxfer's entry point: "kvxfer" becomes a backend (import SGLang's names after it)
+        import torch
+        from sglang.srt.disaggregation.base.conn import KVArgs
+        from sglang.srt.disaggregation.utils import (
+            DisaggregationMode,
+            KVClassType,
+            MetadataBuffers,
+            TransferBackend,
+            get_kv_class,
+            get_kv_transfer_buf_infos,
+            get_pd_kv_layout,
+            setup_state_kv_args,
+        )
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+        from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
+        from sglang.srt.server_args import ServerArgs
+
+        self.role, self.tp, self.rank, self.port = role, tp, rank, port
+        args = ServerArgs(
+            model_path=model, disaggregation_mode=role, disaggregation_transfer_backend="kvxfer",
+            tp_size=tp, device="cpu", disaggregation_bootstrap_port=port, page_size=PAGE,
+        )  # fmt: skip
+        publish(args, role="scheduler", ranks=SpawnRanks(world_rank=rank))
+        # The pipeline group the scheduler builds with torch.distributed: one stage here.
+        get_parallel().override_permanently(pp_group=_OneStage())
+        backend = TransferBackend("kvxfer")
+        self.kind = lambda name: get_kv_class(backend, getattr(KVClassType, name))
+        if role == "prefill" and rank == 0:
+            self.server = self.kind("BOOTSTRAP_SERVER")(host="127.0.0.1", port=port)
+        self.heads = HEADS // tp
+        self.pool = MHATokenToKVPool(POOL_TOKENS, PAGE, torch.bfloat16, self.heads, HEAD_DIM, LAYERS, "cpu", False)
+        self.meta = MetadataBuffers(SLOTS, hidden_size=64, hidden_states_dtype=torch.float32, max_sampling_mask_tokens=1)
+        kv_args = KVArgs()
+        kv_args.engine_rank, kv_args.pp_rank, kv_args.system_dp_rank = rank, 0, None
+        kv_args.kv_cache_dtype_str = "bfloat16"
+        kv_args.kv_layout = get_pd_kv_layout(self.pool)
+        kv_args.kv_data_ptrs, kv_args.kv_data_lens, kv_args.kv_item_lens = get_kv_transfer_buf_infos(self.pool)
+        kv_args.num_draft_entries, kv_args.kv_layer_ids = 0, list(range(LAYERS)) * 2
+        kv_args.prefill_start_layer, kv_args.prefill_end_layer = 0, LAYERS
+        if role == "prefill":  # the prefill queue states the heads; the decode queue leaves them out
+            kv_args.kv_head_num, kv_args.total_kv_head_num = self.heads, HEADS
+        kv_args.page_size = PAGE
+        kv_args.aux_data_ptrs, kv_args.aux_data_lens, kv_args.aux_item_lens = self.meta.get_buf_infos()
+        kv_args.ib_device, kv_args.gpu_id, kv_args.rust_http_port = None, 0, None
+        setup_state_kv_args(kv_args, self.pool, None, total_kv_layers=LAYERS)
+        mode = DisaggregationMode.PREFILL if role == "prefill" else DisaggregationMode.DECODE
+        self.mgr = self.kind("MANAGER")(kv_args, mode, args, False)
+        self.free_pages = list(range(1, POOL_TOKENS // PAGE))  # page 0 is SGLang's padding page
+        self.free_slots = list(range(SLOTS))
+        self.reqs: dict[int, dict[str, Any]] = {}
+
+    # -- both sides ------------------------------------------------------------------------
+    def poll(self, rooms: list[int]) -> dict[str, int]:
+        return {str(r): int(self.reqs[r]["side"].poll()) for r in rooms}
+
+    def wait(self, rooms: list[int], timeout_s: float) -> dict[str, Any]:
+        """Poll until every request ended (SGLang's inflight / transfer queues), then answer
+        how each ended; the decode side checks the bytes of its successes."""
+        from sglang.srt.disaggregation.base.conn import KVPoll
+
+        ends_at, out = time.monotonic() + timeout_s, {}
+        left = list(rooms)
+        while left and time.monotonic() < ends_at:
+            for room in list(left):
+                state = self.reqs[room]["side"].poll()
+                if state in (KVPoll.Success, KVPoll.Failed):
+                    out[str(room)] = self._finish(room, state == KVPoll.Success)
+                    left.remove(room)
+            time.sleep(0.005)
+        for room in left:
+            out[str(room)] = {"status": "timeout"}
+        return out
+
+    def _finish(self, room: int, ok: bool) -> dict[str, Any]:
+        req = self.reqs.pop(room)
+        side, answer = req["side"], {"status": "success" if ok else "failed"}
+        if not ok:
+            try:
+                side.failure_exception()  # SGLang's way to the reason; it clears the request
+            except Exception as exc:  # noqa: BLE001 - the reason is the answer
+                answer["reason"] = str(exc)
+        else:
+            if self.role == "decode":
+                answer.update(self._check(room, req))
+            side.clear()
+        self.free_pages.extend(req.get("pages", []))
+        self.free_slots.append(req["slot"])
+        return answer
+
+    def abort(self, room: int) -> None:
+        self.reqs[room]["side"].abort()
+
+    def state(self) -> dict[str, Any]:
+        return {"rooms": sorted(int(r) for r in self.mgr.request_status), "free_pages": len(self.free_pages)}
+
+    # -- prefill (PrefillBootstrapQueue, then the prefill batch and its inflight queue) -----
+    def sender(self, room: int) -> None:
+        side = self.kind("SENDER")(mgr=self.mgr, bootstrap_addr=f"127.0.0.1:{self.port}", bootstrap_room=room)
+        self.reqs[room] = {"side": side, "slot": self.free_slots.pop()}
+
+    def prefill(self, room: int, tokens: int, chunk_pages: int) -> None:
+        """finalize_bootstrap, the forward pass (the pattern into fresh pages) and send_kv_chunk."""
+        req, side = self.reqs[room], self.reqs[room]["side"]
+        prefix = side.pop_decode_prefix_len()
+        count = -(-(tokens - prefix) // PAGE)
+        side.init(count, req["slot"])
+        pages = [self.free_pages.pop() for _ in range(count)]
+        req["pages"] = pages
+        self._write(room, tokens, prefix, pages)
+        self.meta.output_ids[req["slot"]][0] = room % 1000
+        self.meta.bootstrap_room[req["slot"]][0] = room
+        for start in range(0, count, chunk_pages):
+            side.send(np.asarray(pages[start : start + chunk_pages], dtype=np.int32))
+
+    def _write(self, room: int, tokens: int, prefix: int, pages: list[int]) -> None:
+        import torch
+
+        kv = pattern(room, tokens)[:, :, prefix:, self.rank * self.heads : (self.rank + 1) * self.heads]
+        locs = np.concatenate([np.arange(p * PAGE, (p + 1) * PAGE) for p in pages])[: tokens - prefix]
+        for layer in range(LAYERS):
+            for which, buffers in enumerate((self.pool.k_buffer, self.pool.v_buffer)):
+                dst = buffers[layer].view(torch.int16)
+                dst[torch.from_numpy(locs)] = torch.from_numpy(kv[layer, which].astype(np.int16))
+
+    # -- decode (DecodePreallocQueue, then the DecodeTransferQueue) -------------------------
+    def receiver(self, room: int) -> int:
+        """The receiver, the prefill's parallel info, ``init``: returns its poll."""
+        from sglang.srt.disaggregation.base.conn import KVPoll
+
+        addr = f"127.0.0.1:{self.port}"
+        side = self.kind("RECEIVER")(mgr=self.mgr, bootstrap_addr=addr, bootstrap_room=room)
+        self.reqs[room] = {"side": side, "slot": self.free_slots.pop()}
+        ends_at = time.monotonic() + 30
+        while not self.mgr.try_ensure_parallel_info(addr):
+            if time.monotonic() > ends_at:
+                side.abort()
+                return int(KVPoll.Failed)
+            time.sleep(0.1)
+        side.init(0)
+        return int(side.poll())
+
+    def allocate(self, room: int, tokens: int, prefix: int) -> None:
+        """Pages for the request past its cached prefix, and ``send_metadata``."""
+        req = self.reqs[room]
+        count = -(-(tokens - prefix) // PAGE)
+        req.update(pages=[self.free_pages.pop() for _ in range(count)], tokens=tokens, prefix=prefix)
+        self.meta.bootstrap_room[req["slot"]][0] = 0
+        req["side"].send_metadata(np.asarray(req["pages"], dtype=np.int32), req["slot"], None, decode_prefix_len=prefix)
+
+    def _check(self, room: int, req: dict[str, Any]) -> dict[str, Any]:
+        import torch
+
+        tokens, prefix, pages = req["tokens"], req["prefix"], req["pages"]
+        want = pattern(room, tokens)[:, :, prefix:, self.rank * self.heads : (self.rank + 1) * self.heads]
+        locs = torch.from_numpy(np.concatenate([np.arange(p * PAGE, (p + 1) * PAGE) for p in pages])[: tokens - prefix])
+        bad = 0
+        for layer in range(LAYERS):
+            for which, buffers in enumerate((self.pool.k_buffer, self.pool.v_buffer)):
+                got = buffers[layer].view(torch.int16)[locs].numpy()
+                bad += int((got != want[layer, which].astype(np.int16)).sum())
+        slot = req["slot"]
+        meta_ok = int(self.meta.bootstrap_room[slot][0]) == room and int(self.meta.output_ids[slot][0]) == room % 1000
+        return {"bad_elements": bad, "elements": int(want.size), "metadata_ok": meta_ok}
+
+
+class SglangRank:
+    """One prefill or decode rank; ``rank(op, **kwargs)`` runs a command and returns its result."""
+
+    def __init__(self, role: str, tp: int, rank: int, port: int, model: str, daemon: Daemon) -> None:
+        self.name = f"{role}{rank}"
+        self.daemon = daemon
+        self.log_path = os.path.join(daemon.workdir, f"sglang-{self.name}.log")
+        log = open(self.log_path, "ab")  # noqa: SIM115 - the child keeps it
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "bench.sglang_rank", role, str(tp), str(rank), str(port), model],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            env=_env({"KVXFER_SOCKET": daemon.socket, "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "60"}),
+            cwd=ROOT,
+        )
+        log.close()
+        hello = self._read()
+        if not hello.get("ready"):
+            raise RuntimeError(f"SGLang rank {self.name} did not start: {hello.get('error')}\n{hello.get('trace', '')}")
+
+    def _read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        while True:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"SGLang rank {self.name} exited ({self.proc.poll()}):\n{self.log()}")
+            if line.startswith(b"@@"):
+                reply: dict[str, Any] = json.loads(line[2:])
+                return reply
+
+    def __call__(self, op: str, **kwargs: Any) -> Any:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write((json.dumps({"op": op, **kwargs}) + "\n").encode())
+        self.proc.stdin.flush()
+        reply = self._read()
+        if "error" in reply:
+            raise RuntimeError(f"SGLang rank {self.name} {op}: {reply['error']}\n{reply.get('trace', '')}")
+        return reply["result"]
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as fh:
+            return fh.read()[-8000:]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(30)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(60)
+
+
+def main() -> None:
+    role, tp, rank, port, model = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+    try:
+        worker = Rank(role, tp, rank, port, model)
+    except Exception as exc:  # noqa: BLE001 - the test shows why the rank did not start
+        print("@@" + json.dumps({"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}), flush=True)
+        return
+    print("@@" + json.dumps({"ready": True, "daemon": worker.mgr.client.daemon_id}), flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        try:
+            result = getattr(worker, cmd.pop("op"))(**cmd)
+            print("@@" + json.dumps({"result": result}), flush=True)
+        except Exception as exc:  # noqa: BLE001 - a command's failure is its answer
+            print("@@" + json.dumps({"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}), flush=True)
+    os._exit(0)  # SGLang's threads (bootstrap server, ZMQ) are not ours to join
+
+
+if __name__ == "__main__":
+    main()

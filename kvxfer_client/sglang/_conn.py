@@ -1,0 +1,219 @@
+"""The classes SGLang asks ``get_kv_class`` for under ``kvxfer``: manager, sender, receiver and
+bootstrap server, on SGLang's own common implementations.
+
+SGLang's ``common`` classes keep what every backend shares: the prefill bootstrap server the
+decode side asks for the prefill ranks, the rank mapping between the two sides' parallelism,
+the ZMQ control socket of each rank, request states, heartbeats, timeouts and aborts. What
+is kvxfer's is how the bytes move: the manager registers the rank's KV pages and metadata
+rows with the node's daemon (``$KVXFER_SOCKET``) as two pools, the decode side expects
+pushes into the pages it allocated (:mod:`._decode`), the prefill side pushes them
+(:mod:`._prefill`), and both daemons do the rest.
+
+What this release does not move is refused where SGLang builds the manager, with the
+reason: GPU pools (not built yet: no device to test on), MLA and hybrid models' state
+buffers, pipeline parallelism, and SGLang's staging and host-destination modes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll
+from sglang.srt.disaggregation.common.conn import (
+    CommonKVBootstrapServer,
+    CommonKVManager,
+    CommonKVReceiver,
+    CommonKVSender,
+)
+from sglang.srt.disaggregation.utils import DisaggregationMode
+
+from kvxfer.errors import IncompatibleError
+
+from .._blocking import KvxferClient
+from .._results import Pool
+from ._decode import DecodeReceives
+from ._memory import aux_layout, host_views, kv_layout
+from ._messages import Registration, RoomInfo
+from ._prefill import PrefillPushes
+
+__all__ = ["KvxferKVBootstrapServer", "KvxferKVManager", "KvxferKVReceiver", "KvxferKVSender"]
+
+logger = logging.getLogger("kvxfer_client.sglang")
+
+
+class KvxferKVManager(CommonKVManager):  # type: ignore[misc]
+    """One rank's kvxfer session, its two pools, and the thread reading its control socket."""
+
+    # Status messages say why a request failed (SGLang's tagged layout).
+    kv_status_msg_tag = b"KVXFER_STATUS"
+    kv_status_msg_carries_reason = True
+    reports_transfer_latency = True
+
+    def __init__(self, args: KVArgs, disaggregation_mode: DisaggregationMode, server_args: Any, is_mla_backend: bool | None = False) -> None:
+        _refuse_unsupported(args, server_args, bool(is_mla_backend))
+        super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
+        role = "prefill" if disaggregation_mode == DisaggregationMode.PREFILL else "decode"
+        #: This rank's ZMQ control endpoint, as the prefill side names decode ranks.
+        self.session = f"{self.local_ip}:{self.rank_port}"
+        #: Offers' lease (0: the daemon's default), seconds.
+        self.lease_s = 0.0
+        self.client = KvxferClient(engine_name=f"sglang-{role}-tp{self.attn_tp_rank}", auto_reconnect=True)
+        self.kv_pool, self.aux_pool = self._register_pools(args, server_args, role)
+        self._stopped = False
+        if role == "prefill":
+            self.pushes = PrefillPushes(self)
+            self._start(self.pushes.on_message, "kvxfer-prefill")
+        else:
+            self.receives = DecodeReceives(self)
+            self._start(self._on_status, "kvxfer-decode")
+            self._start_heartbeat_checker_thread()
+        logger.info(
+            "kvxfer: %s rank %d of %d on daemon %s (KV pool %s, %d pages; metadata pool %s)",
+            role, self.attn_tp_rank, self.attn_tp_size, self.client.daemon_id,
+            self.kv_pool.pool_id, self.kv_pool.layout.num_blocks, self.aux_pool.pool_id,
+        )  # fmt: skip
+
+    def _register_pools(self, args: KVArgs, server_args: Any, role: str) -> tuple[Pool, Pool]:
+        total_heads = getattr(args, "total_kv_head_num", None) or _total_kv_heads(server_args)
+        kv = kv_layout(
+            args.kv_item_lens,
+            args.kv_data_lens,
+            page_size=args.page_size,
+            total_heads=total_heads,
+            tp=(self.attn_tp_size, self.attn_tp_rank),
+            dtype=args.kv_cache_dtype_str,
+        )
+        aux = aux_layout(args.aux_item_lens, args.aux_data_lens)
+        name = f"sglang-{role}-tp{self.attn_tp_rank}"
+        kv_pool = self.client.register_pool(host_views(args.kv_data_ptrs, args.kv_data_lens), kv, name=name)
+        aux_pool = self.client.register_pool(host_views(args.aux_data_ptrs, args.aux_data_lens), aux, name=name + "-meta")
+        return kv_pool, aux_pool
+
+    def _start(self, handle: Callable[[list[bytes]], None], name: str) -> None:
+        recv = self._make_worker_recv(self.server_socket)
+
+        def loop() -> None:
+            while not self._stopped:
+                frames = recv()
+                if frames is not None:
+                    handle(frames)
+
+        threading.Thread(target=loop, name=name, daemon=True).start()
+
+    def _on_status(self, frames: list[bytes]) -> None:
+        """A prefill rank's word on a request (decode side). Success is this side's own to
+        decide (its receives); a failure ends the request at once."""
+        parsed = self.parse_kv_status_message(frames)
+        if parsed is None:
+            return
+        room, status, _rank, reason = parsed
+        if status == KVPoll.Failed:
+            self.receives.fail(room, reason or self.DEFAULT_PREFILL_FAILURE_REASON)
+
+    def build_receiver_registration_message(self) -> list[bytes]:
+        client = self.client
+        return Registration(self.session, client.peer_address, client.daemon_id, self.attn_tp_size, self.attn_tp_rank).to_frames()
+
+    def add_transfer_request(
+        self, bootstrap_room: int, kv_indices: Any, index_slice: slice, is_last_chunk: bool, aux_index: int | None = None, **more: Any
+    ) -> None:
+        """A chunk of a request's prefilled pages (SGLang's ``send`` of a sender)."""
+        if more.get("state_indices"):
+            self.conclude_failure(bootstrap_room=bootstrap_room, failure_reason="kvxfer does not move model state buffers yet")
+            return
+        self.pushes.add(bootstrap_room, kv_indices, is_last_chunk, aux_index)
+
+    def teardown(self) -> None:
+        self._stopped = True
+        self.client.close()
+
+
+class KvxferKVSender(CommonKVSender):  # type: ignore[misc]
+    """SGLang's sender; an abort also withdraws what the request has on offer."""
+
+    def abort(self) -> None:
+        super().abort()
+        self.kv_mgr.pushes.abort(self.bootstrap_room, "Aborted by AbortReq.")
+
+    def clear(self) -> None:
+        if self.kv_mgr.request_status.get(self.bootstrap_room) != KVPoll.Success:
+            self.kv_mgr.pushes.abort(self.bootstrap_room, "the request was cleared before its transfer ended")
+        super().clear()
+
+
+class KvxferKVReceiver(CommonKVReceiver):  # type: ignore[misc]
+    """SGLang's receiver; ``send_metadata`` expects the pushes before it names the pages."""
+
+    def send_metadata(
+        self, kv_indices: Any, aux_index: int | None = None, state_indices: Any = None, decode_prefix_len: int | None = None, **more: Any
+    ) -> None:
+        mgr, room = self.kv_mgr, self.bootstrap_room
+        why = None
+        if self.bootstrap_infos is None:
+            why = f"Could not fetch prefill parallel info from bootstrap_addr: {self.bootstrap_addr}"
+        elif state_indices and any(s is not None and len(s) for s in state_indices):
+            why = "kvxfer does not move model state buffers yet"
+        elif aux_index is None:
+            why = "the request has no metadata row"
+        if why is not None:
+            mgr.record_failure(room, why)
+            mgr.update_status(room, KVPoll.Failed)
+            return
+        pages = np.asarray(kv_indices, dtype=np.int64)
+        request = RoomInfo(room, mgr.session, self.required_dst_info_num, "", aux_index, False, decode_prefix_len or 0, pages)
+        infos = mgr.receives.expect(request, len(self.bootstrap_infos))
+        for bootstrap_info, info in zip(self.bootstrap_infos, infos, strict=True):
+            if not self._send_bootstrap_message(bootstrap_info=bootstrap_info, message=info.to_frames(), operation="send_metadata"):
+                mgr.receives.cancel(room)
+                self.invalidate_cached_bootstrap_infos()
+                return
+        self.init_time = time.time()
+
+    def build_receiver_metadata_message(self, **_: Any) -> list[bytes]:
+        raise NotImplementedError("kvxfer builds its metadata in send_metadata")
+
+    def poll(self) -> Any:
+        status = super().poll()
+        if status == KVPoll.Failed:
+            # Whatever ended it (a receive, a lost heartbeat, a timeout): stop the receives
+            # and tell the prefill ranks, which withdraw their offers at once.
+            self.kv_mgr.receives.cancel(self.bootstrap_room)
+            self.ensure_abort_notified()
+        return status
+
+    def abort(self) -> None:
+        super().abort()
+        self.kv_mgr.receives.cancel(self.bootstrap_room)
+
+    def clear(self) -> None:
+        self.kv_mgr.receives.cancel(self.bootstrap_room)
+        super().clear()
+
+
+class KvxferKVBootstrapServer(CommonKVBootstrapServer):  # type: ignore[misc]
+    """SGLang's own bootstrap server: the decode side finds the prefill ranks there."""
+
+
+def _refuse_unsupported(args: KVArgs, server_args: Any, is_mla: bool) -> None:
+    device = str(getattr(server_args, "device", "cpu") or "cpu")
+    refusals = {
+        f"device {device!r}: kvxfer's SGLang backend moves CPU KV pools in this release (--device cpu)": device != "cpu",
+        "MLA models: kvxfer's SGLang backend moves MHA KV pools in this release": is_mla,
+        "hybrid models' state buffers are not moved by kvxfer yet": bool(getattr(args, "state_data_ptrs", None)),
+        "pipeline parallelism (--pp-size > 1) is not supported by kvxfer's SGLang backend": getattr(server_args, "pp_size", 1) > 1,
+    }
+    for why, refused in refusals.items():
+        if refused:
+            raise IncompatibleError(why)
+
+
+def _total_kv_heads(server_args: Any) -> int:
+    """The model's KV heads before any split (SGLang's decode side leaves them out of KVArgs)."""
+    from sglang.srt.configs.model_config import ModelConfig
+
+    return int(ModelConfig.from_server_args(server_args).get_total_num_kv_heads())

@@ -1,0 +1,100 @@
+"""The decode rank's half of the backend: the receives that land a request's pages.
+
+When SGLang has allocated a request's pages (``send_metadata``), this side expects one push
+per prefill rank the request comes from (kvxfer's ``receive``: the decode daemon lands the
+pushed pages in these pages, mapping heads where the tensor parallelism differs) and the
+metadata row from the first of them, then tells each prefill rank where to push, under a
+nonce of its own. The request has succeeded once every receive returned: the bytes are in
+this rank's memory and were checked. A receive that fails fails the request with its typed
+error as the reason; a request that fails otherwise (its prefill rank's word, a lost
+heartbeat, an abort, a timeout) cancels the receives it still has.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import secrets
+import threading
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from .._results import PullResult
+from ._messages import RoomInfo
+
+if TYPE_CHECKING:
+    from ._conn import KvxferKVManager
+
+__all__ = ["DecodeReceives"]
+
+
+@dataclass
+class _Receives:
+    """A request's receives still running (transfer ids)."""
+
+    pending: set[str] = field(default_factory=set)
+
+
+class DecodeReceives:
+    """The receives of every request in flight on this decode rank."""
+
+    def __init__(self, mgr: KvxferKVManager) -> None:
+        self.mgr = mgr
+        self.rooms: dict[int, _Receives] = {}
+        self.lock = threading.Lock()
+
+    def expect(self, request: RoomInfo, sources: int) -> list[RoomInfo]:
+        """Start the receives of ``request`` from ``sources`` prefill ranks (the metadata row
+        from the first) and return what to tell each of them, a nonce each."""
+        mgr, room = self.mgr, request.room
+        infos = [replace(request, nonce=secrets.token_hex(16), want_aux=i == 0) for i in range(sources)]
+        pages = request.dst_pages.tolist()
+        receives: list[tuple[str, Any, list[int]]] = []
+        for info in infos:
+            receives.append((info.transfer_id("kv"), mgr.kv_pool, pages))
+            if info.want_aux:
+                receives.append((info.transfer_id("aux"), mgr.aux_pool, [info.aux_index]))
+        with self.lock:
+            self.rooms[room] = _Receives({t for t, _, _ in receives})
+        for transfer_id, pool, ids in receives:
+            future = mgr.client.start_receive(transfer_id, pool, ids, timeout_s=mgr.waiting_timeout)
+            future.add_done_callback(lambda f, t=transfer_id: self._landed(room, t, f))
+        return infos
+
+    def _landed(self, room: int, transfer_id: str, future: concurrent.futures.Future[PullResult]) -> None:
+        """One receive ended (client thread)."""
+        KVPoll = _poll()
+        try:
+            future.result()
+        except Exception as exc:  # noqa: BLE001 - the typed error is the request's failure reason
+            self.fail(room, f"{type(exc).__name__}: {exc}")
+            return
+        with self.lock:
+            receives = self.rooms.get(room)
+            if receives is None:
+                return
+            receives.pending.discard(transfer_id)
+            done = not receives.pending
+            if done:
+                del self.rooms[room]
+        if done:
+            self.mgr.update_status(room, KVPoll.Success)
+
+    def fail(self, room: int, why: str) -> None:
+        """Fail the request (first reason kept) and cancel the receives it still has."""
+        self.cancel(room)
+        if room in self.mgr.request_status:
+            with self.mgr.failure_lock:
+                self.mgr.failure_records.setdefault(room, why)
+            self.mgr.update_status(room, _poll().Failed)
+
+    def cancel(self, room: int) -> None:
+        with self.lock:
+            receives = self.rooms.pop(room, None)
+        for transfer_id in receives.pending if receives is not None else ():
+            self.mgr.client.start_cancel(transfer_id)
+
+
+def _poll() -> Any:
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    return KVPoll

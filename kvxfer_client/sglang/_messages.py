@@ -1,0 +1,167 @@
+"""What a decode rank tells a prefill rank over SGLang's ZMQ control socket, and its checks.
+
+Two messages, each a tag frame, a JSON frame and (for a request) the page indices:
+
+- ``KVXFER_REG``, once per prefill rank a decode rank talks to: where the decode rank's
+  daemon is (``peer_address``) and the ZMQ endpoint its status messages go to;
+- ``KVXFER_ROOM``, once per request (SGLang's bootstrap room): the pages the decode rank
+  allocated, its metadata slot, and the nonce the transfer ids are made from.
+
+Everything in them is checked as hostile: a malformed message is a
+:class:`~kvxfer.errors.InvalidRequestError` (the prefill side logs and drops it).
+
+>>> frames = RoomInfo(7, "10.0.0.2:5000", 1, "ab" * 16, 3, True, 0, np.arange(4, dtype=np.int32)).to_frames()
+>>> parse_room(frames).dst_pages.tolist()
+[0, 1, 2, 3]
+>>> parse_room([ROOM_TAG, b'{"room": "x"}', b""])
+Traceback (most recent call last):
+...
+kvxfer_client.InvalidRequestError: kvxfer room message: 'room' must be int, not str
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvxfer.errors import InvalidRequestError
+
+__all__ = ["REG_TAG", "ROOM_TAG", "Registration", "RoomInfo", "parse_registration", "parse_room", "transfer_id"]
+
+REG_TAG = b"KVXFER_REG"
+ROOM_TAG = b"KVXFER_ROOM"
+#: The most a JSON frame may hold, and the most pages one request may name (2^24 pages).
+MAX_JSON = 4096
+MAX_PAGES = 1 << 24
+_NONCE = re.compile(r"[0-9a-f]{32}")
+_SESSION = re.compile(r"[0-9A-Za-z.:\[\]-]{1,250}:[0-9]{1,5}")
+
+
+@dataclass(frozen=True)
+class Registration:
+    """A decode rank: its ZMQ session (``ip:port``), its daemon's peer address and id."""
+
+    session: str
+    peer_address: str
+    daemon_id: str
+    tp_size: int
+    tp_rank: int
+
+    def to_frames(self) -> list[bytes]:
+        return [REG_TAG, json.dumps(self.__dict__).encode()]
+
+
+@dataclass(frozen=True)
+class RoomInfo:
+    """One request's destination on one decode rank."""
+
+    room: int
+    session: str
+    #: How many decode ranks send this prefill rank a destination for the room.
+    required: int
+    #: 128 random bits (hex) of the decode rank's, per request: the transfer ids' secret part.
+    nonce: str
+    aux_index: int
+    #: Whether this prefill rank sends the request's metadata row too (one rank does).
+    want_aux: bool
+    decode_prefix_len: int
+    dst_pages: np.ndarray[Any, Any]
+
+    def to_frames(self) -> list[bytes]:
+        head = {k: v for k, v in self.__dict__.items() if k != "dst_pages"}
+        return [ROOM_TAG, json.dumps(head).encode(), np.ascontiguousarray(self.dst_pages, dtype="<i4").tobytes()]
+
+    def transfer_id(self, what: str) -> str:
+        """The id of the push of ``what`` ("kv", "aux") to this rank: each prefill rank gets
+        a nonce of its own, so the id names the pair."""
+        return transfer_id(self.nonce, what)
+
+    # What SGLang's own code reads off a destination (``CommonKVManager._room_notify_targets``).
+    @property
+    def endpoint(self) -> str:
+        return self.session.rsplit(":", 1)[0]
+
+    @property
+    def dst_port(self) -> int:
+        return int(self.session.rsplit(":", 1)[1])
+
+    is_dummy = False
+
+    @property
+    def required_dst_info_num(self) -> int:
+        return self.required
+
+
+def transfer_id(nonce: str, what: str) -> str:
+    """The transfer id of a push of ``what`` under ``nonce``.
+
+    >>> transfer_id("ab" * 16, "kv")
+    'sglang-abababababababababababababababab-kv'
+    """
+    return f"sglang-{nonce}-{what}"
+
+
+def parse_registration(frames: list[bytes]) -> Registration:
+    head = _json(frames, REG_TAG, 2, "registration")
+    return Registration(
+        _field(head, "session", str),
+        _field(head, "peer_address", str),
+        _field(head, "daemon_id", str),
+        _field(head, "tp_size", int),
+        _field(head, "tp_rank", int),
+    )
+
+
+def parse_room(frames: list[bytes]) -> RoomInfo:
+    head = _json(frames, ROOM_TAG, 3, "room")
+    room = _field(head, "room", int, "room")
+    nonce = _field(head, "nonce", str, "room")
+    if not _NONCE.fullmatch(nonce):
+        raise InvalidRequestError("kvxfer room message: the nonce is not 128 bits of hex")
+    raw = frames[2]
+    if len(raw) % 4 or len(raw) // 4 > MAX_PAGES:
+        raise InvalidRequestError(f"kvxfer room message: {len(raw)} bytes of page indices")
+    pages = np.frombuffer(raw, dtype="<i4").astype(np.int64)
+    if pages.size and int(pages.min()) < 0:
+        raise InvalidRequestError("kvxfer room message: a negative page index")
+    session = _field(head, "session", str, "room")
+    if not _SESSION.fullmatch(session):
+        raise InvalidRequestError(f"kvxfer room message: session {session!r} is not host:port")
+    return RoomInfo(
+        room,
+        session,
+        _field(head, "required", int, "room"),
+        nonce,
+        _field(head, "aux_index", int, "room"),
+        _field(head, "want_aux", bool, "room"),
+        _field(head, "decode_prefix_len", int, "room"),
+        pages,
+    )
+
+
+def _json(frames: list[bytes], tag: bytes, count: int, what: str) -> dict[str, Any]:
+    if len(frames) != count or frames[0] != tag:
+        raise InvalidRequestError(f"kvxfer {what} message: {len(frames)} frames")
+    if len(frames[1]) > MAX_JSON:
+        raise InvalidRequestError(f"kvxfer {what} message: a {len(frames[1])}-byte header")
+    try:
+        head = json.loads(frames[1])
+    except ValueError as exc:
+        raise InvalidRequestError(f"kvxfer {what} message: {exc}") from None
+    if not isinstance(head, dict):
+        raise InvalidRequestError(f"kvxfer {what} message: the header is not an object")
+    return head
+
+
+def _field(head: dict[str, Any], name: str, kind: type, what: str = "registration") -> Any:
+    value = head.get(name)
+    # bool is an int in Python: an int field takes no bool, a bool field no int.
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise InvalidRequestError(f"kvxfer {what} message: {name!r} must be {kind.__name__}, not {type(value).__name__}")
+    if isinstance(value, str) and len(value) > 512:
+        raise InvalidRequestError(f"kvxfer {what} message: {name!r} is {len(value)} characters")
+    return value

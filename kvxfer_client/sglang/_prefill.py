@@ -1,0 +1,181 @@
+"""The prefill rank's half of the backend: the decode ranks' destinations, and the pushes.
+
+A decode rank registers once (:class:`~._messages.Registration`: where its daemon is) and
+then names, per request, the pages it allocated (:class:`~._messages.RoomInfo`). Once every
+decode rank SGLang expects for the request has (``required``), the request may run its
+prefill (``KVPoll.WaitingForInput``). SGLang then hands the prefilled pages over chunk by
+chunk (``add_transfer_request``); with the last chunk this side pushes them all, each decode
+rank's share into its pages (kvxfer's push: an announcement to that rank's daemon, which
+pulls), and the request's metadata row to the one rank that asked for it. The request has
+succeeded when the daemon released every push's offer as pulled; any other release fails
+it with the daemon's reason, which SGLang's status message carries to the decode side.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvxfer.errors import KvxferError
+
+from .._events import OfferReleased, ReleaseReason
+from .._results import PushResult
+from ._messages import REG_TAG, ROOM_TAG, Registration, RoomInfo, parse_registration, parse_room
+
+if TYPE_CHECKING:
+    from ._conn import KvxferKVManager
+
+__all__ = ["PrefillPushes"]
+
+logger = logging.getLogger("kvxfer_client.sglang")
+
+ABORT_TAG = b"ABORT"
+
+
+@dataclass
+class _Pushes:
+    """A request's pushes: how many, how many were pulled, the offers still held."""
+
+    expected: int
+    pulled: int = 0
+    #: Offer id -> transfer id, of pushes announced and not yet released.
+    offers: dict[str, str] = field(default_factory=dict)
+
+
+class PrefillPushes:
+    """Destinations by request, the chunks handed over so far, and the pushes running."""
+
+    def __init__(self, mgr: KvxferKVManager) -> None:
+        self.mgr = mgr
+        self.peers: dict[str, Registration] = {}
+        #: Page indices of the chunks handed over, by request, until its last chunk.
+        self.chunks: dict[int, list[np.ndarray[Any, Any]]] = {}
+        #: The pushes of a request until every one was pulled (or the request failed).
+        self.running: dict[int, _Pushes] = {}
+        self.lock = threading.Lock()
+
+    def on_message(self, frames: list[bytes]) -> None:
+        """One message from a decode rank (SGLang's bootstrap thread); a malformed one is
+        logged and dropped."""
+        try:
+            if frames and frames[0] == REG_TAG:
+                reg = parse_registration(frames)
+                self.peers[reg.session] = reg
+            elif frames and frames[0] == ROOM_TAG:
+                self._destination(parse_room(frames))
+            elif frames and frames[0] == ABORT_TAG and len(frames) >= 2:
+                self.abort(int(frames[1].decode("ascii")), "aborted by the decode side")
+            else:
+                logger.warning("kvxfer: dropped a %d-frame message nobody sends this socket", len(frames))
+        except (KvxferError, ValueError, UnicodeDecodeError) as exc:
+            logger.warning("kvxfer: dropped a malformed message from a decode rank: %s", exc)
+
+    def _destination(self, info: RoomInfo) -> None:
+        mgr = self.mgr
+        if info.session not in self.peers:
+            logger.warning("kvxfer: request %d names decode rank %s, which never registered", info.room, info.session)
+            return
+        infos = mgr.transfer_infos.setdefault(info.room, {})
+        infos[info.session] = info
+        if len(infos) == info.required:
+            mgr.req_to_decode_prefix_len[info.room] = info.decode_prefix_len
+            mgr.update_status(info.room, _poll().WaitingForInput)
+
+    def add(self, room: int, pages: np.ndarray[Any, Any], last: bool, aux_index: int | None) -> None:
+        """A chunk of the request's prefilled pages; the last one starts the pushes."""
+        mgr = self.mgr
+        if room not in mgr.request_status or mgr.check_status(room) == _poll().Failed:
+            return
+        infos: dict[str, RoomInfo] | None = mgr.transfer_infos.get(room)
+        if not infos:
+            return
+        with self.lock:
+            self.chunks.setdefault(room, []).append(np.asarray(pages, dtype=np.int64).copy())
+            if not last:
+                return
+            src = np.concatenate(self.chunks.pop(room))
+        pushes: list[tuple[Any, list[int], str, str]] = []
+        for info in infos.values():
+            if len(info.dst_pages) != len(src):
+                why = f"this prefill rank sends {len(src)} pages; decode rank {info.session} allocated {len(info.dst_pages)}"
+                mgr.conclude_failure(bootstrap_room=room, failure_reason=why)
+                return
+            address = self.peers[info.session].peer_address
+            pushes.append((mgr.kv_pool, src.tolist(), info.transfer_id("kv"), address))
+            if info.want_aux:
+                if aux_index is None:
+                    mgr.conclude_failure(bootstrap_room=room, failure_reason="the request's metadata row is unknown")
+                    return
+                pushes.append((mgr.aux_pool, [aux_index], info.transfer_id("aux"), address))
+        with self.lock:
+            self.running[room] = _Pushes(len(pushes))
+        for pool, ids, transfer_id, address in pushes:
+            future = mgr.client.start_push(pool, ids, transfer_id, address, lease_s=mgr.lease_s)
+            future.add_done_callback(lambda f, t=transfer_id: self._announced(room, t, f))
+
+    def _announced(self, room: int, transfer_id: str, future: concurrent.futures.Future[PushResult]) -> None:
+        """The push is announced (client thread): wait for its offer's release."""
+        try:
+            result = future.result()
+        except Exception as exc:  # noqa: BLE001 - any failure of the call fails the request
+            self._failed(room, f"push {transfer_id}: {exc}")
+            return
+        if result.mode != "push":
+            self.mgr.client.start_release(result.ticket.offer_id)
+            self._failed(room, f"the decode daemon did not take push {transfer_id}: {result.mode_reason}")
+            return
+        with self.lock:
+            running = self.running.get(room)
+            if running is None:  # aborted meanwhile
+                self.mgr.client.start_release(result.ticket.offer_id)
+                return
+            running.offers[result.ticket.offer_id] = transfer_id
+        released = self.mgr.client.watch_release(result.ticket.offer_id)
+        released.add_done_callback(lambda f: self._released(room, result.ticket.offer_id, f))
+
+    def _released(self, room: int, offer_id: str, future: concurrent.futures.Future[OfferReleased]) -> None:
+        try:
+            event = future.result()
+        except Exception as exc:  # noqa: BLE001 - the session ended: the request cannot finish
+            self._failed(room, f"offer {offer_id}: {exc}")
+            return
+        if event.reason != ReleaseReason.PULLED:
+            self._failed(room, f"offer {offer_id} was released {event.reason.value}: {event.detail}")
+            return
+        with self.lock:
+            running = self.running.get(room)
+            if running is None or running.offers.pop(offer_id, None) is None:
+                return
+            running.pulled += 1
+            done = running.pulled == running.expected
+            if done:
+                del self.running[room]
+        if done:
+            self.mgr.conclude_transfer(bootstrap_room=room, status=_poll().Success)
+
+    def _failed(self, room: int, why: str) -> None:
+        self.abort(room, why)
+        self.mgr.conclude_failure(bootstrap_room=room, failure_reason=why)
+
+    def abort(self, room: int, why: str) -> None:
+        """Withdraw whatever the request still has on offer (nothing stays pinned)."""
+        with self.lock:
+            self.chunks.pop(room, None)
+            running = self.running.pop(room, None)
+        for offer_id, transfer_id in (running.offers if running is not None else {}).items():
+            self.mgr.client.start_cancel(transfer_id)
+            self.mgr.client.start_release(offer_id)
+        if room in self.mgr.request_status and self.mgr.check_status(room) != _poll().Success:
+            self.mgr.record_failure(room, why)
+            self.mgr.update_status(room, _poll().Failed)
+
+
+def _poll() -> Any:
+    from sglang.srt.disaggregation.base.conn import KVPoll
+
+    return KVPoll
