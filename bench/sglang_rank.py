@@ -233,7 +233,7 @@ class SglangRank:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=log,
-            env=_env({"KVXFER_SOCKET": daemon.socket, "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "60"}),
+            env=_env({"KVXFER_SOCKET": daemon.socket}),
             cwd=ROOT,
         )
         log.close()

@@ -136,13 +136,18 @@ class KvxferKVManager(CommonKVManager):  # type: ignore[misc]
 class KvxferKVSender(CommonKVSender):  # type: ignore[misc]
     """SGLang's sender; an abort also withdraws what the request has on offer."""
 
+    def __init__(self, mgr: KvxferKVManager, bootstrap_addr: str, bootstrap_room: int, *args: Any, **kwargs: Any) -> None:
+        mgr.pushes.senders.add(bootstrap_room)
+        super().__init__(mgr, bootstrap_addr, bootstrap_room, *args, **kwargs)
+
     def abort(self) -> None:
+        self.kv_mgr.pushes.abort(self.bootstrap_room, "the prefill side aborted the request", tell_decode=True)
         super().abort()
-        self.kv_mgr.pushes.abort(self.bootstrap_room, "Aborted by AbortReq.")
 
     def clear(self) -> None:
         if self.kv_mgr.request_status.get(self.bootstrap_room) != KVPoll.Success:
             self.kv_mgr.pushes.abort(self.bootstrap_room, "the request was cleared before its transfer ended")
+        self.kv_mgr.pushes.senders.discard(self.bootstrap_room)
         super().clear()
 
 

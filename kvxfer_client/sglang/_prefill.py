@@ -57,6 +57,8 @@ class PrefillPushes:
         self.chunks: dict[int, list[np.ndarray[Any, Any]]] = {}
         #: The pushes of a request until every one was pulled (or the request failed).
         self.running: dict[int, _Pushes] = {}
+        #: Rooms of this rank's senders (destinations may come before the sender does).
+        self.senders: set[int] = set()
         self.lock = threading.Lock()
 
     def on_message(self, frames: list[bytes]) -> None:
@@ -69,7 +71,11 @@ class PrefillPushes:
             elif frames and frames[0] == ROOM_TAG:
                 self._destination(parse_room(frames))
             elif frames and frames[0] == ABORT_TAG and len(frames) >= 2:
-                self.abort(int(frames[1].decode("ascii")), "aborted by the decode side")
+                room = int(frames[1].decode("ascii"))
+                self.abort(room, "aborted by the decode side")
+                if room not in self.senders:  # a room no request here has (yet): forget it
+                    self.mgr.transfer_infos.pop(room, None)
+                    self.mgr.request_status.pop(room, None)
             else:
                 logger.warning("kvxfer: dropped a %d-frame message nobody sends this socket", len(frames))
         except (KvxferError, ValueError, UnicodeDecodeError) as exc:
@@ -162,17 +168,22 @@ class PrefillPushes:
         self.abort(room, why)
         self.mgr.conclude_failure(bootstrap_room=room, failure_reason=why)
 
-    def abort(self, room: int, why: str) -> None:
-        """Withdraw whatever the request still has on offer (nothing stays pinned)."""
+    def abort(self, room: int, why: str, tell_decode: bool = False) -> None:
+        """Withdraw whatever the request still has on offer (nothing stays pinned);
+        ``tell_decode``: say so to its decode ranks, which stop waiting for the pushes."""
         with self.lock:
             self.chunks.pop(room, None)
             running = self.running.pop(room, None)
         for offer_id, transfer_id in (running.offers if running is not None else {}).items():
             self.mgr.client.start_cancel(transfer_id)
             self.mgr.client.start_release(offer_id)
-        if room in self.mgr.request_status and self.mgr.check_status(room) != _poll().Success:
-            self.mgr.record_failure(room, why)
-            self.mgr.update_status(room, _poll().Failed)
+        mgr = self.mgr
+        if room in mgr.request_status and mgr.check_status(room) != _poll().Success:
+            mgr.record_failure(room, why)
+            mgr.update_status(room, _poll().Failed)
+            if tell_decode:
+                targets = mgr._room_notify_targets(room)
+                mgr.send_kv_status_message(targets=targets, bootstrap_room=room, status=_poll().Failed, failure_reason=why)
 
 
 def _poll() -> Any:

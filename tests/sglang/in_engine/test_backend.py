@@ -1,0 +1,175 @@
+"""kvxfer as SGLang's transfer backend, against SGLang's own classes (run in the SGLang venv:
+``make sglang-test``).
+
+Each SGLang rank is a process of its own (``bench.sglang_rank``): SGLang's runtime context and
+plugins, its CPU ``MHATokenToKVPool`` and ``MetadataBuffers``, its bootstrap server, and the
+manager, senders and receivers ``get_kv_class`` returns for ``kvxfer``. The test drives them in
+the order SGLang's queues do: the prefill bootstrap queue makes the sender and polls it to
+``WaitingForInput``, then ``init`` and, after the forward pass, one ``send`` per chunk; the
+decode prealloc queue makes the receiver, fetches the prefill's parallel info, ``init``s it,
+allocates pages past the cached prefix and ``send_metadata``; both transfer queues poll to
+the end, read ``failure_exception`` on a failure and ``clear``. The prefill daemon and the
+decode daemon are separate kvxferd processes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import pytest
+
+from bench.cluster import Cluster, Daemon
+from bench.sglang_rank import SglangRank, write_model
+
+WAITING_FOR_INPUT, FAILED = 2, 0
+#: SGLang's own bounds on a request's bootstrap and transfer (seconds), short for the tests.
+TIMEOUT_S = 8
+
+
+@dataclass
+class Pair:
+    prefill: list[SglangRank]
+    decode: list[SglangRank]
+    prefill_daemon: Daemon
+    decode_daemon: Daemon
+
+    def all(self) -> list[SglangRank]:
+        return [*self.prefill, *self.decode]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module", params=[(1, 1), (1, 2), (2, 1)], ids=lambda tp: f"tp{tp[0]}to{tp[1]}")
+def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    prefill_tp, decode_tp = request.param
+    model = write_model(str(tmp_path_factory.mktemp("model")))
+    os.environ["SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT"] = str(TIMEOUT_S)
+    os.environ["SGLANG_DISAGGREGATION_WAITING_TIMEOUT"] = str(TIMEOUT_S)
+    with Cluster() as cluster, ThreadPoolExecutor(4) as pool:
+        a, b = cluster.daemon("prefill-node"), cluster.daemon("decode-node")
+        port = _port()
+        first = SglangRank("prefill", prefill_tp, 0, port, model, a)  # it runs the bootstrap server
+        others = [pool.submit(SglangRank, "prefill", prefill_tp, r, port, model, a) for r in range(1, prefill_tp)]
+        decode = [pool.submit(SglangRank, "decode", decode_tp, r, port, model, b) for r in range(decode_tp)]
+        p = Pair([first, *(f.result() for f in others)], [f.result() for f in decode], a, b)
+        try:
+            yield p
+        finally:
+            for rank in p.all():
+                rank.close()
+
+
+def _bootstrap(pair: Pair, rooms: list[int]) -> None:
+    """Senders and receivers made, the receivers ``init``ed."""
+    for room in rooms:
+        for rank in pair.prefill:
+            rank("sender", room=room)
+        for rank in pair.decode:
+            assert rank("receiver", room=room) == WAITING_FOR_INPUT
+
+
+def _until_waiting_for_input(pair: Pair, rooms: list[int]) -> None:
+    deadline = time.monotonic() + 20
+    for rank in pair.prefill:
+        while set(rank("poll", rooms=rooms).values()) != {WAITING_FOR_INPUT}:
+            assert time.monotonic() < deadline, rank("poll", rooms=rooms)
+            time.sleep(0.02)
+
+
+def _wait(ranks: list[SglangRank], rooms: list[int], timeout_s: float = 30) -> list[dict[str, dict[str, object]]]:
+    with ThreadPoolExecutor(len(ranks)) as pool:
+        return list(pool.map(lambda r: r("wait", rooms=rooms, timeout_s=timeout_s), ranks))
+
+
+def _settled(daemon: Daemon) -> tuple[int, int]:
+    status = asyncio.run(daemon.settled(10))
+    return int(status.active_offers), int(status.active_transfers)
+
+
+def _rooms(base: int, n: int) -> list[int]:
+    return [(base << 20) + i for i in range(n)]
+
+
+def test_requests_at_once_land_byte_exact_in_the_decode_ranks_pages(pair: Pair) -> None:
+    """Five requests in flight at once, of other lengths and cached prefixes, sent in chunks
+    of three pages: each decode rank's pages hold exactly its heads of each token, and the
+    metadata row (the first output token, the room) came along."""
+    rooms = _rooms(1, 5)
+    shapes = {rooms[0]: (17, 0), rooms[1]: (100, 0), rooms[2]: (256, 32), rooms[3]: (301, 64), rooms[4]: (48, 16)}
+    _bootstrap(pair, rooms)
+    for room, (tokens, prefix) in shapes.items():
+        for rank in pair.decode:
+            rank("allocate", room=room, tokens=tokens, prefix=prefix)
+    _until_waiting_for_input(pair, rooms)
+    for room, (tokens, _) in shapes.items():
+        for rank in pair.prefill:
+            rank("prefill", room=room, tokens=tokens, chunk_pages=3)
+    prefill_ends, decode_ends = _wait(pair.prefill, rooms), _wait(pair.decode, rooms)
+    for ends in prefill_ends:
+        assert {e["status"] for e in ends.values()} == {"success"}, ends
+    for ends in decode_ends:
+        for room, end in ends.items():
+            assert end["status"] == "success", (room, end)
+            assert end["bad_elements"] == 0 and end["elements"] > 0 and end["metadata_ok"], (room, end)
+    assert _settled(pair.prefill_daemon) == (0, 0) and _settled(pair.decode_daemon) == (0, 0)
+
+
+def test_a_request_aborted_on_the_decode_side_fails_both_sides_and_leaves_nothing(pair: Pair) -> None:
+    [room] = _rooms(2, 1)
+    _bootstrap(pair, [room])
+    for rank in pair.decode:
+        rank("allocate", room=room, tokens=64, prefix=0)
+    _until_waiting_for_input(pair, [room])
+    for rank in pair.decode:
+        rank("abort", room=room)
+    started = time.monotonic()
+    ends = _wait(pair.prefill, [room], timeout_s=TIMEOUT_S + 5)
+    assert all(e[str(room)]["status"] == "failed" for e in ends), ends
+    assert time.monotonic() - started < TIMEOUT_S, "the prefill side heard of the abort only by its own timeout"
+    assert all(e[str(room)]["status"] == "failed" for e in _wait(pair.decode, [room])), "the aborted decode side"
+    assert _settled(pair.prefill_daemon) == (0, 0) and _settled(pair.decode_daemon) == (0, 0)
+
+
+def test_a_request_aborted_on_the_prefill_side_fails_the_decode_side_at_once(pair: Pair) -> None:
+    [room] = _rooms(3, 1)
+    _bootstrap(pair, [room])
+    for rank in pair.decode:
+        rank("allocate", room=room, tokens=64, prefix=0)
+    _until_waiting_for_input(pair, [room])
+    for rank in pair.prefill:
+        rank("abort", room=room)
+    started = time.monotonic()
+    ends = _wait(pair.decode, [room], timeout_s=TIMEOUT_S + 5)
+    assert all(e[str(room)]["status"] == "failed" for e in ends), ends
+    assert all("aborted" in str(e[str(room)].get("reason")) for e in ends), ends
+    assert time.monotonic() - started < TIMEOUT_S, "the decode side gave up only at its own timeout"
+    _wait(pair.prefill, [room])
+    assert _settled(pair.prefill_daemon) == (0, 0) and _settled(pair.decode_daemon) == (0, 0)
+
+
+def test_a_bogus_bootstrap_room_fails_in_bounded_time_on_both_sides(pair: Pair) -> None:
+    """A decode request whose room no prefill request has, and a prefill request no decode
+    rank names: each fails by SGLang's bound, and neither daemon keeps anything."""
+    decode_only, prefill_only = _rooms(4, 2)
+    for rank in pair.decode:
+        assert rank("receiver", room=decode_only) == WAITING_FOR_INPUT
+        rank("allocate", room=decode_only, tokens=32, prefix=0)
+    for rank in pair.prefill:
+        rank("sender", room=prefill_only)
+    started = time.monotonic()
+    decode_ends, prefill_ends = _wait(pair.decode, [decode_only]), _wait(pair.prefill, [prefill_only])
+    assert all(e[str(decode_only)]["status"] == "failed" for e in decode_ends), decode_ends
+    assert all(e[str(prefill_only)]["status"] == "failed" for e in prefill_ends), prefill_ends
+    assert time.monotonic() - started < 3 * TIMEOUT_S
+    assert _settled(pair.prefill_daemon) == (0, 0) and _settled(pair.decode_daemon) == (0, 0)
+    assert all(decode_only not in r("state")["rooms"] for r in pair.all())
