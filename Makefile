@@ -1,6 +1,6 @@
 # kvxfer — two commands on a fresh machine:
 #   make demo   start two daemons and three engines, run verified handoffs, print results
-#   make test   install everything (.venv, and .venv-vllm for the vLLM connector's tests), then
+#   make test   install everything (.venv; .venv-vllm* and .venv-sglang for the engines' tests), then
 #               lint, type-check and run the test suite
 PYTHON ?= python3
 VENV   := .venv
@@ -12,8 +12,11 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 # vLLM's newest release, at scheduler level (its engine needs a GPU; its scheduler imports on CPU).
 VLLM_NEXT_VENV  := .venv-vllm-next
 VLLM_NEXT_STAMP := $(VLLM_NEXT_VENV)/.installed
+# SGLang, for its transfer backend's tests (its Python without its GPU kernels).
+SGLANG_VENV  := .venv-sglang
+SGLANG_STAMP := $(SGLANG_VENV)/.installed
 
-.PHONY: all demo test lint typecheck docs docs-reference unit pytest proto bench bench-serve faults clean promtool etcd vllm-venv vllm-test vllm-engines-test vllm-load-test
+.PHONY: all demo test lint typecheck docs docs-reference unit pytest proto bench bench-serve faults clean promtool etcd vllm-venv vllm-test vllm-engines-test vllm-load-test sglang-venv sglang-test
 
 all: test
 
@@ -61,20 +64,23 @@ docs-reference: $(STAMP)
 pytest: $(STAMP) etcd
 	$(BIN)/python -m pytest -q
 
-# make test: lint, types and the suite in .venv while, in the background, .venv-vllm is built
-# (mostly downloads) and vLLM's engine tests run as soon as both venvs exist; their log is
-# printed at the end. Then the served-load tests (four vLLM servers under a soak, whose busy
-# loops would starve the suite's timing checks) run alone. make vllm-test runs all vLLM tests.
+# make test: lint, types and the suite in .venv while, in the background, the engines' venvs are
+# built (mostly downloads) and vLLM's engine tests and SGLang's backend tests run as soon as they
+# exist; their logs are printed at the end. Then the served-load tests (four vLLM servers under a
+# soak, whose busy loops would starve the suite's timing checks) run alone. make vllm-test runs
+# all vLLM tests.
 test:
 	@rm -f $(VLLM_VENV).rc $(VLLM_VENV)-test.rc $(VLLM_VENV).main-done
-	@( $(MAKE) -j2 --no-print-directory vllm-venv > $(VLLM_VENV).log 2>&1; rc=$$?; echo $$rc > $(VLLM_VENV).rc; \
+	@( $(MAKE) -j2 --no-print-directory vllm-venv sglang-venv > $(VLLM_VENV).log 2>&1; rc=$$?; echo $$rc > $(VLLM_VENV).rc; \
 	   while [ ! -f $(STAMP) ] && [ ! -f $(VLLM_VENV).main-done ]; do sleep 2; done; \
 	   if [ $$rc = 0 ] && [ -f $(STAMP) ]; then \
-	     $(MAKE) --no-print-directory vllm-engines-test > $(VLLM_VENV)-test.log 2>&1; echo $$? > $(VLLM_VENV)-test.rc; \
-	   else echo "vLLM tests not run: a venv is missing" > $(VLLM_VENV)-test.log; echo 1 > $(VLLM_VENV)-test.rc; fi ) & \
+	     $(MAKE) --no-print-directory vllm-engines-test > $(VLLM_VENV)-test.log 2>&1; engines=$$?; \
+	     $(MAKE) --no-print-directory sglang-test >> $(VLLM_VENV)-test.log 2>&1; sglang=$$?; \
+	     [ $$engines = 0 ] && [ $$sglang = 0 ]; echo $$? > $(VLLM_VENV)-test.rc; \
+	   else echo "engine tests not run: a venv is missing" > $(VLLM_VENV)-test.log; echo 1 > $(VLLM_VENV)-test.rc; fi ) & \
 	$(MAKE) --no-print-directory lint typecheck docs pytest; status=$$?; touch $(VLLM_VENV).main-done; \
 	while [ ! -f $(VLLM_VENV)-test.rc ]; do sleep 2; done; \
-	if [ "$$(cat $(VLLM_VENV).rc)" != 0 ]; then tail -50 $(VLLM_VENV).log; echo "building $(VLLM_VENV) failed"; exit 1; fi; \
+	if [ "$$(cat $(VLLM_VENV).rc)" != 0 ]; then tail -50 $(VLLM_VENV).log; echo "building the engines' venvs failed"; exit 1; fi; \
 	cat $(VLLM_VENV)-test.log; \
 	$(MAKE) --no-print-directory vllm-load-test; load=$$?; \
 	[ $$status = 0 ] && [ "$$(cat $(VLLM_VENV)-test.rc)" = 0 ] && [ $$load = 0 ]
@@ -110,6 +116,28 @@ $(VLLM_NEXT_STAMP): constraints-vllm-next.txt pyproject.toml
 
 vllm-venv: $(VLLM_STAMP) $(VLLM_NEXT_STAMP)
 
+# SGLang 0.5.23 from PyPI without the dependencies its wheel pins for NVIDIA GPUs (flashinfer,
+# sglang-kernel, DeepEP, DeepGEMM, FlashMLA, cutlass, nvshmem, ...): none installs or runs on these
+# CPUs, and its CPU engine's kernels are built from source for Xeons with AMX. The transfer
+# backend needs SGLang's Python: server args, runtime context, plugins, memory pools and the
+# disaggregation classes; these are the packages those import (torch: the build SGLang pins).
+SGLANG_DEPS := torch==2.14.1 torchvision numpy requests pyzmq msgspec fastapi uvicorn aiohttp psutil pydantic \
+	orjson packaging setproctitle pybase64 pillow tqdm IPython transformers dill apache-tvm-ffi sentencepiece \
+	compressed-tensors gguf openai partial_json_parser einops triton
+$(SGLANG_STAMP): constraints-sglang.txt pyproject.toml
+	$(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/python -m pip install -q --upgrade pip
+	$(SGLANG_VENV)/bin/python -m pip install -q --no-deps sglang==0.5.23
+	$(SGLANG_VENV)/bin/python -m pip install -q -c constraints-sglang.txt $(SGLANG_DEPS)
+	$(SGLANG_VENV)/bin/python -m pip install -q -c constraints-sglang.txt -e . pytest pytest-timeout
+	touch $(SGLANG_STAMP)
+
+sglang-venv: $(SGLANG_STAMP)
+
+# kvxfer's SGLang backend against SGLang's own classes (in .venv-sglang), daemons from .venv.
+sglang-test: $(STAMP) $(SGLANG_STAMP)
+	KVXFER_DAEMON_PYTHON=$(BIN)/python $(SGLANG_VENV)/bin/python -m pytest -q -o addopts="-p no:cacheprovider" --doctest-modules kvxfer_client/sglang tests/sglang/in_engine
+
 # vLLM's own load generator against one engine and against a prefill + decode pair through
 # kvxfer: bench/results/serve/serve.{md,jsonl,png} (matplotlib for the plot).
 bench-serve: $(STAMP) $(VLLM_STAMP)
@@ -130,4 +158,4 @@ vllm-load-test: $(STAMP) $(VLLM_STAMP)
 	KVXFER_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(BIN)/python -m pytest -q -s -m vllm tests/vllm/test_served_load.py
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_NEXT_VENV) .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_NEXT_VENV) $(SGLANG_VENV) .mypy_cache .ruff_cache .pytest_cache

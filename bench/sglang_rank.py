@@ -22,9 +22,9 @@ import time
 import traceback
 from typing import Any
 
-from bench.cluster import ROOT, Daemon, _env
-
 import numpy as np
+
+from bench.cluster import ROOT, Daemon, _env
 
 PAGE = 16
 HEADS, HEAD_DIM, LAYERS = 4, 32, 2  # the test model: 4 KV heads of 32, two layers
@@ -86,7 +86,9 @@ class Rank:
             self.server = self.kind("BOOTSTRAP_SERVER")(host="127.0.0.1", port=port)
         self.heads = HEADS // tp
         self.pool = MHATokenToKVPool(POOL_TOKENS, PAGE, torch.bfloat16, self.heads, HEAD_DIM, LAYERS, "cpu", False)
-        self.meta = MetadataBuffers(SLOTS, hidden_size=64, hidden_states_dtype=torch.float32, max_sampling_mask_tokens=1)
+        self.meta = MetadataBuffers(
+            SLOTS, hidden_size=64, hidden_states_dtype=torch.float32, max_sampling_mask_tokens=1
+        )
         kv_args = KVArgs()
         kv_args.engine_rank, kv_args.pp_rank, kv_args.system_dp_rank = rank, 0, None
         kv_args.kv_cache_dtype_str = "bfloat16"
@@ -295,7 +297,10 @@ def main() -> None:
             result = getattr(worker, cmd.pop("op"))(**cmd)
             print("@@" + json.dumps({"result": result}), flush=True)
         except Exception as exc:  # noqa: BLE001 - a command's failure is its answer
-            print("@@" + json.dumps({"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}), flush=True)
+            print(
+                "@@" + json.dumps({"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}),
+                flush=True,
+            )
     os._exit(0)  # SGLang's threads (bootstrap server, ZMQ) are not ours to join
 
 

@@ -46,7 +46,7 @@ __all__ = ["KvxferKVBootstrapServer", "KvxferKVManager", "KvxferKVReceiver", "Kv
 logger = logging.getLogger("kvxfer_client.sglang")
 
 
-class KvxferKVManager(CommonKVManager):  # type: ignore[misc]
+class KvxferKVManager(CommonKVManager):
     """One rank's kvxfer session, its two pools, and the thread reading its control socket."""
 
     # Status messages say why a request failed (SGLang's tagged layout).
@@ -54,7 +54,13 @@ class KvxferKVManager(CommonKVManager):  # type: ignore[misc]
     kv_status_msg_carries_reason = True
     reports_transfer_latency = True
 
-    def __init__(self, args: KVArgs, disaggregation_mode: DisaggregationMode, server_args: Any, is_mla_backend: bool | None = False) -> None:
+    def __init__(
+        self,
+        args: KVArgs,
+        disaggregation_mode: DisaggregationMode,
+        server_args: Any,
+        is_mla_backend: bool | None = False,
+    ) -> None:
         _refuse_unsupported(args, server_args, bool(is_mla_backend))
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
         role = "prefill" if disaggregation_mode == DisaggregationMode.PREFILL else "decode"
@@ -91,7 +97,9 @@ class KvxferKVManager(CommonKVManager):  # type: ignore[misc]
         aux = aux_layout(args.aux_item_lens, args.aux_data_lens)
         name = f"sglang-{role}-tp{self.attn_tp_rank}"
         kv_pool = self.client.register_pool(host_views(args.kv_data_ptrs, args.kv_data_lens), kv, name=name)
-        aux_pool = self.client.register_pool(host_views(args.aux_data_ptrs, args.aux_data_lens), aux, name=name + "-meta")
+        aux_pool = self.client.register_pool(
+            host_views(args.aux_data_ptrs, args.aux_data_lens), aux, name=name + "-meta"
+        )
         return kv_pool, aux_pool
 
     def _start(self, handle: Callable[[list[bytes]], None], name: str) -> None:
@@ -117,14 +125,24 @@ class KvxferKVManager(CommonKVManager):  # type: ignore[misc]
 
     def build_receiver_registration_message(self) -> list[bytes]:
         client = self.client
-        return Registration(self.session, client.peer_address, client.daemon_id, self.attn_tp_size, self.attn_tp_rank).to_frames()
+        return Registration(
+            self.session, client.peer_address, client.daemon_id, self.attn_tp_size, self.attn_tp_rank
+        ).to_frames()
 
     def add_transfer_request(
-        self, bootstrap_room: int, kv_indices: Any, index_slice: slice, is_last_chunk: bool, aux_index: int | None = None, **more: Any
+        self,
+        bootstrap_room: int,
+        kv_indices: Any,
+        index_slice: slice,
+        is_last_chunk: bool,
+        aux_index: int | None = None,
+        **more: Any,
     ) -> None:
         """A chunk of a request's prefilled pages (SGLang's ``send`` of a sender)."""
         if more.get("state_indices"):
-            self.conclude_failure(bootstrap_room=bootstrap_room, failure_reason="kvxfer does not move model state buffers yet")
+            self.conclude_failure(
+                bootstrap_room=bootstrap_room, failure_reason="kvxfer does not move model state buffers yet"
+            )
             return
         self.pushes.add(bootstrap_room, kv_indices, is_last_chunk, aux_index)
 
@@ -133,10 +151,12 @@ class KvxferKVManager(CommonKVManager):  # type: ignore[misc]
         self.client.close()
 
 
-class KvxferKVSender(CommonKVSender):  # type: ignore[misc]
+class KvxferKVSender(CommonKVSender):
     """SGLang's sender; an abort also withdraws what the request has on offer."""
 
-    def __init__(self, mgr: KvxferKVManager, bootstrap_addr: str, bootstrap_room: int, *args: Any, **kwargs: Any) -> None:
+    def __init__(
+        self, mgr: KvxferKVManager, bootstrap_addr: str, bootstrap_room: int, *args: Any, **kwargs: Any
+    ) -> None:
         mgr.pushes.senders.add(bootstrap_room)
         super().__init__(mgr, bootstrap_addr, bootstrap_room, *args, **kwargs)
 
@@ -151,11 +171,16 @@ class KvxferKVSender(CommonKVSender):  # type: ignore[misc]
         super().clear()
 
 
-class KvxferKVReceiver(CommonKVReceiver):  # type: ignore[misc]
+class KvxferKVReceiver(CommonKVReceiver):
     """SGLang's receiver; ``send_metadata`` expects the pushes before it names the pages."""
 
     def send_metadata(
-        self, kv_indices: Any, aux_index: int | None = None, state_indices: Any = None, decode_prefix_len: int | None = None, **more: Any
+        self,
+        kv_indices: Any,
+        aux_index: int | None = None,
+        state_indices: Any = None,
+        decode_prefix_len: int | None = None,
+        **more: Any,
     ) -> None:
         mgr, room = self.kv_mgr, self.bootstrap_room
         why = None
@@ -165,15 +190,19 @@ class KvxferKVReceiver(CommonKVReceiver):  # type: ignore[misc]
             why = "kvxfer does not move model state buffers yet"
         elif aux_index is None:
             why = "the request has no metadata row"
-        if why is not None:
+        if why is not None or aux_index is None:
             mgr.record_failure(room, why)
             mgr.update_status(room, KVPoll.Failed)
             return
         pages = np.asarray(kv_indices, dtype=np.int64)
-        request = RoomInfo(room, mgr.session, self.required_dst_info_num, "", aux_index, False, decode_prefix_len or 0, pages)
+        request = RoomInfo(
+            room, mgr.session, self.required_dst_info_num, "", aux_index, False, decode_prefix_len or 0, pages
+        )
         infos = mgr.receives.expect(request, len(self.bootstrap_infos))
         for bootstrap_info, info in zip(self.bootstrap_infos, infos, strict=True):
-            if not self._send_bootstrap_message(bootstrap_info=bootstrap_info, message=info.to_frames(), operation="send_metadata"):
+            if not self._send_bootstrap_message(
+                bootstrap_info=bootstrap_info, message=info.to_frames(), operation="send_metadata"
+            ):
                 mgr.receives.cancel(room)
                 self.invalidate_cached_bootstrap_infos()
                 return
@@ -200,17 +229,21 @@ class KvxferKVReceiver(CommonKVReceiver):  # type: ignore[misc]
         super().clear()
 
 
-class KvxferKVBootstrapServer(CommonKVBootstrapServer):  # type: ignore[misc]
+class KvxferKVBootstrapServer(CommonKVBootstrapServer):
     """SGLang's own bootstrap server: the decode side finds the prefill ranks there."""
 
 
 def _refuse_unsupported(args: KVArgs, server_args: Any, is_mla: bool) -> None:
     device = str(getattr(server_args, "device", "cpu") or "cpu")
     refusals = {
-        f"device {device!r}: kvxfer's SGLang backend moves CPU KV pools in this release (--device cpu)": device != "cpu",
+        f"device {device!r}: kvxfer's SGLang backend moves CPU KV pools in this release (--device cpu)": device
+        != "cpu",
         "MLA models: kvxfer's SGLang backend moves MHA KV pools in this release": is_mla,
         "hybrid models' state buffers are not moved by kvxfer yet": bool(getattr(args, "state_data_ptrs", None)),
-        "pipeline parallelism (--pp-size > 1) is not supported by kvxfer's SGLang backend": getattr(server_args, "pp_size", 1) > 1,
+        "pipeline parallelism (--pp-size > 1) is not supported by kvxfer's SGLang backend": getattr(
+            server_args, "pp_size", 1
+        )
+        > 1,
     }
     for why, refused in refusals.items():
         if refused:

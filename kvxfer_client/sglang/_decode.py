@@ -13,6 +13,7 @@ heartbeat, an abort, a timeout) cancels the receives it still has.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import secrets
 import threading
 from dataclasses import dataclass, field, replace
@@ -57,12 +58,11 @@ class DecodeReceives:
             self.rooms[room] = _Receives({t for t, _, _ in receives})
         for transfer_id, pool, ids in receives:
             future = mgr.client.start_receive(transfer_id, pool, ids, timeout_s=mgr.waiting_timeout)
-            future.add_done_callback(lambda f, t=transfer_id: self._landed(room, t, f))
+            future.add_done_callback(functools.partial(self._landed, room, transfer_id))
         return infos
 
     def _landed(self, room: int, transfer_id: str, future: concurrent.futures.Future[PullResult]) -> None:
         """One receive ended (client thread)."""
-        KVPoll = _poll()
         try:
             future.result()
         except Exception as exc:  # noqa: BLE001 - the typed error is the request's failure reason
@@ -77,7 +77,7 @@ class DecodeReceives:
             if done:
                 del self.rooms[room]
         if done:
-            self.mgr.update_status(room, KVPoll.Success)
+            self.mgr.update_status(room, _poll().Success)
 
     def fail(self, room: int, why: str) -> None:
         """Fail the request (first reason kept) and cancel the receives it still has."""

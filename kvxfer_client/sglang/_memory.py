@@ -8,8 +8,10 @@ of a kvxfer pool whose block is SGLang's page: page ``p`` of every layer is bloc
 
 >>> from kvxfer_client.sglang._memory import kv_layout
 >>> layout = kv_layout([2048, 2048], [4352, 4352], page_size=16, total_heads=4, tp=(2, 1), dtype="bfloat16")
->>> layout.num_blocks, layout.regions[1], layout.geometry
-(2, Region(buffer_index=1, offset=0, block_stride=2048, block_bytes=2048), KvGeometry(block_tokens=16, total_kv_heads=4, head_bytes=64, order='NHD'))
+>>> layout.num_blocks, layout.regions[1]
+(2, Region(buffer_index=1, offset=0, block_stride=2048, block_bytes=2048))
+>>> layout.geometry
+KvGeometry(block_tokens=16, total_kv_heads=4, head_bytes=64, order='NHD')
 """
 
 from __future__ import annotations
@@ -39,7 +41,13 @@ def host_views(ptrs: Sequence[int], lens: Sequence[int]) -> list[np.ndarray[Any,
 
 
 def kv_layout(
-    item_lens: Sequence[int], data_lens: Sequence[int], *, page_size: int, total_heads: int, tp: tuple[int, int], dtype: str
+    item_lens: Sequence[int],
+    data_lens: Sequence[int],
+    *,
+    page_size: int,
+    total_heads: int,
+    tp: tuple[int, int],
+    dtype: str,
 ) -> Layout:
     """The KV pool: one region per K or V buffer, a block per page. With equal pages in every
     buffer it declares the heads inside a page, so pools of other tensor parallelism (``tp``:

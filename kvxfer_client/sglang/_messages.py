@@ -161,7 +161,9 @@ def _field(head: dict[str, Any], name: str, kind: type, what: str = "registratio
     value = head.get(name)
     # bool is an int in Python: an int field takes no bool, a bool field no int.
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise InvalidRequestError(f"kvxfer {what} message: {name!r} must be {kind.__name__}, not {type(value).__name__}")
+        raise InvalidRequestError(
+            f"kvxfer {what} message: {name!r} must be {kind.__name__}, not {type(value).__name__}"
+        )
     if isinstance(value, str) and len(value) > 512:
         raise InvalidRequestError(f"kvxfer {what} message: {name!r} is {len(value)} characters")
     return value

@@ -14,6 +14,7 @@ it with the daemon's reason, which SGLang's status message carries to the decode
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -108,7 +109,7 @@ class PrefillPushes:
         pushes: list[tuple[Any, list[int], str, str]] = []
         for info in infos.values():
             if len(info.dst_pages) != len(src):
-                why = f"this prefill rank sends {len(src)} pages; decode rank {info.session} allocated {len(info.dst_pages)}"
+                why = f"this rank sends {len(src)} pages; decode rank {info.session} allocated {len(info.dst_pages)}"
                 mgr.conclude_failure(bootstrap_room=room, failure_reason=why)
                 return
             address = self.peers[info.session].peer_address
@@ -122,7 +123,7 @@ class PrefillPushes:
             self.running[room] = _Pushes(len(pushes))
         for pool, ids, transfer_id, address in pushes:
             future = mgr.client.start_push(pool, ids, transfer_id, address, lease_s=mgr.lease_s)
-            future.add_done_callback(lambda f, t=transfer_id: self._announced(room, t, f))
+            future.add_done_callback(functools.partial(self._announced, room, transfer_id))
 
     def _announced(self, room: int, transfer_id: str, future: concurrent.futures.Future[PushResult]) -> None:
         """The push is announced (client thread): wait for its offer's release."""
@@ -179,11 +180,14 @@ class PrefillPushes:
             self.mgr.client.start_release(offer_id)
         mgr = self.mgr
         if room in mgr.request_status and mgr.check_status(room) != _poll().Success:
-            mgr.record_failure(room, why)
+            with mgr.failure_lock:  # the first reason is the root cause: keep it
+                mgr.failure_records.setdefault(room, why)
             mgr.update_status(room, _poll().Failed)
             if tell_decode:
                 targets = mgr._room_notify_targets(room)
-                mgr.send_kv_status_message(targets=targets, bootstrap_room=room, status=_poll().Failed, failure_reason=why)
+                mgr.send_kv_status_message(
+                    targets=targets, bootstrap_room=room, status=_poll().Failed, failure_reason=why
+                )
 
 
 def _poll() -> Any:
