@@ -222,16 +222,17 @@ class Rank:
         return {"bad_elements": bad, "elements": int(want.size), "metadata_ok": meta_ok}
 
 
-class SglangRank:
-    """One prefill or decode rank; ``rank(op, **kwargs)`` runs a command and returns its result."""
+class SglangProcess:
+    """A worker of this file's kind (``module``) in a process of its own, on ``daemon``;
+    ``proc(op, **kwargs)`` runs a command and returns its result."""
 
-    def __init__(self, role: str, tp: int, rank: int, port: int, model: str, daemon: Daemon) -> None:
-        self.name = f"{role}{rank}"
+    def __init__(self, module: str, argv: list[str], daemon: Daemon, name: str) -> None:
+        self.name = name
         self.daemon = daemon
         self.log_path = os.path.join(daemon.workdir, f"sglang-{self.name}.log")
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child keeps it
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "bench.sglang_rank", role, str(tp), str(rank), str(port), model],
+            [sys.executable, "-m", module, *argv],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=log,
@@ -241,14 +242,16 @@ class SglangRank:
         log.close()
         hello = self._read()
         if not hello.get("ready"):
-            raise RuntimeError(f"SGLang rank {self.name} did not start: {hello.get('error')}\n{hello.get('trace', '')}")
+            raise RuntimeError(
+                f"SGLang worker {self.name} did not start: {hello.get('error')}\n{hello.get('trace', '')}"
+            )
 
     def _read(self) -> dict[str, Any]:
         assert self.proc.stdout is not None
         while True:
             line = self.proc.stdout.readline()
             if not line:
-                raise RuntimeError(f"SGLang rank {self.name} exited ({self.proc.poll()}):\n{self.log()}")
+                raise RuntimeError(f"SGLang worker {self.name} exited ({self.proc.poll()}):\n{self.log()}")
             if line.startswith(b"@@"):
                 reply: dict[str, Any] = json.loads(line[2:])
                 return reply
@@ -259,7 +262,7 @@ class SglangRank:
         self.proc.stdin.flush()
         reply = self._read()
         if "error" in reply:
-            raise RuntimeError(f"SGLang rank {self.name} {op}: {reply['error']}\n{reply.get('trace', '')}")
+            raise RuntimeError(f"SGLang worker {self.name} {op}: {reply['error']}\n{reply.get('trace', '')}")
         return reply["result"]
 
     def log(self) -> str:
@@ -290,7 +293,19 @@ def main() -> None:
     except Exception as exc:  # noqa: BLE001 - the test shows why the rank did not start
         print("@@" + json.dumps({"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}), flush=True)
         return
-    print("@@" + json.dumps({"ready": True, "daemon": worker.mgr.client.daemon_id}), flush=True)
+    serve(worker)
+
+
+class SglangRank(SglangProcess):
+    """One prefill or decode rank (:class:`Rank`) on ``daemon``."""
+
+    def __init__(self, role: str, tp: int, rank: int, port: int, model: str, daemon: Daemon) -> None:
+        super().__init__("bench.sglang_rank", [role, str(tp), str(rank), str(port), model], daemon, f"{role}{rank}")
+
+
+def serve(worker: Any) -> None:
+    """Answer commands on stdin (JSON lines; answers start with ``@@``) until it closes."""
+    print("@@" + json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
         try:

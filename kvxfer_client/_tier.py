@@ -35,6 +35,7 @@ class _Client(Protocol):
     @property
     def _engine(self) -> Any: ...
     async def _call(self, method: Any, request: Any, timeout_s: float | None = None) -> Any: ...
+    async def _ready(self) -> None: ...
 
 
 class TierCalls:
@@ -45,6 +46,7 @@ class TierCalls:
     ) -> tuple[int, int]:
         """Copy blocks into the tier under ``keys`` (one per block); returns (stored, skipped:
         already stored or no room). The blocks may be reused once this returns."""
+        await self._ready()  # connected (or back after a restart), as every call
         req = engine_pb2.TierStoreRequest(
             session_id=self.session_id,
             pool_id=pool.pool_id if isinstance(pool, Pool) else pool,
@@ -69,6 +71,7 @@ class TierCalls:
         longest stored prefix of them: None when nothing is) as one ticket, pulled like any
         other; the pool's blocks are not held by it (store them first, then reuse them at
         once). ``lease_s`` 0: the daemon's default lease. ``pool``: as for ``offer``."""
+        await self._ready()
         pool_id, offer_key = pool_target(pool)
         req = engine_pb2.TierOfferRequest(
             session_id=self.session_id,
@@ -94,6 +97,7 @@ class TierCalls:
         """How many of ``keys``, from the first, the tier holds for this pool's namespace
         (``from_peer``: another node's kvxferd, ``host:port``, whose tier to ask; ``pool``: as
         for ``offer``)."""
+        await self._ready()
         pool_id, offer_key = pool_target(pool)
         req = engine_pb2.TierLookupRequest(
             session_id=self.session_id,
@@ -119,6 +123,7 @@ class TierCalls:
         ``keys[j]``); returns how many blocks were loaded: compute the rest. ``from_peer``:
         load from another node's tier (``host:port`` of its kvxferd), over the data plane,
         within ``timeout_s`` (0: the daemon's pull timeout)."""
+        await self._ready()
         req = engine_pb2.TierLoadRequest(
             session_id=self.session_id,
             pool_id=pool.pool_id if isinstance(pool, Pool) else pool,
