@@ -198,6 +198,10 @@ class Rank:
         side.init(0)
         return int(side.poll())
 
+    def compares_checksums(self) -> bool:
+        """Whether SGLang's KV checksum is compared for requests from this prefill."""
+        return bool(self.mgr.should_verify_kv_checksum(f"127.0.0.1:{self.port}"))
+
     def allocate(self, room: int, tokens: int, prefix: int) -> None:
         """Pages for the request past its cached prefix, and ``send_metadata``."""
         req = self.reqs[room]

@@ -123,6 +123,15 @@ class KvxferKVManager(CommonKVManager):
         if status == KVPoll.Failed:
             self.receives.fail(room, reason or self.DEFAULT_PREFILL_FAILURE_REASON)
 
+    def should_verify_kv_checksum(self, bootstrap_addr: str) -> bool:
+        """SGLang's KV checksum (``--disaggregation-enable-kv-checksum``) rides in the metadata
+        row and the decode side compares it with its own digest; that is only meaningful where
+        both sides hold the same heads. Where the prefill's TP differs, each decode rank holds
+        a slice of what was digested: SGLang skips the comparison, and the daemon's block
+        checksums (its ``integrity`` setting) check every landed page instead."""
+        info = self.prefill_info_table.get(bootstrap_addr)
+        return info is None or int(info.attn_tp_size) == int(self.attn_tp_size)
+
     def build_receiver_registration_message(self) -> list[bytes]:
         client = self.client
         return Registration(
