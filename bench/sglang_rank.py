@@ -150,7 +150,12 @@ class Rank:
         self.reqs[room]["side"].abort()
 
     def state(self) -> dict[str, Any]:
-        return {"rooms": sorted(int(r) for r in self.mgr.request_status), "free_pages": len(self.free_pages)}
+        client = self.mgr.client
+        return {
+            "rooms": sorted(int(r) for r in self.mgr.request_status),
+            "free_pages": len(self.free_pages),
+            "daemon": {"connected": client.connected, "peer_address": client.peer_address, "reconnects": client.reconnects},
+        }
 
     # -- prefill (PrefillBootstrapQueue, then the prefill batch and its inflight queue) -----
     def sender(self, room: int) -> None:

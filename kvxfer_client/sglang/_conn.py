@@ -205,8 +205,9 @@ class KvxferKVReceiver(CommonKVReceiver):
             return
         pages = np.asarray(kv_indices, dtype=np.int64)
         request = RoomInfo(
-            room, mgr.session, self.required_dst_info_num, "", aux_index, False, decode_prefix_len or 0, pages
-        )
+            room, mgr.session, self.required_dst_info_num, "", aux_index, False, decode_prefix_len or 0, pages,
+            mgr.client.peer_address,
+        )  # fmt: skip
         infos = mgr.receives.expect(request, len(self.bootstrap_infos))
         for bootstrap_info, info in zip(self.bootstrap_infos, infos, strict=True):
             if not self._send_bootstrap_message(

@@ -5,12 +5,14 @@ Two messages, each a tag frame, a JSON frame and (for a request) the page indice
 - ``KVXFER_REG``, once per prefill rank a decode rank talks to: where the decode rank's
   daemon is (``peer_address``) and the ZMQ endpoint its status messages go to;
 - ``KVXFER_ROOM``, once per request (SGLang's bootstrap room): the pages the decode rank
-  allocated, its metadata slot, and the nonce the transfer ids are made from.
+  allocated, its metadata slot, the nonce the transfer ids are made from, and its daemon's
+  peer address as it is now (a daemon restarted since the registration may listen elsewhere).
 
 Everything in them is checked as hostile: a malformed message is a
 :class:`~kvxfer.errors.InvalidRequestError` (the prefill side logs and drops it).
 
->>> frames = RoomInfo(7, "10.0.0.2:5000", 1, "ab" * 16, 3, True, 0, np.arange(4, dtype=np.int32)).to_frames()
+>>> pages = np.arange(4, dtype=np.int32)
+>>> frames = RoomInfo(7, "10.0.0.2:5000", 1, "ab" * 16, 3, True, 0, pages, "10.0.0.2:7000").to_frames()
 >>> parse_room(frames).dst_pages.tolist()
 [0, 1, 2, 3]
 >>> parse_room([ROOM_TAG, b'{"room": "x"}', b""])
@@ -70,6 +72,8 @@ class RoomInfo:
     want_aux: bool
     decode_prefix_len: int
     dst_pages: np.ndarray[Any, Any]
+    #: The decode rank's daemon now (it may have restarted elsewhere since the registration).
+    peer_address: str = ""
 
     def to_frames(self) -> list[bytes]:
         head = {k: v for k, v in self.__dict__.items() if k != "dst_pages"}
@@ -140,6 +144,7 @@ def parse_room(frames: list[bytes]) -> RoomInfo:
         _field(head, "want_aux", bool, "room"),
         _field(head, "decode_prefix_len", int, "room"),
         pages,
+        _field(head, "peer_address", str, "room"),
     )
 
 

@@ -112,7 +112,7 @@ class PrefillPushes:
                 why = f"this rank sends {len(src)} pages; decode rank {info.session} allocated {len(info.dst_pages)}"
                 mgr.conclude_failure(bootstrap_room=room, failure_reason=why)
                 return
-            address = self.peers[info.session].peer_address
+            address = info.peer_address or self.peers[info.session].peer_address
             pushes.append((mgr.kv_pool, src.tolist(), info.transfer_id("kv"), address))
             if info.want_aux:
                 if aux_index is None:

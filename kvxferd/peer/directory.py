@@ -15,6 +15,7 @@ import asyncio
 import logging
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -157,6 +158,9 @@ class PeerDirectory:
         self.by_id: dict[str, Peer] = {}
         self._by_address: dict[str, Peer] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        #: Called with a daemon id that came back with another UCX worker (it restarted),
+        #: whichever way this daemon learnt it (its Hello, or ours to it): its endpoint goes.
+        self.on_new_worker: Callable[[str], None] | None = None
 
     def accept_hello(self, theirs: peer_pb2.PeerIdentity) -> None:
         """Record a peer that said Hello to us."""
@@ -165,7 +169,12 @@ class PeerDirectory:
         if peer is None:
             self.by_id[theirs.daemon_id] = Peer(theirs)
         else:
+            self._check_worker(peer, theirs)
             peer.identity, peer.state, peer.last_hello = theirs, CONNECTED, time.time()
+
+    def _check_worker(self, known: Peer, theirs: peer_pb2.PeerIdentity) -> None:
+        if known.identity.ucx_worker_address != theirs.ucx_worker_address and self.on_new_worker is not None:
+            self.on_new_worker(theirs.daemon_id)
 
     def known(self, daemon_id: str) -> Peer:
         peer = self.by_id.get(daemon_id)
@@ -231,6 +240,9 @@ class PeerDirectory:
                 raise type(err)(f"Hello to peer {address} failed: {err}") from None
             check_compatible(self.identity, resp.identity)
             peer = Peer(resp.identity, channel=channel, stub=stub)
+            known = self.by_id.get(peer.daemon_id)
+            if known is not None:
+                self._check_worker(known, resp.identity)
             self._by_address[address] = peer
             self.by_id[peer.daemon_id] = peer
             return peer

@@ -81,6 +81,7 @@ class RemotePlane:
         self.settings = services.settings
         self.ucx = ucx
         self.peers = peers
+        peers.on_new_worker = self._new_worker
         self.faults = services.faults
         self._send_staging, self._recv_staging = staging
         self._gpu = services.gpu
@@ -103,12 +104,11 @@ class RemotePlane:
 
     def accept_hello(self, identity: peer_pb2.PeerIdentity) -> None:
         """A peer said Hello. One that comes back with a new worker (it restarted) gets a new
-        endpoint at its next transfer."""
-        known = self.peers.by_id.get(identity.daemon_id)
-        old_address = known.identity.ucx_worker_address if known is not None else None
+        endpoint at its next transfer (``_new_worker``, also when our Hello found it)."""
         self.peers.accept_hello(identity)
-        if old_address is not None and old_address != identity.ucx_worker_address:
-            self.ucx.retire(identity.daemon_id, "the peer came back with a new worker")
+
+    def _new_worker(self, daemon_id: str) -> None:
+        self.ucx.retire(daemon_id, "the peer came back with a new worker")
 
     async def dial_offerer(self, ticket: Ticket) -> Peer:
         """The daemon the ticket names, at the ticket's address. When another daemon answers

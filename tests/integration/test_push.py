@@ -240,3 +240,29 @@ async def test_hostile_announcements_are_refused_typed(pair: tuple[Daemon, Daemo
             code = await announce(daemon_id="a", ticket=forged)
             assert code == grpc.StatusCode.PERMISSION_DENIED
     assert b.proc is not None and b.proc.poll() is None, b.log()
+
+
+async def test_a_push_to_a_decode_daemon_restarted_on_a_new_port_lands(cluster: Cluster) -> None:
+    """The decode daemon restarts on another port: the prefill daemon's Hello to the new address
+    (the push announcement) learns of its new UCX worker, and the bytes of the next push go to
+    that worker, not over the endpoint the old daemon left behind (where they once waited out
+    the pull's deadline)."""
+    a, b = cluster.daemon("a"), cluster.daemon("b")
+    async with AsyncKvxferClient(a.socket, engine_name="prefill") as p:
+        for round_ in range(2):
+            async with AsyncKvxferClient(b.socket, engine_name="decode") as d:
+                src, dst = (
+                    await _pools(p, d)
+                    if round_ == 0
+                    else (src, await d.register_pool([HostBuffer.create(s) for s in LAYOUT.buffer_sizes()], LAYOUT))
+                )
+                tid = _tid()
+                receiving = asyncio.create_task(d.receive(tid, dst, [4, 5], timeout_s=10))
+                pushed = await p.push(src, [1, 2], tid, d.peer_address)
+                assert pushed.mode == "push", pushed
+                await receiving
+                assert _blocks(dst, [4, 5]) == _blocks(src, [1, 2])
+            if round_ == 0:
+                b.terminate()
+                b.start()  # --peer-listen 127.0.0.1:0: a new port, a new worker
+    assert "ucx.endpoint_retired" in a.log() and "the peer came back with a new worker" in a.log()

@@ -7,6 +7,7 @@ import inspect
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pytest
 
@@ -62,6 +63,53 @@ def test_a_prefill_daemon_killed_mid_transfer_fails_the_request_on_both_ranks_in
 
             status = asyncio.run(b.settled(10))
             assert (status.active_offers, status.active_transfers) == (0, 0), status
+        finally:
+            prefill.close()
+            decode.close()
+
+
+def _handoff(prefill: SglangRank, decode: SglangRank, room: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One request through both ranks, in SGLang's order; how each side ended."""
+    prefill("sender", room=room)
+    assert decode("receiver", room=room) == 2
+    decode("allocate", room=room, tokens=90, prefix=0)
+    wait_for(lambda: prefill("poll", rooms=[room])[str(room)] == 2, "the prefill side to be bootstrapped")
+    prefill("prefill", room=room, tokens=90, chunk_pages=2)
+    [p] = prefill("wait", rooms=[room], timeout_s=30).values()
+    [d] = decode("wait", rooms=[room], timeout_s=30).values()
+    return p, d
+
+
+def _session(rank: SglangRank) -> dict[str, Any]:
+    daemon = rank("state")["daemon"]
+    return {"connected": daemon["connected"], "reconnects": daemon["reconnects"]}
+
+
+def test_each_daemon_restarted_under_running_ranks_serves_the_next_requests(tmp_path: str, env_bounds: None) -> None:
+    """The prefill node's daemon, then the decode node's, restarts (on a new peer port) while
+    the SGLang ranks keep running: each rank's session comes back by itself with its pools
+    registered again, and the next request hands off byte-exact, without restarting any rank
+    (the decode rank names its daemon's new address in each request)."""
+    model = write_model(str(tmp_path))
+    with Cluster() as cluster:
+        a, b = cluster.daemon("prefill-node"), cluster.daemon("decode-node")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        prefill = SglangRank("prefill", 1, 0, port, model, a)
+        decode = SglangRank("decode", 1, 0, port, model, b)
+        try:
+            p, d = _handoff(prefill, decode, 6 << 20)
+            assert p["status"] == d["status"] == "success" and d["bad_elements"] == 0, (p, d)
+            for n, (daemon, rank) in enumerate(((a, prefill), (b, decode)), start=1):
+                daemon.terminate()
+                daemon.start()
+                # The rank notices and reconnects on its own (requests meanwhile fail, saying why).
+                back = {"connected": True, "reconnects": 1}
+                wait_for(lambda r=rank: _session(r) == back, f"{rank.name} to reconnect", 30)
+                p, d = _handoff(prefill, decode, (6 << 20) + n)
+                assert p["status"] == d["status"] == "success", (daemon.name, p, d)
+                assert d["bad_elements"] == 0 and d["metadata_ok"], d
         finally:
             prefill.close()
             decode.close()
