@@ -154,7 +154,11 @@ class Rank:
         return {
             "rooms": sorted(int(r) for r in self.mgr.request_status),
             "free_pages": len(self.free_pages),
-            "daemon": {"connected": client.connected, "peer_address": client.peer_address, "reconnects": client.reconnects},
+            "daemon": {
+                "connected": client.connected,
+                "peer_address": client.peer_address,
+                "reconnects": client.reconnects,
+            },
         }
 
     # -- prefill (PrefillBootstrapQueue, then the prefill batch and its inflight queue) -----

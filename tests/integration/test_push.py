@@ -251,11 +251,10 @@ async def test_a_push_to_a_decode_daemon_restarted_on_a_new_port_lands(cluster: 
     async with AsyncKvxferClient(a.socket, engine_name="prefill") as p:
         for round_ in range(2):
             async with AsyncKvxferClient(b.socket, engine_name="decode") as d:
-                src, dst = (
-                    await _pools(p, d)
-                    if round_ == 0
-                    else (src, await d.register_pool([HostBuffer.create(s) for s in LAYOUT.buffer_sizes()], LAYOUT))
-                )
+                if round_ == 0:
+                    src, dst = await _pools(p, d)
+                else:  # the restarted daemon: a new session, a new destination pool
+                    dst = await d.register_pool([HostBuffer.create(s) for s in LAYOUT.buffer_sizes()], LAYOUT)
                 tid = _tid()
                 receiving = asyncio.create_task(d.receive(tid, dst, [4, 5], timeout_s=10))
                 pushed = await p.push(src, [1, 2], tid, d.peer_address)

@@ -15,6 +15,8 @@ from bench.cluster import Cluster, wait_for
 from bench.sglang_rank import SglangRank, write_model
 
 TIMEOUT_S = 8
+#: A rank's session after one restart of its daemon.
+BACK = {"connected": True, "reconnects": 1}
 
 
 @pytest.fixture
@@ -105,8 +107,7 @@ def test_each_daemon_restarted_under_running_ranks_serves_the_next_requests(tmp_
                 daemon.terminate()
                 daemon.start()
                 # The rank notices and reconnects on its own (requests meanwhile fail, saying why).
-                back = {"connected": True, "reconnects": 1}
-                wait_for(lambda r=rank: _session(r) == back, f"{rank.name} to reconnect", 30)
+                wait_for(lambda r=rank: _session(r) == BACK, f"{rank.name} to reconnect", 30)
                 p, d = _handoff(prefill, decode, (6 << 20) + n)
                 assert p["status"] == d["status"] == "success", (daemon.name, p, d)
                 assert d["bad_elements"] == 0 and d["metadata_ok"], d
