@@ -142,6 +142,7 @@ class PrefillPushes:
                 self.mgr.client.start_release(result.ticket.offer_id)
                 return
             running.offers[result.ticket.offer_id] = transfer_id
+        self.mgr.update_status(room, _poll().Transferring)  # the decode daemon took it: moving
         released = self.mgr.client.watch_release(result.ticket.offer_id)
         released.add_done_callback(lambda f: self._released(room, result.ticket.offer_id, f))
 
