@@ -127,36 +127,26 @@ def test_requests_at_once_land_byte_exact_in_the_decode_ranks_pages(pair: Pair) 
     assert all(rank("compares_checksums") == same_heads for rank in pair.decode)
 
 
-def test_a_request_aborted_on_the_decode_side_fails_both_sides_and_leaves_nothing(pair: Pair) -> None:
-    [room] = _rooms(2, 1)
+@pytest.mark.parametrize("side", ["decode", "prefill"])
+def test_a_request_aborted_on_one_side_fails_the_other_at_once_and_leaves_nothing(pair: Pair, side: str) -> None:
+    """SGLang aborts a request on one side once both are bootstrapped: the other side hears it
+    over the control socket and fails well before SGLang's own timeout (from the prefill side,
+    saying it aborted), and neither daemon keeps an offer or a transfer."""
+    [room] = _rooms(2 if side == "decode" else 3, 1)
     _bootstrap(pair, [room])
     for rank in pair.decode:
         rank("allocate", room=room, tokens=64, prefix=0)
     _until_waiting_for_input(pair, [room])
-    for rank in pair.decode:
+    aborting, other = (pair.decode, pair.prefill) if side == "decode" else (pair.prefill, pair.decode)
+    for rank in aborting:
         rank("abort", room=room)
     started = time.monotonic()
-    ends = _wait(pair.prefill, [room], timeout_s=TIMEOUT_S + 5)
+    ends = _wait(other, [room], timeout_s=TIMEOUT_S + 5)
     assert all(e[str(room)]["status"] == "failed" for e in ends), ends
-    assert time.monotonic() - started < TIMEOUT_S, "the prefill side heard of the abort only by its own timeout"
-    assert all(e[str(room)]["status"] == "failed" for e in _wait(pair.decode, [room])), "the aborted decode side"
-    assert _settled(pair.prefill_daemon) == (0, 0) and _settled(pair.decode_daemon) == (0, 0)
-
-
-def test_a_request_aborted_on_the_prefill_side_fails_the_decode_side_at_once(pair: Pair) -> None:
-    [room] = _rooms(3, 1)
-    _bootstrap(pair, [room])
-    for rank in pair.decode:
-        rank("allocate", room=room, tokens=64, prefix=0)
-    _until_waiting_for_input(pair, [room])
-    for rank in pair.prefill:
-        rank("abort", room=room)
-    started = time.monotonic()
-    ends = _wait(pair.decode, [room], timeout_s=TIMEOUT_S + 5)
-    assert all(e[str(room)]["status"] == "failed" for e in ends), ends
-    assert all("aborted" in str(e[str(room)].get("reason")) for e in ends), ends
-    assert time.monotonic() - started < TIMEOUT_S, "the decode side gave up only at its own timeout"
-    _wait(pair.prefill, [room])
+    assert time.monotonic() - started < TIMEOUT_S, f"the other side heard of the {side} abort only by its timeout"
+    if side == "prefill":
+        assert all("aborted" in str(e[str(room)].get("reason")) for e in ends), ends
+    assert all(e[str(room)]["status"] == "failed" for e in _wait(aborting, [room])), "the aborting side"
     assert _settled(pair.prefill_daemon) == (0, 0) and _settled(pair.decode_daemon) == (0, 0)
 
 

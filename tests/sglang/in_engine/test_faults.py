@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from bench.cluster import Cluster, wait_for
+from bench.cluster import Cluster, Daemon, wait_for
 from bench.sglang_rank import SglangRank, write_model
 
 TIMEOUT_S = 8
@@ -26,6 +26,16 @@ def env_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", str(TIMEOUT_S))
 
 
+def _ranks(model: str, prefill_daemon: Daemon, decode_daemon: Daemon) -> tuple[SglangRank, SglangRank]:
+    """A prefill and a decode rank (TP 1), paired through a bootstrap port of their own."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    return SglangRank("prefill", 1, 0, port, model, prefill_daemon), SglangRank(
+        "decode", 1, 0, port, model, decode_daemon
+    )
+
+
 def test_a_prefill_daemon_killed_mid_transfer_fails_the_request_on_both_ranks_in_bounded_time(
     tmp_path: str, env_bounds: None
 ) -> None:
@@ -37,11 +47,7 @@ def test_a_prefill_daemon_killed_mid_transfer_fails_the_request_on_both_ranks_in
     with Cluster() as cluster, ThreadPoolExecutor(2) as pool:
         a = cluster.daemon("prefill-node", "--fault-injection", "--faults", "after_accepted=pause:60")
         b = cluster.daemon("decode-node")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        prefill = SglangRank("prefill", 1, 0, port, model, a)
-        decode = SglangRank("decode", 1, 0, port, model, b)
+        prefill, decode = _ranks(model, a, b)
         try:
             room = 5 << 20
             prefill("sender", room=room)
@@ -95,11 +101,7 @@ def test_each_daemon_restarted_under_running_ranks_serves_the_next_requests(tmp_
     model = write_model(str(tmp_path))
     with Cluster() as cluster:
         a, b = cluster.daemon("prefill-node"), cluster.daemon("decode-node")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        prefill = SglangRank("prefill", 1, 0, port, model, a)
-        decode = SglangRank("decode", 1, 0, port, model, b)
+        prefill, decode = _ranks(model, a, b)
         try:
             p, d = _handoff(prefill, decode, 6 << 20)
             assert p["status"] == d["status"] == "success" and d["bad_elements"] == 0, (p, d)
