@@ -7,8 +7,11 @@ then talks to the kvxfer daemon of its node (``$KVXFER_SOCKET``): the decode ran
 KV pages and expects the request's pages, the prefill rank pushes them, and the daemons move
 the bytes (see ``docs/sglang.md``).
 
-The classes SGLang loads (:mod:`._conn`) import SGLang; this module does not, so it can be
-imported, and its version check run, anywhere.
+:mod:`kvxfer_client.sglang.hicache` is the node's KV tier as SGLang's HiCache storage, which
+SGLang loads by module path (``--hicache-storage-backend dynamic``).
+
+The classes SGLang loads (:mod:`._conn`, :mod:`.hicache`) import SGLang; this module does not,
+so it can be imported, and its version check run, anywhere.
 """
 
 from ._plugin import BACKEND, TESTED_SGLANG, check_version, register
