@@ -106,6 +106,7 @@ class PrefillPushes:
             if not last:
                 return
             src = np.concatenate(self.chunks.pop(room))
+        ids = src.tolist()  # once for every decode rank's push
         pushes: list[tuple[Any, list[int], str, str]] = []
         for info in infos.values():
             if len(info.dst_pages) != len(src):
@@ -113,7 +114,7 @@ class PrefillPushes:
                 mgr.conclude_failure(bootstrap_room=room, failure_reason=why)
                 return
             address = info.peer_address or self.peers[info.session].peer_address
-            pushes.append((mgr.kv_pool, src.tolist(), info.transfer_id("kv"), address))
+            pushes.append((mgr.kv_pool, ids, info.transfer_id("kv"), address))
             if info.want_aux:
                 if aux_index is None:
                     mgr.conclude_failure(bootstrap_room=room, failure_reason="the request's metadata row is unknown")

@@ -26,6 +26,7 @@ import hashlib
 import logging
 from typing import Any
 
+import numpy as np
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 from kvxfer.errors import InvalidRequestError, KvxferError
@@ -166,11 +167,12 @@ class KvxferHiCacheStorage(HiCacheStorage):
 
     def _pages(self, host_indices: Any, count: int) -> list[int]:
         """The host pages of ``count`` pages' token indices (a page's first token / page size)."""
-        tokens = host_indices.tolist() if hasattr(host_indices, "tolist") else list(host_indices)
+        tokens = np.asarray(host_indices.cpu() if hasattr(host_indices, "cpu") else host_indices, dtype=np.int64)
         firsts = tokens[:: self.page_size][:count]
-        if len(firsts) != count or any(t % self.page_size for t in firsts):
+        if len(firsts) != count or bool((firsts % self.page_size).any()):
             raise InvalidRequestError(f"{len(tokens)} host token indices are not {count} whole pages")
-        return [t // self.page_size for t in firsts]
+        pages: list[int] = (firsts // self.page_size).tolist()
+        return pages
 
     def clear(self) -> None:
         """Nothing to clear here: the tier is the node's, not this engine's."""
