@@ -2,13 +2,14 @@
 
 It builds what SGLang's scheduler builds for a PD rank, with SGLang's own classes: the
 runtime context (``publish`` of its ``ServerArgs``), its plugins (kvxfer's registration, by
-its entry point), a CPU ``MHATokenToKVPool`` and ``MetadataBuffers``, the ``KVArgs`` its
+its entry point), a CPU ``MHATokenToKVPool`` (or a hybrid model's pools:
+``bench.sglang_hybrid``) and ``MetadataBuffers``, the ``KVArgs`` its
 bootstrap/prealloc queue fills, and the backend's manager from ``get_kv_class``. Then each
 command drives a request's sender or receiver the way SGLang's queues do (see
 ``tests/sglang/in_engine``). The model runner is the test: the prefill rank writes a known
 pattern for its heads into the request's pages; the decode rank checks its own heads.
 
-Usage: ``python -m bench.sglang_rank ROLE TP RANK BOOTSTRAP_PORT MODEL_DIR`` (``$KVXFER_SOCKET``:
+Usage: ``python -m bench.sglang_rank ROLE TP RANK BOOTSTRAP_PORT MODEL_DIR [mha|swa|mamba]`` (``$KVXFER_SOCKET``:
 its daemon). Commands and answers are JSON lines; answers start with ``@@``.
 """
 
@@ -25,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from bench.cluster import ROOT, Daemon, _env
+from bench.sglang_hybrid import HybridState
 
 PAGE = 16
 HEADS, HEAD_DIM, LAYERS = 4, 32, 2  # the test model: 4 KV heads of 32, two layers
@@ -52,7 +54,7 @@ class _OneStage:
 
 
 class Rank:
-    def __init__(self, role: str, tp: int, rank: int, port: int, model: str) -> None:
+    def __init__(self, role: str, tp: int, rank: int, port: int, model: str, kind: str = "mha") -> None:
         from sglang.srt.plugins import load_plugins
 
         load_plugins()  # kvxfer's entry point: "kvxfer" becomes a backend (import SGLang's names after it)
@@ -85,7 +87,15 @@ class Rank:
         if role == "prefill" and rank == 0:
             self.server = self.kind("BOOTSTRAP_SERVER")(host="127.0.0.1", port=port)
         self.heads = HEADS // tp
-        self.pool = MHATokenToKVPool(POOL_TOKENS, PAGE, torch.bfloat16, self.heads, HEAD_DIM, LAYERS, "cpu", False)
+        self.hybrid = None
+        if kind == "mha":
+            self.pool = self.kv = MHATokenToKVPool(
+                POOL_TOKENS, PAGE, torch.bfloat16, self.heads, HEAD_DIM, LAYERS, "cpu", False
+            )
+        else:
+            heads = slice(rank * self.heads, (rank + 1) * self.heads)
+            self.hybrid = HybridState(kind, (HEADS, heads), HEAD_DIM, PAGE)
+            self.pool, self.kv = self.hybrid.pool, self.hybrid.full
         self.meta = MetadataBuffers(
             SLOTS, hidden_size=64, hidden_states_dtype=torch.float32, max_sampling_mask_tokens=1
         )
@@ -94,14 +104,17 @@ class Rank:
         kv_args.kv_cache_dtype_str = "bfloat16"
         kv_args.kv_layout = get_pd_kv_layout(self.pool)
         kv_args.kv_data_ptrs, kv_args.kv_data_lens, kv_args.kv_item_lens = get_kv_transfer_buf_infos(self.pool)
-        kv_args.num_draft_entries, kv_args.kv_layer_ids = 0, list(range(LAYERS)) * 2
+        kv_args.num_draft_entries, kv_args.kv_layer_ids = 0, list(range(len(self.kv.k_buffer))) * 2
         kv_args.prefill_start_layer, kv_args.prefill_end_layer = 0, LAYERS
         if role == "prefill":  # the prefill queue states the heads; the decode queue leaves them out
             kv_args.kv_head_num, kv_args.total_kv_head_num = self.heads, HEADS
         kv_args.page_size = PAGE
         kv_args.aux_data_ptrs, kv_args.aux_data_lens, kv_args.aux_item_lens = self.meta.get_buf_infos()
         kv_args.ib_device, kv_args.gpu_id, kv_args.rust_http_port = None, 0, None
-        setup_state_kv_args(kv_args, self.pool, None, total_kv_layers=LAYERS)
+        req_to_token = getattr(self.hybrid, "req_to_token", None)
+        setup_state_kv_args(kv_args, self.pool, None, total_kv_layers=LAYERS, req_to_token_pool=req_to_token)
+        if self.hybrid is not None:
+            self.hybrid.bind(kv_args)
         mode = DisaggregationMode.PREFILL if role == "prefill" else DisaggregationMode.DECODE
         self.mgr = self.kind("MANAGER")(kv_args, mode, args, False)
         self.free_pages = list(range(1, POOL_TOKENS // PAGE))  # page 0 is SGLang's padding page
@@ -143,6 +156,8 @@ class Rank:
                 answer.update(self._check(room, req))
             side.clear()
         self.free_pages.extend(req.get("pages", []))
+        if self.hybrid is not None:
+            self.hybrid.free.extend(req.get("rows", []))
         self.free_slots.append(req["slot"])
         return answer
 
@@ -177,16 +192,28 @@ class Rank:
         self._write(room, tokens, prefix, pages)
         self.meta.output_ids[req["slot"]][0] = room % 1000
         self.meta.bootstrap_room[req["slot"]][0] = room
+        state = self._state_rows(room, count, write=True)
         for start in range(0, count, chunk_pages):
-            side.send(np.asarray(pages[start : start + chunk_pages], dtype=np.int32))
+            last = start + chunk_pages >= count
+            side.send(np.asarray(pages[start : start + chunk_pages], dtype=np.int32), state if last else None)
+
+    def _state_rows(self, room: int, pages: int, write: bool = False) -> list[Any] | None:
+        """A hybrid model's state rows for the request, as SGLang's payloads list them (the
+        prefill rank writes its pattern into them)."""
+        if self.hybrid is None:
+            return None
+        rows = self.reqs[room]["rows"] = self.hybrid.allocate(pages)
+        if write:
+            self.hybrid.write(room, rows)
+        return [np.asarray(rows, dtype=np.int32)]
 
     def _write(self, room: int, tokens: int, prefix: int, pages: list[int]) -> None:
         import torch
 
         kv = pattern(room, tokens)[:, :, prefix:, self.rank * self.heads : (self.rank + 1) * self.heads]
         locs = np.concatenate([np.arange(p * PAGE, (p + 1) * PAGE) for p in pages])[: tokens - prefix]
-        for layer in range(LAYERS):
-            for which, buffers in enumerate((self.pool.k_buffer, self.pool.v_buffer)):
+        for layer in range(len(self.kv.k_buffer)):
+            for which, buffers in enumerate((self.kv.k_buffer, self.kv.v_buffer)):
                 dst = buffers[layer].view(torch.int16)
                 dst[torch.from_numpy(locs)] = torch.from_numpy(kv[layer, which].astype(np.int16))
 
@@ -217,7 +244,10 @@ class Rank:
         count = -(-(tokens - prefix) // PAGE)
         req.update(pages=[self.free_pages.pop() for _ in range(count)], tokens=tokens, prefix=prefix)
         self.meta.bootstrap_room[req["slot"]][0] = 0
-        req["side"].send_metadata(np.asarray(req["pages"], dtype=np.int32), req["slot"], None, decode_prefix_len=prefix)
+        state = self._state_rows(room, count)
+        req["side"].send_metadata(
+            np.asarray(req["pages"], dtype=np.int32), req["slot"], state, decode_prefix_len=prefix
+        )
 
     def _check(self, room: int, req: dict[str, Any]) -> dict[str, Any]:
         import torch
@@ -226,13 +256,16 @@ class Rank:
         want = pattern(room, tokens)[:, :, prefix:, self.rank * self.heads : (self.rank + 1) * self.heads]
         locs = torch.from_numpy(np.concatenate([np.arange(p * PAGE, (p + 1) * PAGE) for p in pages])[: tokens - prefix])
         bad = 0
-        for layer in range(LAYERS):
-            for which, buffers in enumerate((self.pool.k_buffer, self.pool.v_buffer)):
+        for layer in range(len(self.kv.k_buffer)):
+            for which, buffers in enumerate((self.kv.k_buffer, self.kv.v_buffer)):
                 got = buffers[layer].view(torch.int16)[locs].numpy()
                 bad += int((got != want[layer, which].astype(np.int16)).sum())
         slot = req["slot"]
         meta_ok = int(self.meta.bootstrap_room[slot][0]) == room and int(self.meta.output_ids[slot][0]) == room % 1000
-        return {"bad_elements": bad, "elements": int(want.size), "metadata_ok": meta_ok}
+        answer = {"bad_elements": bad, "elements": int(want.size), "metadata_ok": meta_ok}
+        if self.hybrid is not None:
+            answer["state_bad_elements"] = self.hybrid.bad_elements(room, req["rows"])
+        return answer
 
 
 class SglangProcess:
@@ -302,7 +335,7 @@ class SglangProcess:
 def main() -> None:
     role, tp, rank, port, model = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
     try:
-        worker = Rank(role, tp, rank, port, model)
+        worker = Rank(role, tp, rank, port, model, *sys.argv[6:])
     except Exception as exc:  # noqa: BLE001 - the test shows why the rank did not start
         print("@@" + json.dumps({"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}), flush=True)
         return
@@ -312,8 +345,9 @@ def main() -> None:
 class SglangRank(SglangProcess):
     """One prefill or decode rank (:class:`Rank`) on ``daemon``."""
 
-    def __init__(self, role: str, tp: int, rank: int, port: int, model: str, daemon: Daemon) -> None:
-        super().__init__("bench.sglang_rank", [role, str(tp), str(rank), str(port), model], daemon, f"{role}{rank}")
+    def __init__(self, role: str, tp: int, rank: int, port: int, model: str, daemon: Daemon, kind: str = "mha") -> None:
+        argv = [role, str(tp), str(rank), str(port), model, kind]
+        super().__init__("bench.sglang_rank", argv, daemon, f"{role}{rank}")
 
 
 def serve(worker: Any) -> None:

@@ -9,9 +9,13 @@ rows with the node's daemon (``$KVXFER_SOCKET``) as two pools, the decode side e
 pushes into the pages it allocated (:mod:`._decode`), the prefill side pushes them
 (:mod:`._prefill`), and both daemons do the rest.
 
+A hybrid model's state components are pools of their own (:mod:`._state`) and ride with the
+request's last chunk, as SGLang hands them over.
+
 What this release does not move is refused where SGLang builds the manager, with the
-reason: GPU pools (not built yet: no device to test on), MLA and hybrid models' state
-buffers, pipeline parallelism, and SGLang's staging and host-destination modes.
+reason: GPU pools (not built yet: no device to test on), MLA models, state kinds that are
+not whole rows (``dsa_tail``), pipeline parallelism, and SGLang's staging and
+host-destination modes.
 """
 
 from __future__ import annotations
@@ -33,13 +37,15 @@ from sglang.srt.disaggregation.common.conn import (
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
 from kvxfer.errors import IncompatibleError
+from kvxfer.layout import ModelInfo
 
 from .._blocking import KvxferClient
 from .._results import Pool
 from ._decode import DecodeReceives
-from ._memory import aux_layout, host_views, kv_layout
+from ._memory import KV_FORMAT, host_views, kv_layout, row_layout
 from ._messages import Registration, RoomInfo
 from ._prefill import PrefillPushes
+from ._state import StateComponent, rows_of, state_kinds, state_layouts
 
 __all__ = ["KvxferKVBootstrapServer", "KvxferKVManager", "KvxferKVReceiver", "KvxferKVSender"]
 
@@ -69,7 +75,7 @@ class KvxferKVManager(CommonKVManager):
         #: Offers' lease (0: the daemon's default), seconds.
         self.lease_s = 0.0
         self.client = KvxferClient(engine_name=f"sglang-{role}-tp{self.attn_tp_rank}", auto_reconnect=True)
-        self.kv_pool, self.aux_pool = self._register_pools(args, server_args, role)
+        self.kv_pool, self.aux_pool, self.states = self._register_pools(args, server_args, role)
         self._stopped = False
         if role == "prefill":
             self.pushes = PrefillPushes(self)
@@ -79,28 +85,30 @@ class KvxferKVManager(CommonKVManager):
             self._start(self._on_status, "kvxfer-decode")
             self._start_heartbeat_checker_thread()
         logger.info(
-            "kvxfer: %s rank %d of %d on daemon %s (KV pool %s, %d pages; metadata pool %s)",
-            role, self.attn_tp_rank, self.attn_tp_size, self.client.daemon_id,
-            self.kv_pool.pool_id, self.kv_pool.layout.num_blocks, self.aux_pool.pool_id,
+            "kvxfer: %s rank %d of %d on daemon %s (KV pool %s, %d pages; metadata pool %s; state %s)",
+            role, self.attn_tp_rank, self.attn_tp_size, self.client.daemon_id, self.kv_pool.pool_id,
+            self.kv_pool.layout.num_blocks, self.aux_pool.pool_id, [s.kind for s in self.states] or "none",
         )  # fmt: skip
 
-    def _register_pools(self, args: KVArgs, server_args: Any, role: str) -> tuple[Pool, Pool]:
+    def _register_pools(self, args: KVArgs, server_args: Any, role: str) -> tuple[Pool, Pool, list[StateComponent]]:
+        """The KV pages, the metadata rows and each state component, a pool each."""
         total_heads = getattr(args, "total_kv_head_num", None) or _total_kv_heads(server_args)
-        kv = kv_layout(
-            args.kv_item_lens,
-            args.kv_data_lens,
-            page_size=args.page_size,
-            total_heads=total_heads,
-            tp=(self.attn_tp_size, self.attn_tp_rank),
-            dtype=args.kv_cache_dtype_str,
-        )
-        aux = aux_layout(args.aux_item_lens, args.aux_data_lens)
-        name = f"sglang-{role}-tp{self.attn_tp_rank}"
-        kv_pool = self.client.register_pool(host_views(args.kv_data_ptrs, args.kv_data_lens), kv, name=name)
-        aux_pool = self.client.register_pool(
-            host_views(args.aux_data_ptrs, args.aux_data_lens), aux, name=name + "-meta"
-        )
-        return kv_pool, aux_pool
+        model = ModelInfo(
+            dtype=args.kv_cache_dtype_str, block_tokens=args.page_size, tp_size=self.attn_tp_size,
+            tp_rank=self.attn_tp_rank, kv_format=KV_FORMAT,
+        )  # fmt: skip
+        states = state_layouts(args, model, total_heads)
+        register, name = self.client.register_pool, f"sglang-{role}-tp{self.attn_tp_rank}"
+        kv = kv_layout(args.kv_item_lens, args.kv_data_lens, model, total_heads)
+        kv_pool = register(host_views(args.kv_data_ptrs, args.kv_data_lens), kv, name=name)
+        aux = row_layout(args.aux_item_lens, args.aux_data_lens, ModelInfo(kv_format="sglang-metadata"))
+        aux_pool = register(host_views(args.aux_data_ptrs, args.aux_data_lens), aux, name=name + "-meta")
+        components = [
+            StateComponent(kind, register(host_views(args.state_data_ptrs[i], args.state_data_lens[i]), layout,
+                                          name=f"{name}-{kind}"))
+            for i, (kind, layout) in enumerate(states)
+        ]  # fmt: skip
+        return kv_pool, aux_pool, components
 
     def _start(self, handle: Callable[[list[bytes]], None], name: str) -> None:
         recv = self._make_worker_recv(self.server_socket)
@@ -147,13 +155,10 @@ class KvxferKVManager(CommonKVManager):
         aux_index: int | None = None,
         **more: Any,
     ) -> None:
-        """A chunk of a request's prefilled pages (SGLang's ``send`` of a sender)."""
-        if more.get("state_indices"):
-            self.conclude_failure(
-                bootstrap_room=bootstrap_room, failure_reason="kvxfer does not move model state buffers yet"
-            )
-            return
-        self.pushes.add(bootstrap_room, kv_indices, is_last_chunk, aux_index)
+        """A chunk of a request's prefilled pages (SGLang's ``send`` of a sender); the last
+        one comes with the request's metadata row and state rows."""
+        states = rows_of(more.get("state_indices"), len(self.states)) if is_last_chunk else []
+        self.pushes.add(bootstrap_room, kv_indices, is_last_chunk, aux_index, states)
 
     def teardown(self) -> None:
         self._stopped = True
@@ -195,10 +200,10 @@ class KvxferKVReceiver(CommonKVReceiver):
         why = None
         if self.bootstrap_infos is None:
             why = f"Could not fetch prefill parallel info from bootstrap_addr: {self.bootstrap_addr}"
-        elif state_indices and any(s is not None and len(s) for s in state_indices):
-            why = "kvxfer does not move model state buffers yet"
         elif aux_index is None:
             why = "the request has no metadata row"
+        dst_states = rows_of(state_indices, len(mgr.states))
+        why = why or self._unmovable_state(dst_states)
         if why is not None or aux_index is None:
             mgr.record_failure(room, why)
             mgr.update_status(room, KVPoll.Failed)
@@ -206,7 +211,7 @@ class KvxferKVReceiver(CommonKVReceiver):
         pages = np.asarray(kv_indices, dtype=np.int64)
         request = RoomInfo(
             room, mgr.session, self.required_dst_info_num, "", aux_index, False, decode_prefix_len or 0, pages,
-            mgr.client.peer_address,
+            mgr.client.peer_address, tuple(dst_states),
         )  # fmt: skip
         infos = mgr.receives.expect(request, len(self.bootstrap_infos))
         for bootstrap_info, info in zip(self.bootstrap_infos, infos, strict=True):
@@ -217,6 +222,19 @@ class KvxferKVReceiver(CommonKVReceiver):
                 self.invalidate_cached_bootstrap_infos()
                 return
         self.init_time = time.time()
+
+    def _unmovable_state(self, dst_states: list[Any]) -> str | None:
+        """Why the request's state cannot come from this prefill (None: it can): state moved
+        row for row needs ranks that hold the same shard of it."""
+        info = self.kv_mgr.prefill_info_table.get(self.bootstrap_addr)
+        prefill_tp = int(info.attn_tp_size) if info is not None else self.kv_mgr.attn_tp_size
+        for state, rows in zip(self.kv_mgr.states, dst_states, strict=True):
+            if len(rows) and not state.mappable and prefill_tp != self.kv_mgr.attn_tp_size:
+                return (
+                    f"SGLang's {state.kind!r} state moves between ranks of equal attention TP only "
+                    f"(prefill TP {prefill_tp}, decode TP {self.kv_mgr.attn_tp_size}): run both with the same --tp-size"
+                )
+        return None
 
     def build_receiver_metadata_message(self, **_: Any) -> list[bytes]:
         raise NotImplementedError("kvxfer builds its metadata in send_metadata")
@@ -249,7 +267,6 @@ def _refuse_unsupported(args: KVArgs, server_args: Any, is_mla: bool) -> None:
         f"device {device!r}: kvxfer's SGLang backend moves CPU KV pools in this release (--device cpu)": device
         != "cpu",
         "MLA models: kvxfer's SGLang backend moves MHA KV pools in this release": is_mla,
-        "hybrid models' state buffers are not moved by kvxfer yet": bool(getattr(args, "state_data_ptrs", None)),
         "pipeline parallelism (--pp-size > 1) is not supported by kvxfer's SGLang backend": getattr(
             server_args, "pp_size", 1
         )
@@ -258,6 +275,7 @@ def _refuse_unsupported(args: KVArgs, server_args: Any, is_mla: bool) -> None:
     for why, refused in refusals.items():
         if refused:
             raise IncompatibleError(why)
+    state_kinds(args)  # a state kind it cannot move
 
 
 def _total_kv_heads(server_args: Any) -> int:

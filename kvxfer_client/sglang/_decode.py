@@ -2,12 +2,13 @@
 
 When SGLang has allocated a request's pages (``send_metadata``), this side expects one push
 per prefill rank the request comes from (kvxfer's ``receive``: the decode daemon lands the
-pushed pages in these pages, mapping heads where the tensor parallelism differs) and the
-metadata row from the first of them, then tells each prefill rank where to push, under a
-nonce of its own. The request has succeeded once every receive returned: the bytes are in
-this rank's memory and were checked. A receive that fails fails the request with its typed
-error as the reason; a request that fails otherwise (its prefill rank's word, a lost
-heartbeat, an abort, a timeout) cancels the receives it still has.
+pushed pages in these pages, mapping heads where the tensor parallelism differs), the
+metadata row from the first of them, and a hybrid model's state rows (:mod:`._state`),
+then tells each prefill rank where to push, under a nonce of its own. The request has
+succeeded once every receive returned: the bytes are in this rank's memory and were
+checked. A receive that fails fails the request with its typed error as the reason; a
+request that fails otherwise (its prefill rank's word, a lost heartbeat, an abort, a
+timeout) cancels the receives it still has.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import secrets
 import threading
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from .._results import PullResult
 from ._messages import RoomInfo
@@ -45,15 +48,22 @@ class DecodeReceives:
 
     def expect(self, request: RoomInfo, sources: int) -> list[RoomInfo]:
         """Start the receives of ``request`` from ``sources`` prefill ranks (the metadata row
-        from the first) and return what to tell each of them, a nonce each."""
+        from the first; state moved row for row from the one rank with this rank's shard,
+        mappable state from each) and return what to tell each of them, a nonce each."""
         mgr, room = self.mgr, request.room
-        infos = [replace(request, nonce=secrets.token_hex(16), want_aux=i == 0) for i in range(sources)]
+        infos = [
+            replace(request, nonce=secrets.token_hex(16), want_aux=i == 0, dst_states=_states_from(mgr, request, i))
+            for i in range(sources)
+        ]
         pages = request.dst_pages.tolist()
         receives: list[tuple[str, Any, list[int]]] = []
         for info in infos:
             receives.append((info.transfer_id("kv"), mgr.kv_pool, pages))
             if info.want_aux:
                 receives.append((info.transfer_id("aux"), mgr.aux_pool, [info.aux_index]))
+            for state, rows in zip(mgr.states, info.dst_states, strict=True):
+                if len(rows):
+                    receives.append((info.transfer_id(f"state-{state.kind}"), state.pool, rows.tolist()))
         with self.lock:
             self.rooms[room] = _Receives({t for t, _, _ in receives})
         for transfer_id, pool, ids in receives:
@@ -92,6 +102,15 @@ class DecodeReceives:
             receives = self.rooms.pop(room, None)
         for transfer_id in receives.pending if receives is not None else ():
             self.mgr.client.start_cancel(transfer_id)
+
+
+def _states_from(mgr: KvxferKVManager, request: RoomInfo, source: int) -> tuple[np.ndarray[Any, Any], ...]:
+    """The state rows to ask of the ``source``-th prefill rank: mappable state from each, the
+    rest from the first (the only one, at equal TP); none is an empty list."""
+    return tuple(
+        rows if state.mappable or source == 0 else rows[:0]
+        for state, rows in zip(mgr.states, request.dst_states, strict=True)
+    )
 
 
 def _poll() -> Any:

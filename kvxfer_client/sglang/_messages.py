@@ -1,12 +1,13 @@
 """What a decode rank tells a prefill rank over SGLang's ZMQ control socket, and its checks.
 
-Two messages, each a tag frame, a JSON frame and (for a request) the page indices:
+Two messages, each a tag frame, a JSON frame and (for a request) index frames:
 
 - ``KVXFER_REG``, once per prefill rank a decode rank talks to: where the decode rank's
   daemon is (``peer_address``) and the ZMQ endpoint its status messages go to;
 - ``KVXFER_ROOM``, once per request (SGLang's bootstrap room): the pages the decode rank
-  allocated, its metadata slot, the nonce the transfer ids are made from, and its daemon's
-  peer address as it is now (a daemon restarted since the registration may listen elsewhere).
+  allocated, its metadata slot, the nonce the transfer ids are made from, its daemon's peer
+  address as it is now (a daemon restarted since the registration may listen elsewhere), and
+  for a hybrid model the rows of each state component it allocated (a frame each).
 
 Everything in them is checked as hostile: a malformed message is a
 :class:`~kvxfer.errors.InvalidRequestError` (the prefill side logs and drops it).
@@ -15,6 +16,10 @@ Everything in them is checked as hostile: a malformed message is a
 >>> frames = RoomInfo(7, "10.0.0.2:5000", 1, "ab" * 16, 3, True, 0, pages, "10.0.0.2:7000").to_frames()
 >>> parse_room(frames).dst_pages.tolist()
 [0, 1, 2, 3]
+>>> mamba_slot = np.array([5], dtype=np.int32)
+>>> with_state = RoomInfo(7, "10.0.0.2:5000", 1, "ab" * 16, 3, True, 0, pages, "", (mamba_slot,))
+>>> [rows.tolist() for rows in parse_room(with_state.to_frames()).dst_states]
+[[5]]
 >>> parse_room([ROOM_TAG, b'{"room": "x"}', b""])
 Traceback (most recent call last):
 ...
@@ -39,6 +44,8 @@ ROOM_TAG = b"KVXFER_ROOM"
 #: The most a JSON frame may hold, and the most pages one request may name (2^24 pages).
 MAX_JSON = 4096
 MAX_PAGES = 1 << 24
+#: The most state components a request may name (SGLang has 13 kinds).
+MAX_STATES = 32
 _NONCE = re.compile(r"[0-9a-f]{32}")
 _SESSION = re.compile(r"[0-9A-Za-z.:\[\]-]{1,250}:[0-9]{1,5}")
 
@@ -74,14 +81,19 @@ class RoomInfo:
     dst_pages: np.ndarray[Any, Any]
     #: The decode rank's daemon now (it may have restarted elsewhere since the registration).
     peer_address: str = ""
+    #: Rows allocated for each of the model's state components, in SGLang's order (empty:
+    #: this rank expects none of it from this prefill rank).
+    dst_states: tuple[np.ndarray[Any, Any], ...] = ()
 
     def to_frames(self) -> list[bytes]:
-        head = {k: v for k, v in self.__dict__.items() if k != "dst_pages"}
-        return [ROOM_TAG, json.dumps(head).encode(), np.ascontiguousarray(self.dst_pages, dtype="<i4").tobytes()]
+        head = {k: v for k, v in self.__dict__.items() if k not in ("dst_pages", "dst_states")}
+        head["states"] = len(self.dst_states)
+        indices = [self.dst_pages, *self.dst_states]
+        return [ROOM_TAG, json.dumps(head).encode(), *(np.ascontiguousarray(i, dtype="<i4").tobytes() for i in indices)]
 
     def transfer_id(self, what: str) -> str:
-        """The id of the push of ``what`` ("kv", "aux") to this rank: each prefill rank gets
-        a nonce of its own, so the id names the pair."""
+        """The id of the push of ``what`` ("kv", "aux", "state-mamba") to this rank: each
+        prefill rank gets a nonce of its own, so the id names the pair."""
         return transfer_id(self.nonce, what)
 
     # What SGLang's own code reads off a destination (``CommonKVManager._room_notify_targets``).
@@ -121,17 +133,15 @@ def parse_registration(frames: list[bytes]) -> Registration:
 
 
 def parse_room(frames: list[bytes]) -> RoomInfo:
-    head = _json(frames, ROOM_TAG, 3, "room")
+    head = _json(frames[:2], ROOM_TAG, 2, "room")
     room = _field(head, "room", int, "room")
     nonce = _field(head, "nonce", str, "room")
     if not _NONCE.fullmatch(nonce):
         raise InvalidRequestError("kvxfer room message: the nonce is not 128 bits of hex")
-    raw = frames[2]
-    if len(raw) % 4 or len(raw) // 4 > MAX_PAGES:
-        raise InvalidRequestError(f"kvxfer room message: {len(raw)} bytes of page indices")
-    pages = np.frombuffer(raw, dtype="<i4").astype(np.int64)
-    if pages.size and int(pages.min()) < 0:
-        raise InvalidRequestError("kvxfer room message: a negative page index")
+    states = _field(head, "states", int, "room")
+    if not 0 <= states <= MAX_STATES or len(frames) != 3 + states:
+        raise InvalidRequestError(f"kvxfer room message: {len(frames)} frames for {states} state components")
+    pages, *dst_states = (_indices(raw) for raw in frames[2:])
     session = _field(head, "session", str, "room")
     if not _SESSION.fullmatch(session):
         raise InvalidRequestError(f"kvxfer room message: session {session!r} is not host:port")
@@ -145,7 +155,18 @@ def parse_room(frames: list[bytes]) -> RoomInfo:
         _field(head, "decode_prefix_len", int, "room"),
         pages,
         _field(head, "peer_address", str, "room"),
+        tuple(dst_states),
     )
+
+
+def _indices(raw: bytes) -> np.ndarray[Any, Any]:
+    """A frame of page or row indices (little-endian int32), none negative."""
+    if len(raw) % 4 or len(raw) // 4 > MAX_PAGES:
+        raise InvalidRequestError(f"kvxfer room message: {len(raw)} bytes of indices")
+    indices = np.frombuffer(raw, dtype="<i4").astype(np.int64)
+    if indices.size and int(indices.min()) < 0:
+        raise InvalidRequestError("kvxfer room message: a negative index")
+    return indices
 
 
 def _json(frames: list[bytes], tag: bytes, count: int, what: str) -> dict[str, Any]:

@@ -6,7 +6,8 @@ decode rank SGLang expects for the request has (``required``), the request may r
 prefill (``KVPoll.WaitingForInput``). SGLang then hands the prefilled pages over chunk by
 chunk (``add_transfer_request``); with the last chunk this side pushes them all, each decode
 rank's share into its pages (kvxfer's push: an announcement to that rank's daemon, which
-pulls), and the request's metadata row to the one rank that asked for it. The request has
+pulls), the request's metadata row to the one rank that asked for it, and a hybrid model's
+state rows to each rank that named rows for them. The request has
 succeeded when the daemon released every push's offer as pulled; any other release fails
 it with the daemon's reason, which SGLang's status message carries to the decode side.
 """
@@ -93,8 +94,16 @@ class PrefillPushes:
             mgr.req_to_decode_prefix_len[info.room] = info.decode_prefix_len
             mgr.update_status(info.room, _poll().WaitingForInput)
 
-    def add(self, room: int, pages: np.ndarray[Any, Any], last: bool, aux_index: int | None) -> None:
-        """A chunk of the request's prefilled pages; the last one starts the pushes."""
+    def add(
+        self,
+        room: int,
+        pages: np.ndarray[Any, Any],
+        last: bool,
+        aux_index: int | None,
+        states: list[np.ndarray[Any, Any]],
+    ) -> None:
+        """A chunk of the request's prefilled pages; the last one (with the request's metadata
+        row and state rows) starts the pushes."""
         mgr = self.mgr
         if room not in mgr.request_status or mgr.check_status(room) == _poll().Failed:
             return
@@ -106,25 +115,50 @@ class PrefillPushes:
             if not last:
                 return
             src = np.concatenate(self.chunks.pop(room))
-        ids = src.tolist()  # once for every decode rank's push
-        pushes: list[tuple[Any, list[int], str, str]] = []
-        for info in infos.values():
-            if len(info.dst_pages) != len(src):
-                why = f"this rank sends {len(src)} pages; decode rank {info.session} allocated {len(info.dst_pages)}"
-                mgr.conclude_failure(bootstrap_room=room, failure_reason=why)
-                return
-            address = info.peer_address or self.peers[info.session].peer_address
-            pushes.append((mgr.kv_pool, ids, info.transfer_id("kv"), address))
-            if info.want_aux:
-                if aux_index is None:
-                    mgr.conclude_failure(bootstrap_room=room, failure_reason="the request's metadata row is unknown")
-                    return
-                pushes.append((mgr.aux_pool, [aux_index], info.transfer_id("aux"), address))
+        try:
+            pushes = self._pushes(infos, src, aux_index, states)
+        except ValueError as exc:
+            mgr.conclude_failure(bootstrap_room=room, failure_reason=str(exc))
+            return
         with self.lock:
             self.running[room] = _Pushes(len(pushes))
         for pool, ids, transfer_id, address in pushes:
             future = mgr.client.start_push(pool, ids, transfer_id, address, lease_s=mgr.lease_s)
             future.add_done_callback(functools.partial(self._announced, room, transfer_id))
+
+    def _pushes(
+        self, infos: dict[str, RoomInfo], src: np.ndarray[Any, Any], aux_index: int | None, states: list[Any]
+    ) -> list[tuple[Any, list[int], str, str]]:
+        """What to push to each decode rank: its pages, the metadata row if it asked, and the
+        state rows it named; ValueError says why the two sides do not match."""
+        mgr, ids = self.mgr, src.tolist()  # once for every decode rank's push
+        pushes: list[tuple[Any, list[int], str, str]] = []
+        for info in infos.values():
+            if len(info.dst_pages) != len(src):
+                raise ValueError(
+                    f"this rank sends {len(src)} pages; decode rank {info.session} allocated {len(info.dst_pages)}"
+                )
+            if len(info.dst_states) != len(mgr.states):
+                raise ValueError(
+                    f"decode rank {info.session} names {len(info.dst_states)} state components, this rank has "
+                    f"{len(mgr.states)} (another model or SGLang version)"
+                )
+            address = info.peer_address or self.peers[info.session].peer_address
+            pushes.append((mgr.kv_pool, ids, info.transfer_id("kv"), address))
+            if info.want_aux:
+                if aux_index is None:
+                    raise ValueError("the request's metadata row is unknown")
+                pushes.append((mgr.aux_pool, [aux_index], info.transfer_id("aux"), address))
+            for state, rows, dst in zip(mgr.states, states, info.dst_states, strict=True):
+                if not len(dst):
+                    continue  # the decode rank expects none of it from this rank
+                if len(rows) != len(dst):
+                    raise ValueError(
+                        f"this rank sends {len(rows)} rows of {state.kind!r} state; "
+                        f"decode rank {info.session} allocated {len(dst)}"
+                    )
+                pushes.append((state.pool, rows.tolist(), info.transfer_id(f"state-{state.kind}"), address))
+        return pushes
 
     def _announced(self, room: int, transfer_id: str, future: concurrent.futures.Future[PushResult]) -> None:
         """The push is announced (client thread): wait for its offer's release."""

@@ -15,6 +15,7 @@ decode daemon are separate kvxferd processes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import time
@@ -49,24 +50,29 @@ def _port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.fixture(scope="module", params=[(1, 1), (1, 2), (2, 1)], ids=lambda tp: f"tp{tp[0]}to{tp[1]}")
-def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
-    prefill_tp, decode_tp = request.param
-    model = write_model(str(tmp_path_factory.mktemp("model")))
+@contextlib.contextmanager
+def _ranks(prefill_tp: int, decode_tp: int, model: str, kind: str = "mha") -> Iterator[Pair]:
+    """Prefill ranks on one daemon, decode ranks on another, of a ``kind`` model."""
     os.environ["SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT"] = str(TIMEOUT_S)
     os.environ["SGLANG_DISAGGREGATION_WAITING_TIMEOUT"] = str(TIMEOUT_S)
     with Cluster() as cluster, ThreadPoolExecutor(4) as pool:
         a, b = cluster.daemon("prefill-node"), cluster.daemon("decode-node")
         port = _port()
-        first = SglangRank("prefill", prefill_tp, 0, port, model, a)  # it runs the bootstrap server
-        others = [pool.submit(SglangRank, "prefill", prefill_tp, r, port, model, a) for r in range(1, prefill_tp)]
-        decode = [pool.submit(SglangRank, "decode", decode_tp, r, port, model, b) for r in range(decode_tp)]
+        first = SglangRank("prefill", prefill_tp, 0, port, model, a, kind)  # it runs the bootstrap server
+        others = [pool.submit(SglangRank, "prefill", prefill_tp, r, port, model, a, kind) for r in range(1, prefill_tp)]
+        decode = [pool.submit(SglangRank, "decode", decode_tp, r, port, model, b, kind) for r in range(decode_tp)]
         p = Pair([first, *(f.result() for f in others)], [f.result() for f in decode], a, b)
         try:
             yield p
         finally:
             for rank in p.all():
                 rank.close()
+
+
+@pytest.fixture(scope="module", params=[(1, 1), (1, 2), (2, 1)], ids=lambda tp: f"tp{tp[0]}to{tp[1]}")
+def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    with _ranks(*request.param, write_model(str(tmp_path_factory.mktemp("model")))) as p:
+        yield p
 
 
 def _bootstrap(pair: Pair, rooms: list[int]) -> None:
@@ -166,3 +172,52 @@ def test_a_bogus_bootstrap_room_fails_in_bounded_time_on_both_sides(pair: Pair) 
     assert time.monotonic() - started < 3 * TIMEOUT_S
     assert _settled(pair.prefill_daemon) == (0, 0) and _settled(pair.decode_daemon) == (0, 0)
     assert all(decode_only not in r("state")["rooms"] for r in pair.all())
+
+
+@pytest.mark.parametrize(
+    ("kind", "prefill_tp", "decode_tp"),
+    [("swa", 2, 1), ("swa", 1, 2), ("mamba", 1, 1), ("mamba", 2, 2)],
+    ids=["swa-tp2to1", "swa-tp1to2", "mamba-tp1to1", "mamba-tp2to2"],
+)
+def test_a_hybrid_models_state_lands_byte_exact_beside_its_pages(
+    tmp_path: str, kind: str, prefill_tp: int, decode_tp: int
+) -> None:
+    """SGLang's own hybrid pools (``bench.sglang_hybrid``): a sliding-window layer's pages
+    (state ``swa``, head by head across TP) or a Mamba layer's conv and SSM rows (state
+    ``mamba``, a slot per request) land byte-exact in the rows the decode side named, with
+    the full-attention pages and the metadata row, for three requests at once."""
+    rooms = _rooms(6, 3)
+    shapes = dict(zip(rooms, [(40, 0), (130, 16), (97, 0)], strict=True))
+    with _ranks(prefill_tp, decode_tp, write_model(tmp_path), kind) as pair:
+        _bootstrap(pair, rooms)
+        for room, (tokens, prefix) in shapes.items():
+            for rank in pair.decode:
+                rank("allocate", room=room, tokens=tokens, prefix=prefix)
+        _until_waiting_for_input(pair, rooms)
+        for room, (tokens, _) in shapes.items():
+            for rank in pair.prefill:
+                rank("prefill", room=room, tokens=tokens, chunk_pages=2)
+        assert all({e["status"] for e in ends.values()} == {"success"} for ends in _wait(pair.prefill, rooms))
+        for ends in _wait(pair.decode, rooms):
+            for room, end in ends.items():
+                assert end["status"] == "success", (room, end)
+                assert end["bad_elements"] == 0 and end["metadata_ok"] and end["state_bad_elements"] == 0, (room, end)
+        assert _settled(pair.prefill_daemon) == (0, 0) and _settled(pair.decode_daemon) == (0, 0)
+
+
+def test_mamba_state_between_other_tp_sizes_fails_at_once_naming_the_fix(tmp_path: str) -> None:
+    """A Mamba layer's rows are a rank's shard: between TP 1 and TP 2 they cannot move row
+    for row. The decode side fails the request when it names its rows (well before SGLang's
+    timeout), saying to run equal TP sizes; the prefill side hears it; nothing stays held."""
+    [room] = _rooms(7, 1)
+    with _ranks(1, 2, write_model(tmp_path), "mamba") as pair:
+        _bootstrap(pair, [room])
+        started = time.monotonic()
+        for rank in pair.decode:
+            rank("allocate", room=room, tokens=64, prefix=0)
+        for ends in _wait(pair.decode, [room], timeout_s=TIMEOUT_S):
+            assert ends[str(room)]["status"] == "failed", ends
+            assert "equal attention TP" in str(ends[str(room)]["reason"]), ends
+        assert time.monotonic() - started < TIMEOUT_S / 2
+        assert all(e[str(room)]["status"] == "failed" for e in _wait(pair.prefill, [room], timeout_s=3 * TIMEOUT_S))
+        assert _settled(pair.prefill_daemon) == (0, 0) and _settled(pair.decode_daemon) == (0, 0)
