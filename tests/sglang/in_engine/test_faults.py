@@ -162,3 +162,13 @@ def test_the_sglang_names_the_backend_relies_on_are_where_it_expects_them() -> N
         "state_indices",
         "decode_prefix_len",
     ]
+    # A hybrid model's state: the kinds moved row for row, and where SGLang declares them.
+    from sglang.srt.disaggregation.base.conn import KVArgs, StateType
+
+    from kvxfer_client.sglang._state import ROW_KINDS
+
+    missing_kinds = ROW_KINDS - {t.value for t in StateType}
+    assert not missing_kinds, f"SGLang no longer has the state kinds {missing_kinds}"
+    hints = KVArgs.__annotations__
+    for name in ("state_types", "state_data_ptrs", "state_data_lens", "state_item_lens", "swa_kv_cache_layout"):
+        assert name in hints, f"SGLang's KVArgs no longer declares {name}"
