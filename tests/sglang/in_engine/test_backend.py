@@ -176,8 +176,8 @@ def test_a_bogus_bootstrap_room_fails_in_bounded_time_on_both_sides(pair: Pair) 
 
 @pytest.mark.parametrize(
     ("kind", "prefill_tp", "decode_tp"),
-    [("swa", 2, 1), ("swa", 1, 2), ("mamba", 1, 1), ("mamba", 2, 2)],
-    ids=["swa-tp2to1", "swa-tp1to2", "mamba-tp1to1", "mamba-tp2to2"],
+    [("swa", 2, 1), ("mamba", 2, 2)],
+    ids=["swa-tp2to1", "mamba-tp2to2"],
 )
 def test_a_hybrid_models_state_lands_byte_exact_beside_its_pages(
     tmp_path: str, kind: str, prefill_tp: int, decode_tp: int
