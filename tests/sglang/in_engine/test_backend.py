@@ -22,6 +22,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
@@ -106,12 +107,10 @@ def _rooms(base: int, n: int) -> list[int]:
     return [(base << 20) + i for i in range(n)]
 
 
-def test_requests_at_once_land_byte_exact_in_the_decode_ranks_pages(pair: Pair) -> None:
-    """Five requests in flight at once, of other lengths and cached prefixes, sent in chunks
-    of three pages: each decode rank's pages hold exactly its heads of each token, and the
-    metadata row (the first output token, the room) came along."""
-    rooms = _rooms(1, 5)
-    shapes = {rooms[0]: (17, 0), rooms[1]: (100, 0), rooms[2]: (256, 32), rooms[3]: (301, 64), rooms[4]: (48, 16)}
+def _succeeded(pair: Pair, shapes: dict[int, tuple[int, int]], chunk_pages: int) -> list[tuple[str, dict[str, Any]]]:
+    """Requests (room: tokens, cached prefix) run at once the way SGLang's queues run them;
+    each must succeed on every rank. Returns every decode rank's end of each (room, end)."""
+    rooms = list(shapes)
     _bootstrap(pair, rooms)
     for room, (tokens, prefix) in shapes.items():
         for rank in pair.decode:
@@ -119,14 +118,22 @@ def test_requests_at_once_land_byte_exact_in_the_decode_ranks_pages(pair: Pair) 
     _until_waiting_for_input(pair, rooms)
     for room, (tokens, _) in shapes.items():
         for rank in pair.prefill:
-            rank("prefill", room=room, tokens=tokens, chunk_pages=3)
-    prefill_ends, decode_ends = _wait(pair.prefill, rooms), _wait(pair.decode, rooms)
-    for ends in prefill_ends:
+            rank("prefill", room=room, tokens=tokens, chunk_pages=chunk_pages)
+    for ends in _wait(pair.prefill, rooms):
         assert {e["status"] for e in ends.values()} == {"success"}, ends
-    for ends in decode_ends:
-        for room, end in ends.items():
-            assert end["status"] == "success", (room, end)
-            assert end["bad_elements"] == 0 and end["elements"] > 0 and end["metadata_ok"], (room, end)
+    decode_ends = [item for ends in _wait(pair.decode, rooms) for item in ends.items()]
+    assert all(end["status"] == "success" for _, end in decode_ends), decode_ends
+    return decode_ends
+
+
+def test_requests_at_once_land_byte_exact_in_the_decode_ranks_pages(pair: Pair) -> None:
+    """Five requests in flight at once, of other lengths and cached prefixes, sent in chunks
+    of three pages: each decode rank's pages hold exactly its heads of each token, and the
+    metadata row (the first output token, the room) came along."""
+    rooms = _rooms(1, 5)
+    shapes = dict(zip(rooms, [(17, 0), (100, 0), (256, 32), (301, 64), (48, 16)], strict=True))
+    for room, end in _succeeded(pair, shapes, chunk_pages=3):
+        assert end["bad_elements"] == 0 and end["elements"] > 0 and end["metadata_ok"], (room, end)
     assert _settled(pair.prefill_daemon) == (0, 0) and _settled(pair.decode_daemon) == (0, 0)
     # SGLang's own KV checksum is comparable only where both sides hold the same heads.
     same_heads = len(pair.prefill) == len(pair.decode)
@@ -189,19 +196,8 @@ def test_a_hybrid_models_state_lands_byte_exact_beside_its_pages(
     rooms = _rooms(6, 3)
     shapes = dict(zip(rooms, [(40, 0), (130, 16), (97, 0)], strict=True))
     with _ranks(prefill_tp, decode_tp, write_model(tmp_path), kind) as pair:
-        _bootstrap(pair, rooms)
-        for room, (tokens, prefix) in shapes.items():
-            for rank in pair.decode:
-                rank("allocate", room=room, tokens=tokens, prefix=prefix)
-        _until_waiting_for_input(pair, rooms)
-        for room, (tokens, _) in shapes.items():
-            for rank in pair.prefill:
-                rank("prefill", room=room, tokens=tokens, chunk_pages=2)
-        assert all({e["status"] for e in ends.values()} == {"success"} for ends in _wait(pair.prefill, rooms))
-        for ends in _wait(pair.decode, rooms):
-            for room, end in ends.items():
-                assert end["status"] == "success", (room, end)
-                assert end["bad_elements"] == 0 and end["metadata_ok"] and end["state_bad_elements"] == 0, (room, end)
+        for room, end in _succeeded(pair, shapes, chunk_pages=2):
+            assert end["bad_elements"] == 0 and end["metadata_ok"] and end["state_bad_elements"] == 0, (room, end)
         assert _settled(pair.prefill_daemon) == (0, 0) and _settled(pair.decode_daemon) == (0, 0)
 
 
