@@ -181,8 +181,9 @@ class Rank:
         side = self.kind("SENDER")(mgr=self.mgr, bootstrap_addr=f"127.0.0.1:{self.port}", bootstrap_room=room)
         self.reqs[room] = {"side": side, "slot": self.free_slots.pop()}
 
-    def prefill(self, room: int, tokens: int, chunk_pages: int) -> None:
-        """finalize_bootstrap, the forward pass (the pattern into fresh pages) and send_kv_chunk."""
+    def prefill(self, room: int, tokens: int, chunk_pages: int, chunks: int | None = None) -> None:
+        """finalize_bootstrap, the forward pass (the pattern into fresh pages) and send_kv_chunk
+        for each chunk (``chunks``: only the first so many now, the rest with ``send_rest``)."""
         req, side = self.reqs[room], self.reqs[room]["side"]
         prefix = side.pop_decode_prefix_len()
         count = -(-(tokens - prefix) // PAGE)
@@ -193,9 +194,19 @@ class Rank:
         self.meta.output_ids[req["slot"]][0] = room % 1000
         self.meta.bootstrap_room[req["slot"]][0] = room
         state = self._state_rows(room, count, write=True)
-        for start in range(0, count, chunk_pages):
-            last = start + chunk_pages >= count
-            side.send(np.asarray(pages[start : start + chunk_pages], dtype=np.int32), state if last else None)
+        req["chunks"] = [
+            (pages[start : start + chunk_pages], state if start + chunk_pages >= count else None)
+            for start in range(0, count, chunk_pages)
+        ]
+        self.send_rest(room, chunks)
+
+    def send_rest(self, room: int, chunks: int | None = None) -> None:
+        """Send the request's next ``chunks`` chunks (all that are left: None)."""
+        req = self.reqs[room]
+        left = req["chunks"]
+        now, req["chunks"] = left[:chunks], left[len(left[:chunks]) :]
+        for pages, state in now:
+            req["side"].send(np.asarray(pages, dtype=np.int32), state)
 
     def _state_rows(self, room: int, pages: int, write: bool = False) -> list[Any] | None:
         """A hybrid model's state rows for the request, as SGLang's payloads list them (the
@@ -249,20 +260,33 @@ class Rank:
             np.asarray(req["pages"], dtype=np.int32), req["slot"], state, decode_prefix_len=prefix
         )
 
-    def _check(self, room: int, req: dict[str, Any]) -> dict[str, Any]:
+    def landed_pages(self, room: int) -> int:
+        """How many of the request's first pages hold the prefill's bytes already (decode)."""
+        want, got = self._kv(room, self.reqs[room])
+        per_token = (want == got).all(axis=(0, 1, 3, 4))
+        per_page = [bool(per_token[i : i + PAGE].all()) for i in range(0, len(per_token), PAGE)]
+        return per_page.index(False) if False in per_page else len(per_page)
+
+    def _kv(self, room: int, req: dict[str, Any]) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+        """What the request's KV past its prefix is on this rank's heads, and what this rank's
+        pages hold: [layer, K/V, token, head, dim] each."""
         import torch
 
         tokens, prefix, pages = req["tokens"], req["prefix"], req["pages"]
-        want = pattern(room, tokens)[:, :, prefix:, self.rank * self.heads : (self.rank + 1) * self.heads]
+        layers = len(self.kv.k_buffer)
+        want = pattern(room, tokens)[:layers, :, prefix:, self.rank * self.heads : (self.rank + 1) * self.heads]
         locs = torch.from_numpy(np.concatenate([np.arange(p * PAGE, (p + 1) * PAGE) for p in pages])[: tokens - prefix])
-        bad = 0
-        for layer in range(len(self.kv.k_buffer)):
-            for which, buffers in enumerate((self.kv.k_buffer, self.kv.v_buffer)):
-                got = buffers[layer].view(torch.int16)[locs].numpy()
-                bad += int((got != want[layer, which].astype(np.int16)).sum())
+        got = [
+            [b[layer].view(torch.int16)[locs].numpy() for b in (self.kv.k_buffer, self.kv.v_buffer)]
+            for layer in range(layers)
+        ]
+        return want.astype(np.int16), np.asarray(got)
+
+    def _check(self, room: int, req: dict[str, Any]) -> dict[str, Any]:
+        want, got = self._kv(room, req)
         slot = req["slot"]
         meta_ok = int(self.meta.bootstrap_room[slot][0]) == room and int(self.meta.output_ids[slot][0]) == room % 1000
-        answer = {"bad_elements": bad, "elements": int(want.size), "metadata_ok": meta_ok}
+        answer = {"bad_elements": int((want != got).sum()), "elements": int(want.size), "metadata_ok": meta_ok}
         if self.hybrid is not None:
             answer["state_bad_elements"] = self.hybrid.bad_elements(room, req["rows"])
         return answer

@@ -6,8 +6,8 @@ decode side asks for the prefill ranks, the rank mapping between the two sides' 
 the ZMQ control socket of each rank, request states, heartbeats, timeouts and aborts. What
 is kvxfer's is how the bytes move: the manager registers the rank's KV pages and metadata
 rows with the node's daemon (``$KVXFER_SOCKET``) as two pools, the decode side expects
-pushes into the pages it allocated (:mod:`._decode`), the prefill side pushes them
-(:mod:`._prefill`), and both daemons do the rest.
+pushes into the pages it allocated (:mod:`._decode`), the prefill side pushes them chunk by
+chunk as it prefills them (:mod:`._prefill`), and both daemons do the rest.
 
 A hybrid model's state components are pools of their own (:mod:`._state`) and ride with the
 request's last chunk, as SGLang hands them over.
@@ -35,15 +35,16 @@ from sglang.srt.disaggregation.common.conn import (
     CommonKVSender,
 )
 from sglang.srt.disaggregation.utils import DisaggregationMode
+from sglang.srt.utils.network import NetworkAddress
 
-from kvxfer.errors import IncompatibleError
+from kvxfer.errors import IncompatibleError, KvxferError
 from kvxfer.layout import ModelInfo
 
 from .._blocking import KvxferClient
 from .._results import Pool
 from ._decode import DecodeReceives
 from ._memory import KV_FORMAT, host_views, kv_layout, row_layout
-from ._messages import Registration, RoomInfo
+from ._messages import CHUNK_TAG, Registration, RoomInfo, parse_chunk
 from ._prefill import PrefillPushes
 from ._state import StateComponent, rows_of, state_kinds, state_layouts
 
@@ -122,14 +123,30 @@ class KvxferKVManager(CommonKVManager):
         threading.Thread(target=loop, name=name, daemon=True).start()
 
     def _on_status(self, frames: list[bytes]) -> None:
-        """A prefill rank's word on a request (decode side). Success is this side's own to
-        decide (its receives); a failure ends the request at once."""
+        """A prefill rank's word on a request (decode side): a chunk it pushes, or its status.
+        Success is this side's own to decide (its receives); a failure ends the request at once."""
+        if frames and frames[0] == CHUNK_TAG:
+            try:
+                self.receives.expect_chunk(parse_chunk(frames))
+            except (KvxferError, ValueError) as exc:
+                logger.warning("kvxfer: dropped a malformed chunk message from a prefill rank: %s", exc)
+            return
         parsed = self.parse_kv_status_message(frames)
         if parsed is None:
             return
         room, status, _rank, reason = parsed
         if status == KVPoll.Failed:
             self.receives.fail(room, reason or self.DEFAULT_PREFILL_FAILURE_REASON)
+
+    def tell(self, info: RoomInfo, frames: list[bytes]) -> None:
+        """A message to the decode rank of ``info`` over SGLang's control socket, as SGLang
+        sends its status messages (prefill side). A send that fails fails the request: that
+        rank would never expect the push the message announces."""
+        address = NetworkAddress(info.endpoint, info.dst_port)
+        try:
+            self._send_multipart_locked(address.to_tcp(), frames, is_ipv6=address.is_ipv6)
+        except Exception as exc:  # noqa: BLE001 - ZMQ's errors: the request cannot go on
+            self.pushes.abort(info.room, f"telling decode rank {info.session} of a push failed: {exc}")
 
     def should_verify_kv_checksum(self, bootstrap_addr: str) -> bool:
         """SGLang's KV checksum (``--disaggregation-enable-kv-checksum``) rides in the metadata

@@ -1,6 +1,7 @@
-"""What a decode rank tells a prefill rank over SGLang's ZMQ control socket, and its checks.
+"""What the two sides tell each other over SGLang's ZMQ control sockets, and its checks.
 
-Two messages, each a tag frame, a JSON frame and (for a request) index frames:
+A decode rank sends a prefill rank two messages, each a tag frame, a JSON frame and (for a
+request) index frames:
 
 - ``KVXFER_REG``, once per prefill rank a decode rank talks to: where the decode rank's
   daemon is (``peer_address``) and the ZMQ endpoint its status messages go to;
@@ -8,6 +9,11 @@ Two messages, each a tag frame, a JSON frame and (for a request) index frames:
   allocated, its metadata slot, the nonce the transfer ids are made from, its daemon's peer
   address as it is now (a daemon restarted since the registration may listen elsewhere), and
   for a hybrid model the rows of each state component it allocated (a frame each).
+
+A prefill rank sends a decode rank ``KVXFER_CHUNK`` for each chunk of a request's pages it
+pushes (SGLang's chunked prefill): the request, the nonce the decode rank gave this prefill
+rank, and which of the request's pages the push holds (from ``start``, ``count`` of them), so
+the decode rank expects it while the prefill computes the next chunk.
 
 Everything in them is checked as hostile: a malformed message is a
 :class:`~kvxfer.errors.InvalidRequestError` (the prefill side logs and drops it).
@@ -20,6 +26,8 @@ Everything in them is checked as hostile: a malformed message is a
 >>> with_state = RoomInfo(7, "10.0.0.2:5000", 1, "ab" * 16, 3, True, 0, pages, "", (mamba_slot,))
 >>> [rows.tolist() for rows in parse_room(with_state.to_frames()).dst_states]
 [[5]]
+>>> parse_chunk(Chunk(7, "ab" * 16, 8, 4).to_frames())
+Chunk(room=7, nonce='abababababababababababababababab', start=8, count=4)
 >>> parse_room([ROOM_TAG, b'{"room": "x"}', b""])
 Traceback (most recent call last):
 ...
@@ -37,10 +45,14 @@ import numpy as np
 
 from kvxfer.errors import InvalidRequestError
 
-__all__ = ["REG_TAG", "ROOM_TAG", "Registration", "RoomInfo", "parse_registration", "parse_room", "transfer_id"]
+__all__ = [
+    "CHUNK_TAG", "REG_TAG", "ROOM_TAG", "Chunk", "Registration", "RoomInfo", "parse_chunk", "parse_registration",
+    "parse_room", "transfer_id",
+]  # fmt: skip
 
 REG_TAG = b"KVXFER_REG"
 ROOM_TAG = b"KVXFER_ROOM"
+CHUNK_TAG = b"KVXFER_CHUNK"
 #: The most a JSON frame may hold, and the most pages one request may name (2^24 pages).
 MAX_JSON = 4096
 MAX_PAGES = 1 << 24
@@ -112,6 +124,24 @@ class RoomInfo:
         return self.required
 
 
+@dataclass(frozen=True)
+class Chunk:
+    """A push of pages ``start`` to ``start + count`` of a request, from the prefill rank
+    the decode rank gave ``nonce``."""
+
+    room: int
+    nonce: str
+    start: int
+    count: int
+
+    def to_frames(self) -> list[bytes]:
+        return [CHUNK_TAG, json.dumps(self.__dict__).encode()]
+
+    def transfer_id(self) -> str:
+        """The id of the push these pages go in."""
+        return transfer_id(self.nonce, f"kv-{self.start}")
+
+
 def transfer_id(nonce: str, what: str) -> str:
     """The transfer id of a push of ``what`` under ``nonce``.
 
@@ -157,6 +187,17 @@ def parse_room(frames: list[bytes]) -> RoomInfo:
         _field(head, "peer_address", str, "room"),
         tuple(dst_states),
     )
+
+
+def parse_chunk(frames: list[bytes]) -> Chunk:
+    head = _json(frames, CHUNK_TAG, 2, "chunk")
+    nonce = _field(head, "nonce", str, "chunk")
+    if not _NONCE.fullmatch(nonce):
+        raise InvalidRequestError("kvxfer chunk message: the nonce is not 128 bits of hex")
+    start, count = _field(head, "start", int, "chunk"), _field(head, "count", int, "chunk")
+    if not (0 <= start < MAX_PAGES and 0 < count <= MAX_PAGES):
+        raise InvalidRequestError(f"kvxfer chunk message: pages {start} + {count}")
+    return Chunk(_field(head, "room", int, "chunk"), nonce, start, count)
 
 
 def _indices(raw: bytes) -> np.ndarray[Any, Any]:

@@ -4,10 +4,12 @@ A decode rank registers once (:class:`~._messages.Registration`: where its daemo
 then names, per request, the pages it allocated (:class:`~._messages.RoomInfo`). Once every
 decode rank SGLang expects for the request has (``required``), the request may run its
 prefill (``KVPoll.WaitingForInput``). SGLang then hands the prefilled pages over chunk by
-chunk (``add_transfer_request``); with the last chunk this side pushes them all, each decode
-rank's share into its pages (kvxfer's push: an announcement to that rank's daemon, which
-pulls), the request's metadata row to the one rank that asked for it, and a hybrid model's
-state rows to each rank that named rows for them. The request has
+chunk (``add_transfer_request``), and this side pushes each chunk at once, each decode rank's
+share into its pages (kvxfer's push: an announcement to that rank's daemon, which pulls),
+telling the rank which of its pages the push fills (``KVXFER_CHUNK``): the bytes move while
+the next chunk is computed. With the last chunk go the request's metadata row, to the one
+rank that asked for it, and a hybrid model's state rows, to each rank that named rows for
+them. The request has
 succeeded when the daemon released every push's offer as pulled; any other release fails
 it with the daemon's reason, which SGLang's status message carries to the decode side.
 """
@@ -27,7 +29,7 @@ from kvxfer.errors import KvxferError
 
 from .._events import OfferReleased, ReleaseReason
 from .._results import PushResult
-from ._messages import REG_TAG, ROOM_TAG, Registration, RoomInfo, parse_registration, parse_room
+from ._messages import REG_TAG, ROOM_TAG, Chunk, Registration, RoomInfo, parse_registration, parse_room
 
 if TYPE_CHECKING:
     from ._conn import KvxferKVManager
@@ -41,22 +43,28 @@ ABORT_TAG = b"ABORT"
 
 @dataclass
 class _Pushes:
-    """A request's pushes: how many, how many were pulled, the offers still held."""
+    """A request's pushes: how many so far, how many were pulled, the offers still held."""
 
-    expected: int
+    expected: int = 0
     pulled: int = 0
+    #: Pages of the request pushed so far (where the next chunk starts).
+    sent_pages: int = 0
+    #: The last chunk was handed over: no more pushes come.
+    last: bool = False
     #: Offer id -> transfer id, of pushes announced and not yet released.
     offers: dict[str, str] = field(default_factory=dict)
 
+    @property
+    def done(self) -> bool:
+        return self.last and self.pulled == self.expected
+
 
 class PrefillPushes:
-    """Destinations by request, the chunks handed over so far, and the pushes running."""
+    """Destinations by request, and the pushes running."""
 
     def __init__(self, mgr: KvxferKVManager) -> None:
         self.mgr = mgr
         self.peers: dict[str, Registration] = {}
-        #: Page indices of the chunks handed over, by request, until its last chunk.
-        self.chunks: dict[int, list[np.ndarray[Any, Any]]] = {}
         #: The pushes of a request until every one was pulled (or the request failed).
         self.running: dict[int, _Pushes] = {}
         #: Rooms of this rank's senders (destinations may come before the sender does).
@@ -102,62 +110,84 @@ class PrefillPushes:
         aux_index: int | None,
         states: list[np.ndarray[Any, Any]],
     ) -> None:
-        """A chunk of the request's prefilled pages; the last one (with the request's metadata
-        row and state rows) starts the pushes."""
+        """A chunk of the request's prefilled pages, pushed at once; the last one also pushes
+        the request's metadata row and state rows."""
         mgr = self.mgr
         if room not in mgr.request_status or mgr.check_status(room) == _poll().Failed:
             return
         infos: dict[str, RoomInfo] | None = mgr.transfer_infos.get(room)
         if not infos:
             return
+        src = np.asarray(pages, dtype=np.int64)
         with self.lock:
-            self.chunks.setdefault(room, []).append(np.asarray(pages, dtype=np.int64).copy())
-            if not last:
-                return
-            src = np.concatenate(self.chunks.pop(room))
+            running = self.running.setdefault(room, _Pushes())
+            start, running.sent_pages = running.sent_pages, running.sent_pages + len(src)
         try:
-            pushes = self._pushes(infos, src, aux_index, states)
+            pushes = self._pushes(infos, src, start, last, aux_index, states)
         except ValueError as exc:
-            mgr.conclude_failure(bootstrap_room=room, failure_reason=str(exc))
+            self._failed(room, str(exc))
             return
         with self.lock:
-            self.running[room] = _Pushes(len(pushes))
+            running.expected += len(pushes)
+            running.last = last
+            done = running.done and self.running.pop(room, None) is not None
+        for info, chunk in ((i, Chunk(room, i.nonce, start, len(src))) for i in infos.values() if len(src)):
+            mgr.tell(info, chunk.to_frames())  # the decode rank expects this push
         for pool, ids, transfer_id, address in pushes:
             future = mgr.client.start_push(pool, ids, transfer_id, address, lease_s=mgr.lease_s)
             future.add_done_callback(functools.partial(self._announced, room, transfer_id))
+        if done:  # a last chunk with nothing to push, everything before it pulled
+            mgr.conclude_transfer(bootstrap_room=room, status=_poll().Success)
 
     def _pushes(
-        self, infos: dict[str, RoomInfo], src: np.ndarray[Any, Any], aux_index: int | None, states: list[Any]
+        self,
+        infos: dict[str, RoomInfo],
+        src: np.ndarray[Any, Any],
+        start: int,
+        last: bool,
+        aux_index: int | None,
+        states: list[Any],
     ) -> list[tuple[Any, list[int], str, str]]:
-        """What to push to each decode rank: its pages, the metadata row if it asked, and the
-        state rows it named; ValueError says why the two sides do not match."""
+        """What to push to each decode rank for a chunk of pages from ``start``: its pages,
+        and with the ``last`` chunk the metadata row if it asked and the state rows it named;
+        ValueError says why the two sides do not match."""
         mgr, ids = self.mgr, src.tolist()  # once for every decode rank's push
         pushes: list[tuple[Any, list[int], str, str]] = []
         for info in infos.values():
-            if len(info.dst_pages) != len(src):
-                raise ValueError(
-                    f"this rank sends {len(src)} pages; decode rank {info.session} allocated {len(info.dst_pages)}"
-                )
-            if len(info.dst_states) != len(mgr.states):
-                raise ValueError(
-                    f"decode rank {info.session} names {len(info.dst_states)} state components, this rank has "
-                    f"{len(mgr.states)} (another model or SGLang version)"
-                )
+            end, allocated = start + len(src), len(info.dst_pages)
+            if end > allocated or (last and end != allocated):
+                raise ValueError(f"this rank sends {end} pages; decode rank {info.session} allocated {allocated}")
             address = info.peer_address or self.peers[info.session].peer_address
-            pushes.append((mgr.kv_pool, ids, info.transfer_id("kv"), address))
-            if info.want_aux:
-                if aux_index is None:
-                    raise ValueError("the request's metadata row is unknown")
-                pushes.append((mgr.aux_pool, [aux_index], info.transfer_id("aux"), address))
-            for state, rows, dst in zip(mgr.states, states, info.dst_states, strict=True):
-                if not len(dst):
-                    continue  # the decode rank expects none of it from this rank
-                if len(rows) != len(dst):
-                    raise ValueError(
-                        f"this rank sends {len(rows)} rows of {state.kind!r} state; "
-                        f"decode rank {info.session} allocated {len(dst)}"
-                    )
-                pushes.append((state.pool, rows.tolist(), info.transfer_id(f"state-{state.kind}"), address))
+            if len(src):
+                pushes.append((mgr.kv_pool, ids, Chunk(info.room, info.nonce, start, len(src)).transfer_id(), address))
+            if last:
+                pushes += self._last_pushes(info, address, aux_index, states)
+        return pushes
+
+    def _last_pushes(
+        self, info: RoomInfo, address: str, aux_index: int | None, states: list[Any]
+    ) -> list[tuple[Any, list[int], str, str]]:
+        """The metadata row (if this decode rank asked for it) and the state rows it named."""
+        mgr = self.mgr
+        if len(info.dst_states) != len(mgr.states):
+            raise ValueError(
+                f"decode rank {info.session} names {len(info.dst_states)} state components, this rank has "
+                f"{len(mgr.states)} (another model or SGLang version)"
+            )
+        pushes: list[tuple[Any, list[int], str, str]] = []
+        if info.want_aux:
+            if aux_index is None:
+                raise ValueError("the request's metadata row is unknown")
+            pushes.append((mgr.aux_pool, [aux_index], info.transfer_id("aux"), address))
+        for state, rows, dst in zip(mgr.states, states, info.dst_states, strict=True):
+            if not len(dst):
+                continue  # the decode rank expects none of it from this rank
+            if len(rows) != len(dst):
+                raise ValueError(
+                    f"this rank sends {len(rows)} rows of {state.kind!r} state; "
+                    f"decode rank {info.session} allocated {len(dst)}"
+                )
+            pushes.append((state.pool, rows.tolist(), info.transfer_id(f"state-{state.kind}"), address))
         return pushes
 
     def _announced(self, room: int, transfer_id: str, future: concurrent.futures.Future[PushResult]) -> None:
@@ -195,7 +225,7 @@ class PrefillPushes:
             if running is None or running.offers.pop(offer_id, None) is None:
                 return
             running.pulled += 1
-            done = running.pulled == running.expected
+            done = running.done
             if done:
                 del self.running[room]
         if done:
@@ -209,7 +239,6 @@ class PrefillPushes:
         """Withdraw whatever the request still has on offer (nothing stays pinned);
         ``tell_decode``: say so to its decode ranks, which stop waiting for the pushes."""
         with self.lock:
-            self.chunks.pop(room, None)
             running = self.running.pop(room, None)
         for offer_id, transfer_id in (running.offers if running is not None else {}).items():
             self.mgr.client.start_cancel(transfer_id)

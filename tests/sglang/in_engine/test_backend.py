@@ -140,6 +140,30 @@ def test_requests_at_once_land_byte_exact_in_the_decode_ranks_pages(pair: Pair) 
     assert all(rank("compares_checksums") == same_heads for rank in pair.decode)
 
 
+def test_each_chunk_moves_while_the_prefill_computes_the_next(pair: Pair) -> None:
+    """SGLang's chunked prefill: the pages of the chunks sent so far land in every decode
+    rank's pages before the prefill has sent its last chunk, so the transfer overlaps the
+    prefill; once it has, the request ends byte-exact on both sides."""
+    [room] = _rooms(8, 1)
+    _bootstrap(pair, [room])
+    for rank in pair.decode:
+        rank("allocate", room=room, tokens=160, prefix=0)  # 10 pages
+    _until_waiting_for_input(pair, [room])
+    for rank in pair.prefill:
+        rank("prefill", room=room, tokens=160, chunk_pages=2, chunks=2)  # pages 0-3 only, for now
+    deadline = time.monotonic() + 20
+    while (landed := [rank("landed_pages", room=room) for rank in pair.decode]) != [4] * len(pair.decode):
+        assert time.monotonic() < deadline and max(landed) <= 4, landed
+        time.sleep(0.05)
+    assert all(rank("poll", rooms=[room])[str(room)] == WAITING_FOR_INPUT for rank in pair.decode)
+    for rank in pair.prefill:
+        rank("send_rest", room=room)
+    assert all(e[str(room)]["status"] == "success" for e in _wait(pair.prefill, [room])), "prefill"
+    for ends in _wait(pair.decode, [room]):
+        assert ends[str(room)]["status"] == "success" and ends[str(room)]["bad_elements"] == 0, ends
+    assert _settled(pair.prefill_daemon) == (0, 0) and _settled(pair.decode_daemon) == (0, 0)
+
+
 @pytest.mark.parametrize("side", ["decode", "prefill"])
 def test_a_request_aborted_on_one_side_fails_the_other_at_once_and_leaves_nothing(pair: Pair, side: str) -> None:
     """SGLang aborts a request on one side once both are bootstrapped: the other side hears it
