@@ -28,6 +28,10 @@ Everything in them is checked as hostile: a malformed message is a
 [[5]]
 >>> parse_chunk(Chunk(7, "ab" * 16, 8, 4).to_frames())
 Chunk(room=7, nonce='abababababababababababababababab', start=8, count=4)
+>>> parse_chunk(Chunk(7, "ab" * 16, -1, 4).to_frames())
+Traceback (most recent call last):
+...
+kvxfer_client.InvalidRequestError: kvxfer chunk message: pages -1 + 4
 >>> parse_room([ROOM_TAG, b'{"room": "x"}', b""])
 Traceback (most recent call last):
 ...
