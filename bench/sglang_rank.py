@@ -367,9 +367,12 @@ def main() -> None:
 
 
 class SglangRank(SglangProcess):
-    """One prefill or decode rank (:class:`Rank`) on ``daemon``."""
+    """One prefill or decode rank (:class:`Rank`) on ``daemon``: ``place`` is (TP size, rank)."""
 
-    def __init__(self, role: str, tp: int, rank: int, port: int, model: str, daemon: Daemon, kind: str = "mha") -> None:
+    def __init__(
+        self, role: str, place: tuple[int, int], port: int, model: str, daemon: Daemon, kind: str = "mha"
+    ) -> None:
+        tp, rank = place
         argv = [role, str(tp), str(rank), str(port), model, kind]
         super().__init__("bench.sglang_rank", argv, daemon, f"{role}{rank}")
 

@@ -59,9 +59,11 @@ def _ranks(prefill_tp: int, decode_tp: int, model: str, kind: str = "mha") -> It
     with Cluster() as cluster, ThreadPoolExecutor(4) as pool:
         a, b = cluster.daemon("prefill-node"), cluster.daemon("decode-node")
         port = _port()
-        first = SglangRank("prefill", prefill_tp, 0, port, model, a, kind)  # it runs the bootstrap server
-        others = [pool.submit(SglangRank, "prefill", prefill_tp, r, port, model, a, kind) for r in range(1, prefill_tp)]
-        decode = [pool.submit(SglangRank, "decode", decode_tp, r, port, model, b, kind) for r in range(decode_tp)]
+        first = SglangRank("prefill", (prefill_tp, 0), port, model, a, kind)  # it runs the bootstrap server
+        others = [
+            pool.submit(SglangRank, "prefill", (prefill_tp, r), port, model, a, kind) for r in range(1, prefill_tp)
+        ]
+        decode = [pool.submit(SglangRank, "decode", (decode_tp, r), port, model, b, kind) for r in range(decode_tp)]
         p = Pair([first, *(f.result() for f in others)], [f.result() for f in decode], a, b)
         try:
             yield p

@@ -31,8 +31,8 @@ def _ranks(model: str, prefill_daemon: Daemon, decode_daemon: Daemon) -> tuple[S
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = int(s.getsockname()[1])
-    return SglangRank("prefill", 1, 0, port, model, prefill_daemon), SglangRank(
-        "decode", 1, 0, port, model, decode_daemon
+    return SglangRank("prefill", (1, 0), port, model, prefill_daemon), SglangRank(
+        "decode", (1, 0), port, model, decode_daemon
     )
 
 
