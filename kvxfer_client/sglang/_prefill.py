@@ -123,7 +123,7 @@ class PrefillPushes:
             running = self.running.setdefault(room, _Pushes())
             start, running.sent_pages = running.sent_pages, running.sent_pages + len(src)
         try:
-            pushes = self._pushes(infos, src, start, last, aux_index, states)
+            pushes, chunks = self._pushes(infos, src, start, last, aux_index, states)
         except ValueError as exc:
             self._failed(room, str(exc))
             return
@@ -131,7 +131,7 @@ class PrefillPushes:
             running.expected += len(pushes)
             running.last = last
             done = running.done and self.running.pop(room, None) is not None
-        for info, chunk in ((i, Chunk(room, i.nonce, start, len(src))) for i in infos.values() if len(src)):
+        for info, chunk in chunks:
             mgr.tell(info, chunk.to_frames())  # the decode rank expects this push
         for pool, ids, transfer_id, address in pushes:
             future = mgr.client.start_push(pool, ids, transfer_id, address, lease_s=mgr.lease_s)
@@ -147,22 +147,25 @@ class PrefillPushes:
         last: bool,
         aux_index: int | None,
         states: list[Any],
-    ) -> list[tuple[Any, list[int], str, str]]:
-        """What to push to each decode rank for a chunk of pages from ``start``: its pages,
-        and with the ``last`` chunk the metadata row if it asked and the state rows it named;
-        ValueError says why the two sides do not match."""
+    ) -> tuple[list[tuple[Any, list[int], str, str]], list[tuple[RoomInfo, Chunk]]]:
+        """What to push to each decode rank for a chunk of pages from ``start``: its pages
+        (and the chunk message that announces them), and with the ``last`` chunk the metadata
+        row if it asked and the state rows it named; ValueError says why the two sides do not
+        match."""
         mgr, ids = self.mgr, src.tolist()  # once for every decode rank's push
         pushes: list[tuple[Any, list[int], str, str]] = []
+        chunks: list[tuple[RoomInfo, Chunk]] = []
         for info in infos.values():
             end, allocated = start + len(src), len(info.dst_pages)
             if end > allocated or (last and end != allocated):
                 raise ValueError(f"this rank sends {end} pages; decode rank {info.session} allocated {allocated}")
             address = info.peer_address or self.peers[info.session].peer_address
             if len(src):
-                pushes.append((mgr.kv_pool, ids, Chunk(info.room, info.nonce, start, len(src)).transfer_id(), address))
+                chunks.append((info, Chunk(info.room, info.nonce, start, len(src))))
+                pushes.append((mgr.kv_pool, ids, chunks[-1][1].transfer_id(), address))
             if last:
                 pushes += self._last_pushes(info, address, aux_index, states)
-        return pushes
+        return pushes, chunks
 
     def _last_pushes(
         self, info: RoomInfo, address: str, aux_index: int | None, states: list[Any]
