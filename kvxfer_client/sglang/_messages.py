@@ -108,7 +108,7 @@ class RoomInfo:
         return [ROOM_TAG, json.dumps(head).encode(), *(np.ascontiguousarray(i, dtype="<i4").tobytes() for i in indices)]
 
     def transfer_id(self, what: str) -> str:
-        """The id of the push of ``what`` ("kv", "aux", "state-mamba") to this rank: each
+        """The id of the push of ``what`` ("kv-0", "aux", "state-mamba") to this rank: each
         prefill rank gets a nonce of its own, so the id names the pair."""
         return transfer_id(self.nonce, what)
 
