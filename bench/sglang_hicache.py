@@ -21,7 +21,8 @@ from typing import Any
 import numpy as np
 
 from bench.cluster import Daemon
-from bench.sglang_rank import HEAD_DIM, HEADS, LAYERS, PAGE, SglangProcess, serve
+from bench.sglang_proc import SglangProcess, serve
+from bench.sglang_rank import HEAD_DIM, HEADS, LAYERS, PAGE
 
 
 class HiCacheEngine:

@@ -16,8 +16,7 @@ its daemon). Commands and answers are JSON lines; answers start with ``@@``.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
+import secrets
 import sys
 import time
 import traceback
@@ -25,8 +24,9 @@ from typing import Any
 
 import numpy as np
 
-from bench.cluster import ROOT, Daemon, _env
+from bench.cluster import Daemon
 from bench.sglang_hybrid import HybridState
+from bench.sglang_proc import SglangProcess, serve
 
 PAGE = 16
 HEADS, HEAD_DIM, LAYERS = 4, 32, 2  # the test model: 4 KV heads of 32, two layers
@@ -208,6 +208,15 @@ class Rank:
         for pages, state in now:
             req["side"].send(np.asarray(pages, dtype=np.int32), state)
 
+    def forge_chunk(self, room: int, start: int, count: int, own_nonce: bool) -> None:
+        """A chunk message to each decode rank of the request, as a hostile peer sends one
+        (under a nonce of its own making) or a broken prefill rank (the request's, out of order)."""
+        from kvxfer_client.sglang._messages import Chunk
+
+        for info in self.mgr.transfer_infos[room].values():
+            nonce = info.nonce if own_nonce else secrets.token_hex(16)
+            self.mgr.tell(info, Chunk(room, nonce, start, count).to_frames())
+
     def _state_rows(self, room: int, pages: int, write: bool = False) -> list[Any] | None:
         """A hybrid model's state rows for the request, as SGLang's payloads list them (the
         prefill rank writes its pattern into them)."""
@@ -292,70 +301,6 @@ class Rank:
         return answer
 
 
-class SglangProcess:
-    """A worker of this file's kind (``module``) in a process of its own, on ``daemon``;
-    ``proc(op, **kwargs)`` runs a command and returns its result."""
-
-    def __init__(self, module: str, argv: list[str], daemon: Daemon, name: str) -> None:
-        self.name = name
-        self.daemon = daemon
-        self.log_path = os.path.join(daemon.workdir, f"sglang-{self.name}.log")
-        log = open(self.log_path, "ab")  # noqa: SIM115 - the child keeps it
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", module, *argv],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=log,
-            env=_env({"KVXFER_SOCKET": daemon.socket}),
-            cwd=ROOT,
-        )
-        log.close()
-        hello = self._read()
-        if not hello.get("ready"):
-            raise RuntimeError(
-                f"SGLang worker {self.name} did not start: {hello.get('error')}\n{hello.get('trace', '')}"
-            )
-
-    def _read(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        while True:
-            line = self.proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"SGLang worker {self.name} exited ({self.proc.poll()}):\n{self.log()}")
-            if line.startswith(b"@@"):
-                reply: dict[str, Any] = json.loads(line[2:])
-                return reply
-
-    def __call__(self, op: str, **kwargs: Any) -> Any:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write((json.dumps({"op": op, **kwargs}) + "\n").encode())
-        self.proc.stdin.flush()
-        reply = self._read()
-        if "error" in reply:
-            raise RuntimeError(f"SGLang worker {self.name} {op}: {reply['error']}\n{reply.get('trace', '')}")
-        return reply["result"]
-
-    def log(self) -> str:
-        with open(self.log_path, errors="replace") as fh:
-            return fh.read()[-8000:]
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            assert self.proc.stdin is not None
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(30)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
-
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait(60)
-
-
 def main() -> None:
     role, tp, rank, port, model = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
     try:
@@ -375,22 +320,6 @@ class SglangRank(SglangProcess):
         tp, rank = place
         argv = [role, str(tp), str(rank), str(port), model, kind]
         super().__init__("bench.sglang_rank", argv, daemon, f"{role}{rank}")
-
-
-def serve(worker: Any) -> None:
-    """Answer commands on stdin (JSON lines; answers start with ``@@``) until it closes."""
-    print("@@" + json.dumps({"ready": True}), flush=True)
-    for line in sys.stdin:
-        cmd = json.loads(line)
-        try:
-            result = getattr(worker, cmd.pop("op"))(**cmd)
-            print("@@" + json.dumps({"result": result}), flush=True)
-        except Exception as exc:  # noqa: BLE001 - a command's failure is its answer
-            print(
-                "@@" + json.dumps({"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}),
-                flush=True,
-            )
-    os._exit(0)  # SGLang's threads (bootstrap server, ZMQ) are not ours to join
 
 
 if __name__ == "__main__":

@@ -166,6 +166,30 @@ def test_each_chunk_moves_while_the_prefill_computes_the_next(pair: Pair) -> Non
     assert _settled(pair.prefill_daemon) == (0, 0) and _settled(pair.decode_daemon) == (0, 0)
 
 
+def test_a_chunk_message_under_another_nonce_is_ignored_and_one_out_of_order_fails_the_request(pair: Pair) -> None:
+    """A decode rank expects a push only from a chunk message under the nonce it gave the
+    prefill rank. One under a made-up nonce (pages 2-3) changes nothing; the prefill rank's own
+    announcing pages 4-5 next is then out of order (had the forged one counted, it would not
+    be): the request fails at once on the decode side, naming the positions, then on the
+    prefill side, and neither daemon keeps anything."""
+    [room] = _rooms(9, 1)
+    _bootstrap(pair, [room])
+    for rank in pair.decode:
+        rank("allocate", room=room, tokens=96, prefix=0)  # 6 pages
+    _until_waiting_for_input(pair, [room])
+    for rank in pair.prefill:
+        rank("prefill", room=room, tokens=96, chunk_pages=2, chunks=1)
+        rank("forge_chunk", room=room, start=2, count=2, own_nonce=False)
+        rank("forge_chunk", room=room, start=4, count=2, own_nonce=True)
+    started = time.monotonic()
+    for ends in _wait(pair.decode, [room], timeout_s=TIMEOUT_S):
+        assert ends[str(room)]["status"] == "failed", ends
+        assert "expected page 2 next" in str(ends[str(room)]["reason"]), ends
+    assert time.monotonic() - started < TIMEOUT_S / 2
+    assert all(e[str(room)]["status"] == "failed" for e in _wait(pair.prefill, [room], timeout_s=TIMEOUT_S))
+    assert _settled(pair.prefill_daemon) == (0, 0) and _settled(pair.decode_daemon) == (0, 0)
+
+
 @pytest.mark.parametrize("side", ["decode", "prefill"])
 def test_a_request_aborted_on_one_side_fails_the_other_at_once_and_leaves_nothing(pair: Pair, side: str) -> None:
     """SGLang aborts a request on one side once both are bootstrapped: the other side hears it
