@@ -192,6 +192,24 @@ class TransferTable:
         """``record`` is over: into the history, the metrics and the log. ``error``: what
         failed it (its class gives the metrics' reason; a refusal moved nothing)."""
         self._finish(record, state, detail)
+        if not self.active:
+            self._idle.set()
+        # The metrics and the log line are the largest Python step of a small handoff, and
+        # nothing on the engine's path reads them: they follow once its answer is on its way
+        # (its write is started in this turn of the loop; see control.call_stream).
+        try:
+            asyncio.get_running_loop().call_soon(self._report, record, state, detail, error)
+        except RuntimeError:  # no loop running (a test, or the daemon winding down)
+            self._report(record, state, detail, error)
+
+    def _report(
+        self,
+        record: TransferRecord,
+        state: common_pb2.TransferState.ValueType,
+        detail: str,
+        error: BaseException | None,
+    ) -> None:
+        """An ended transfer into the metrics and the log."""
         if self._observe is not None:
             reason = failure_reason(error) if state != common_pb2.TRANSFER_STATE_SUCCEEDED else "none"
             result = _RESULT_NAMES.get(state, "refused" if reason == "refused" else "failed")
@@ -206,8 +224,6 @@ class TransferTable:
                     record.duration_s,
                 )
             )
-        if not self.active:
-            self._idle.set()
         fields: dict[str, Any] = {
             "transfer_id": record.transfer_id,
             "role": record.role,

@@ -7,9 +7,11 @@ time-to-first-token, so the SDK sends them here.
 
 Each request runs as its own task, exactly as the unary method would (same handler, same
 errors), and its answer is written as soon as it is ready: answers come back in completion
-order with the request's ``call_id``. One writer task sends them (gRPC allows one write at a
-time per stream, and a write must never be cancelled halfway). Abandoning a call cancels its
-task; so does losing the stream, for every call still running. A stream holds at most
+order with the request's ``call_id``. gRPC allows one write at a time per stream: a call
+whose answer finds the stream idle writes it itself, at once (the hop to a writer task cost
+about 0.1 ms of a 4 KiB handoff's 1.5 ms on the dev VM); otherwise one writer task sends the
+queued answers. A write must never be cancelled halfway: abandoning a call cancels its task
+unless that task is writing its answer; losing the stream cancels every call still running. A stream holds at most
 :data:`MAX_CALLS_IN_FLIGHT` calls and as many unsent answers, so a runaway client meets
 ``RESOURCE_EXHAUSTED`` or back-pressure rather than unbounded lists.
 
@@ -74,6 +76,10 @@ class _CallsServed:
         # write in progress, which would leave the stream unable to finish.
         self.outbox: asyncio.Queue[engine_pb2.CallResponse] = asyncio.Queue(MAX_CALLS_IN_FLIGHT)
         self.batches = Batches(self.outbox) if batched else None
+        #: Held by whoever writes (the writer task, or a call answering an idle stream).
+        self.writing = asyncio.Lock()
+        #: Calls writing their own answer: an abandon no longer cancels them.
+        self.answering: set[asyncio.Task[None]] = set()
 
     async def serve(self) -> None:
         writer = asyncio.create_task(self._write_answers(), name="calls-writer")
@@ -99,7 +105,7 @@ class _CallsServed:
         running, call_id, kind = self.running, request.call_id, request.WhichOneof("call")
         if kind == "abandon":
             task = running.pop(call_id, None)
-            if task is not None:
+            if task is not None and task not in self.answering:
                 task.cancel()
                 self.abandoned.add(task)
                 task.add_done_callback(self.abandoned.discard)
@@ -122,12 +128,25 @@ class _CallsServed:
             response = _error(call_id, grpc.StatusCode.CANCELLED, f"call {call_id} was cancelled")
         except Exception as exc:  # noqa: BLE001 - every failure becomes a status
             response = _error(call_id, *status_of(kind.capitalize(), exc), exc)
-        if self.running.get(call_id) is not asyncio.current_task():
+        task = asyncio.current_task()
+        if self.running.get(call_id) is not task:
             return  # abandoned, or the stream is closing: nobody waits for this answer
-        # Still listed while queueing (the outbox may be full): the stream must not end first.
-        await self.outbox.put(response)
-        if self.running.get(call_id) is asyncio.current_task():
+        # Still listed while queueing or writing: the stream must not end first.
+        if self.writing.locked() or not self.outbox.empty() or task is None:
+            await self.outbox.put(response)
+        else:
+            await self._answer(task, response)
+        if self.running.get(call_id) is task:
             del self.running[call_id]
+
+    async def _answer(self, task: asyncio.Task[None], response: engine_pb2.CallResponse) -> None:
+        """Write this call's answer from its own task (the stream is idle)."""
+        self.answering.add(task)
+        try:
+            async with self.writing:
+                await self._write(response)
+        finally:
+            self.answering.discard(task)
 
     async def _write_answers(self) -> None:
         """Write the answers as they come: those ready together in one write where the client
@@ -136,9 +155,14 @@ class _CallsServed:
         while True:
             response = await (outbox.get() if batches is None else batches.next())
             try:
-                await self.context.write(response)
-            except Exception as exc:  # noqa: BLE001 - the stream is gone; the reader ends it
-                log_event("calls.write_failed", logging.DEBUG, call_id=response.call_id, detail=repr(exc))
+                async with self.writing:
+                    await self._write(response)
             finally:
                 for _ in unbatched(response):
                     outbox.task_done()
+
+    async def _write(self, response: engine_pb2.CallResponse) -> None:
+        try:
+            await self.context.write(response)
+        except Exception as exc:  # noqa: BLE001 - the stream is gone; the reader ends it
+            log_event("calls.write_failed", logging.DEBUG, call_id=response.call_id, detail=repr(exc))
