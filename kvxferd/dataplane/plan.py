@@ -112,6 +112,11 @@ def build_plan(regions: RegionTable, block_ids: npt.NDArray[np.integer], chunk_b
         raise ValueError("chunk_bytes must be positive")
     ids = np.asarray(block_ids, dtype=np.int64)
     n = len(ids)
+    buffer, offset, stride, nbytes = regions.lists
+    if 0 < n * len(nbytes) <= SMALL_PLAN:  # a few segments: plain Python, no numpy calls
+        listed = ids.tolist()
+        segments = [(buffer[r], offset[r] + i * stride[r], nbytes[r]) for r in range(len(nbytes)) for i in listed]
+        return _plan_listed(segments, chunk_bytes)
     # Segments in stream order: region-major, then the caller's block order.
     seg_off = (regions.offset[:, None] + ids[None, :] * regions.stride[:, None]).ravel()
     seg_len = np.repeat(regions.nbytes, n)
@@ -212,10 +217,16 @@ SMALL_PLAN = 64
 
 def _plan_small(seg_buf: I64, seg_off: I64, seg_len: I64, chunk_bytes: int) -> SidePlan:
     """:func:`plan_segments` for a few segments, one piece at a time."""
+    return _plan_listed(list(zip(seg_buf.tolist(), seg_off.tolist(), seg_len.tolist(), strict=True)), chunk_bytes)
+
+
+def _plan_listed(segments: list[tuple[int, int, int]], chunk_bytes: int) -> SidePlan:
+    """A few segments ``(buffer, offset, bytes)``, in stream order, planned one piece at a time."""
     chunks: list[ChunkPlan] = []
     pieces: list[tuple[int, int, int, int]] = []  # (buffer, offset, length, offset in the chunk)
-    filled = 0
-    for buf, off, length in zip(seg_buf.tolist(), seg_off.tolist(), seg_len.tolist(), strict=True):
+    filled = total = 0
+    for buf, off, length in segments:
+        total += length
         while length > 0:
             take = min(length, chunk_bytes - filled)
             pieces.append((buf, off, take, filled))
@@ -225,7 +236,7 @@ def _plan_small(seg_buf: I64, seg_off: I64, seg_len: I64, chunk_bytes: int) -> S
                 pieces, filled = [], 0
     if pieces:
         chunks.append(_small_chunk(len(chunks), pieces, filled))
-    return SidePlan(int(seg_len.sum()), chunk_bytes, len(seg_len), tuple(chunks))
+    return SidePlan(total, chunk_bytes, len(segments), tuple(chunks))
 
 
 def _small_chunk(index: int, pieces: list[tuple[int, int, int, int]], nbytes: int) -> ChunkPlan:
