@@ -167,8 +167,9 @@ class Engine:
         assert self.pool is not None
         pool = self.pool
         t0 = time.perf_counter()
-        offers = (self.client.offer(pool, ids, lease_s=lease_s, readers=readers) for ids in requests)
-        tickets = await asyncio.gather(*offers)
+        offers = [self.client.offer(pool, ids, lease_s=lease_s, readers=readers) for ids in requests]
+        # One offer is awaited as an engine awaits it (gather would add a task's turn of the loop).
+        tickets = [await offers[0]] if len(offers) == 1 else await asyncio.gather(*offers)
         return {"tickets": [t.to_dict() for t in tickets], "offer_s": time.perf_counter() - t0}
 
     async def op_pull(self, pulls: list[tuple[dict[str, Any], list[int]]], timeout_s: float = 60.0) -> Any:

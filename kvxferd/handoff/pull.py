@@ -67,7 +67,8 @@ class Pulls:
         pushed_by = ask.pushed_by
         offered = self.local.offers.offers.get(ticket.offer_id) if ticket.daemon_id == self.daemon_id else None
         _check_against(ticket, dst, dst_ids, indices, offered.pool if offered is not None else None)
-        dst_key = _destination_key(dst.pool_id, dst_ids, indices)
+        # Only a caller's own id can come back as a retry: a fresh one is never asked for again.
+        dst_key = _destination_key(dst.pool_id, dst_ids, indices) if transfer_id else ""
         if transfer_id:
             done = self.transfers.succeeded_pull(transfer_id)
             if done is not None:
