@@ -32,6 +32,7 @@ __all__ = [
     "gather_chunk",
     "iov_at",
     "scatter_chunk",
+    "scatter_few_blocks",
     "small_pieces",
 ]
 
@@ -77,6 +78,28 @@ def copy_few_blocks(
             into[b : b + n] = out_of[a : a + n]
         copied += n * len(src_ids)
     return copied
+
+
+def scatter_few_blocks(dst_buffers: Sequence[U8], dst: RegionTable, dst_ids: Sequence[int], data: U8) -> None:
+    """Lay ``data``, a few blocks' segments back to back in stream order (region-major), into
+    ``dst_ids``: one slice assignment per segment, at most :data:`FEW_SEGMENTS`.
+
+    >>> b = np.zeros(32, dtype=np.uint8)
+    >>> regions = RegionTable.from_regions([(0, 0, 8, 4), (0, 4, 8, 4)])
+    >>> scatter_few_blocks([b], regions, [2], np.arange(1, 9, dtype=np.uint8))
+    >>> b[16:24].tolist()
+    [1, 2, 3, 4, 5, 6, 7, 8]
+    """
+    buffer, offset, stride, nbytes = dst.lists
+    if len(nbytes) * len(dst_ids) > FEW_SEGMENTS or data.nbytes != sum(nbytes) * len(dst_ids):
+        raise ValueError("not a few blocks' segments of this layout")
+    at = 0
+    for r, n in enumerate(nbytes):
+        into = dst_buffers[buffer[r]]
+        for j in dst_ids:
+            b = offset[r] + j * stride[r]
+            into[b : b + n] = data[at : at + n]
+            at += n
 
 
 def small_pieces(chunk: ChunkPlan) -> bool:

@@ -181,6 +181,14 @@ class RemotePull:
         what the offerer said once they landed (its ``sent``, with the block sums)."""
         record = receiver.landing.record
         started = time.perf_counter()
+        if not receiver.reads_sent and call.word_waiting():
+            # The offerer's word came with its accepted (a lent source is "sent" at once): read
+            # it, then land here, without a task for each (two turns of the loop).
+            said = await within(call.sent(), _left(ends_at), "the peer's 'sent'")
+            await receiver.land()
+            record.data_plane_s = time.perf_counter() - started
+            record.mark("received")
+            return said
         receiving = receiver.start()
         sent: asyncio.Task[peer_pb2.TransferSent] | None = None
         try:

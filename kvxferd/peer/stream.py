@@ -151,6 +151,10 @@ class TransferCall:
     def start(self, start: peer_pb2.TransferStart) -> None:
         self._stream.send(peer_pb2.TransferClientMessage(transfer_id=self.transfer_id, start=start))
 
+    def word_waiting(self) -> bool:
+        """Whether the peer's next message (or the stream's end) is here already."""
+        return not self._inbox.empty()
+
     async def accepted(self, timeout: float) -> peer_pb2.TransferAccepted:
         msg: peer_pb2.TransferAccepted = await self._read("accepted", timeout)
         return msg

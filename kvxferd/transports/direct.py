@@ -8,14 +8,17 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from kvxfer.errors import IncompatibleError, UnavailableError
 from kvxfer.proto import peer_pb2
 
 from .._services import Services
+from ..dataplane.hostcopy import FEW_SEGMENTS, scatter_few_blocks
 from ..dataplane.plan import sub_plan
 from ..dataplane.remap import side_of
 from ..dataplane.threaded_copy import copy_in_threads
-from .direct_proof import DIRECT_READ, nonce_missing, source_plan
+from .direct_proof import DIRECT_READ, lent_segments, nonce_missing, source_plan
 from .faces import Landing, Receiver, Sender, Sending
 from .layers import layer_batches, layer_sizes
 from .plane import RemotePlane
@@ -35,6 +38,9 @@ class DirectRead(Receiver):
         """Read the offered blocks once this transfer's nonce is found in the offering daemon;
         layer by layer (each once said written) where the offer is written so."""
         t, nonce, source = self.landing, self.nonce, self.source
+        if nonce and self._few():
+            self._read_few()
+            return None
         why = nonce_missing(int(source.pid), int(source.nonce_address), nonce) if nonce else "it was not asked for"
         if why:
             raise IncompatibleError(f"peer {t.peer.daemon_id} answered with a direct read, but {why}")
@@ -65,6 +71,28 @@ class DirectRead(Receiver):
             if t.record.on_layers is not None:
                 t.record.on_layers(written)
         return await t.call.sent()
+
+    def _few(self) -> bool:
+        """A whole read of a few blocks, as they are, into memory mapped here."""
+        t = self.landing
+        segments = len(t.dst.regions.nbytes) * len(t.dst_ids)
+        plain = t.starts is None and not t.record.mapping and t.dst.process is None
+        return plain and segments <= FEW_SEGMENTS and len(self.source.block_ids) == len(t.dst_ids)
+
+    def _read_few(self) -> None:
+        """The nonce and the blocks in one read, into scratch; laid into the destination once
+        the nonce was found (a one-block pull: one call instead of two, and no plans)."""
+        t, source = self.landing, self.source
+        segments = lent_segments(source, self.sender)
+        scratch = np.empty(sum(n for _, n in segments), dtype=np.uint8)
+        if scratch.nbytes != t.plan.total_bytes:
+            raise IncompatibleError(f"peer lends {scratch.nbytes} bytes, destination expects {t.plan.total_bytes}")
+        why = nonce_missing(int(source.pid), int(source.nonce_address), self.nonce, segments, scratch)
+        if why:
+            raise IncompatibleError(f"peer {t.peer.daemon_id} answered with a direct read, but {why}")
+        t.record.transport = DIRECT_READ
+        t.record.mark("lent")
+        scatter_few_blocks(t.dst.arrays, t.dst.regions, t.dst_ids.tolist(), scratch)
 
 
 class Lend(Sender):

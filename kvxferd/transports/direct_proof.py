@@ -14,9 +14,11 @@ names its pid and the address, and the reader reads it back from that pid: a pro
 (another pid namespace, another user, Yama, a seccomp profile) leaves that peer on UCX. Then
 every transfer proves itself the same way: ``TransferStart.direct_read_nonce`` is copied
 beside the blocks, and the reader finds it at the pid and address the offering daemon names
-before it reads a byte. Only a process the offering daemon can write holds the nonce, so what
-the reader reads there, at addresses the offering daemon names, is memory the offering
-daemon could have sent anyway (a recycled pid reads as a missing nonce).
+before a byte it read reaches a destination (a read of a few blocks takes the nonce and the
+blocks in one call, into the reader's own scratch, and drops them when the nonce is not
+there). Only a process the offering daemon can write holds the nonce, so what the reader
+reads there, at addresses the offering daemon names, is memory the offering daemon could have
+sent anyway (a recycled pid reads as a missing nonce).
 
 >>> proofs = ProofSlots()
 >>> pid, address = proofs.write(b"0123456789abcdef")
@@ -37,6 +39,7 @@ import hmac
 import logging
 import os
 import secrets
+from collections.abc import Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -56,6 +59,7 @@ __all__ = [
     "DIRECT_READ",
     "NONCE_BYTES",
     "ProofSlots",
+    "lent_segments",
     "new_nonce",
     "nonce_missing",
     "probe_peer",
@@ -105,15 +109,25 @@ def probe_peer(proof: peer_pb2.DirectReadProof, nonce: bytes, peer_id: str) -> b
     return True
 
 
-def nonce_missing(pid: int, address: int, nonce: bytes) -> str:
+def nonce_missing(
+    pid: int,
+    address: int,
+    nonce: bytes,
+    segments: Sequence[tuple[int, int]] = (),
+    into: npt.NDArray[np.uint8] | None = None,
+) -> str:
     """Why ``nonce`` cannot be read at ``address`` in process ``pid`` ("" when it can);
-    raises UnavailableError when that process has exited (a dead peer, not an incompatible one)."""
+    raises UnavailableError when that process has exited (a dead peer, not an incompatible one).
+    ``segments`` ``(address, bytes)`` there are read into ``into`` by the same call (their
+    bytes count only when the nonce was found)."""
     found = np.zeros(NONCE_BYTES, dtype=np.uint8)
-    local = np.array([[found.ctypes.data, NONCE_BYTES]], dtype=np.uint64)
+    local = [(found.ctypes.data, NONCE_BYTES)]
+    if into is not None:
+        local.append((into.ctypes.data, into.nbytes))
     if not 0 < address < _MAX_ADDRESS:
         return f"nonce address {address:#x} out of range"
     try:
-        read_iov(pid, local, np.array([[address, NONCE_BYTES]], dtype=np.uint64))
+        read_iov(pid, np.array(local, dtype=np.uint64), np.array([(address, NONCE_BYTES), *segments], dtype=np.uint64))
     except ProcessLookupError:
         raise UnavailableError(f"the peer daemon's process {pid} exited") from None
     except OSError as exc:
@@ -162,6 +176,31 @@ def source_plan(
     a hostile peer's numbers fail here, as typed errors, or read only its own memory).
     ``remap_to``: the destination's side, where the two sides cut blocks otherwise; ``layers``:
     chunks cut per layer, for a layer-wise read."""
+    memory, regions = _lent(source, sender)
+    ids = np.asarray(source.block_ids, dtype=np.int64)
+    if remap_to is not None:
+        plan = plan_remap(peer_side(sender, len(ids), regions, ids), remap_to, chunk_bytes, "src")
+    elif layers:
+        if len(regions.nbytes) % layers:
+            raise IncompatibleError(f"direct read: {len(regions.nbytes)} regions do not make {layers} layers")
+        plan = build_layered_plan(regions, ids, chunk_bytes, layers)[0]
+    else:
+        plan = build_plan(regions, ids, chunk_bytes)
+    return memory, plan
+
+
+def lent_segments(source: peer_pb2.DirectReadSource, sender: common_pb2.LayoutSignature) -> list[tuple[int, int]]:
+    """The lent blocks' segments ``(address, bytes)`` in the offering daemon, in stream order
+    (region-major, then the offer's block order): checked as :func:`source_plan` checks them,
+    for a read of a few segments that needs no plan."""
+    memory, regions = _lent(source, sender)
+    base, (buffer, offset, stride, nbytes) = memory.base.tolist(), regions.lists
+    ids = list(source.block_ids)
+    return [(base[buffer[r]] + offset[r] + i * stride[r], nbytes[r]) for r in range(len(nbytes)) for i in ids]
+
+
+def _lent(source: peer_pb2.DirectReadSource, sender: common_pb2.LayoutSignature) -> tuple[ProcessMemory, RegionTable]:
+    """The lent pool's memory and regions, its block ids checked against it."""
     # A peer's description of a pool larger than any a daemon registers is checked uncached:
     # the cache holds only what honest pools look like.
     small = len(source.buffer_address) + len(source.region_offset) <= _CACHED_ENTRIES
@@ -177,16 +216,7 @@ def source_plan(
         raise InvalidRequestError("direct read: no blocks described")
     if max(source.block_ids) >= id_bound:
         raise InvalidRequestError("direct read: a block id out of range")
-    ids = np.asarray(source.block_ids, dtype=np.int64)
-    if remap_to is not None:
-        plan = plan_remap(peer_side(sender, len(ids), regions, ids), remap_to, chunk_bytes, "src")
-    elif layers:
-        if len(regions.nbytes) % layers:
-            raise IncompatibleError(f"direct read: {len(regions.nbytes)} regions do not make {layers} layers")
-        plan = build_layered_plan(regions, ids, chunk_bytes, layers)[0]
-    else:
-        plan = build_plan(regions, ids, chunk_bytes)
-    return memory, plan
+    return memory, regions
 
 
 def _check_lent_pool(

@@ -5,24 +5,32 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
+from typing import Any, cast
 
 import numpy as np
 import pytest
 
 from kvxfer.errors import IncompatibleError, InvalidRequestError, UnavailableError
+from kvxfer.layout import Layout
 from kvxfer.proto import common_pb2, peer_pb2
+from kvxferd._transfers import TransferRecord
 from kvxferd.dataplane.cma import self_copy_works
 from kvxferd.dataplane.plan import RegionTable, build_plan
+from kvxferd.memory.pools import mapped_pool
 from kvxferd.peer.serve_request import read_start
+from kvxferd.transports.direct import DirectRead
 from kvxferd.transports.direct_proof import (
     NONCE_BYTES,
     SLOTS,
     ProofSlots,
+    lent_segments,
     new_nonce,
     nonce_missing,
     probe_peer,
     source_plan,
 )
+from kvxferd.transports.faces import Landing
 
 REGIONS = [(0, 0, 4096, 1024), (1, 512, 4096, 2048)]  # (buffer, offset, stride, bytes per block)
 
@@ -67,6 +75,53 @@ def test_a_hostile_description_is_refused_typed(change: dict[str, object], error
     source, signature = _source(**change)
     with pytest.raises(error, match=words):
         source_plan(source, signature, 2048)
+    with pytest.raises(error, match=words):  # the few blocks read without a plan: the same checks
+        lent_segments(source, signature)
+
+
+def test_lent_segments_are_the_plans_bytes_in_stream_order() -> None:
+    source, signature = _source()
+    base = [1 << 20, 1 << 30]
+    expected = [(base[b] + off + i * stride, n) for b, off, stride, n in REGIONS for i in (3, 0, 2)]
+    assert lent_segments(source, signature) == expected
+
+
+@pytest.mark.skipif(not self_copy_works(), reason="process_vm_readv is refused here")
+def test_a_few_blocks_read_with_the_nonce_land_only_where_the_nonce_was_found() -> None:
+    """A one-block direct read takes the nonce and the block in one call, into scratch: the
+    destination gets the bytes when the nonce was there, and nothing when it was not."""
+    layout = Layout.paged_kv(num_layers=1, num_blocks=8, block_bytes=64)
+    src = [np.random.default_rng(i).integers(0, 256, n, dtype=np.uint8) for i, n in enumerate(layout.buffer_sizes())]
+    dst = mapped_pool("dst", "dst", layout, [np.zeros(n, dtype=np.uint8) for n in layout.buffer_sizes()])
+    proofs, nonce = ProofSlots(), new_nonce()
+    pid, address = proofs.write(nonce)
+    regions = [(r.buffer_index, r.offset, r.block_stride) for r in layout.regions]
+    source = peer_pb2.DirectReadSource(
+        pid=pid,
+        nonce_address=address,
+        buffer_address=[a.ctypes.data for a in src],
+        region_buffer=[r[0] for r in regions],
+        region_offset=[r[1] for r in regions],
+        region_stride=[r[2] for r in regions],
+        block_ids=[5],
+    )
+
+    def read(into: int, nonce_said: bytes) -> None:
+        ids = np.array([into], dtype=np.int64)
+        record = TransferRecord("t", "decode", common_pb2.TRANSFER_PATH_REMOTE, "o")
+        peer, plan = SimpleNamespace(daemon_id="peer"), build_plan(dst.regions, ids, 1 << 20)
+        landing = Landing(record, cast(Any, peer), cast(Any, None), dst, ids, plan, None)
+        DirectRead(landing, cast(Any, None), source, nonce_said, layout.signature())._read_few()
+
+    def block(arrays: list[Any], i: int) -> bytes:
+        parts = (arrays[r.buffer_index][r.offset + i * r.block_stride :][: r.block_bytes] for r in layout.regions)
+        return b"".join(p.tobytes() for p in parts)
+
+    read(2, nonce)
+    assert block(dst.arrays, 2) == block(src, 5)
+    with pytest.raises(IncompatibleError, match="does not hold the nonce"):
+        read(3, new_nonce())  # a peer naming a process that is not the one holding this nonce
+    assert not any(block(dst.arrays, 3))
 
 
 def test_a_lent_pool_is_checked_once_shared_read_only_and_its_errors_never_cached() -> None:
