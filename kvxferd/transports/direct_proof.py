@@ -39,6 +39,7 @@ import hmac
 import logging
 import os
 import secrets
+import weakref
 from collections.abc import Sequence
 
 import numpy as np
@@ -152,17 +153,35 @@ def source_of(
     if len(nonce) != NONCE_BYTES:
         raise InvalidRequestError(f"a direct read's nonce is {NONCE_BYTES} bytes, not {len(nonce)}")
     held = np.frombuffer(nonce, dtype=np.uint8).copy()
-    regions = pool.regions
-    source = peer_pb2.DirectReadSource(
-        pid=os.getpid(),
-        nonce_address=int(held.ctypes.data),
-        buffer_address=[int(a.ctypes.data) for a in pool.host_memory().arrays],  # type: ignore[attr-defined]
-        region_buffer=regions.buffer.tolist(),
-        region_offset=regions.offset.tolist(),
-        region_stride=regions.stride.tolist(),
-        block_ids=np.asarray(src_ids).tolist(),
-    )
+    source = peer_pb2.DirectReadSource()
+    source.CopyFrom(_described(pool))
+    source.nonce_address = int(held.ctypes.data)
+    source.block_ids.extend(np.asarray(src_ids).tolist())
     return source, held
+
+
+#: Pools whose description is kept (by pool id, with a weak reference to the pool it describes:
+#: a deregistered pool's memory must not stay mapped for this).
+_DESCRIBED: dict[str, tuple[weakref.ref[Pool], peer_pb2.DirectReadSource]] = {}
+
+
+def _described(pool: Pool) -> peer_pb2.DirectReadSource:
+    """Where a pool mapped here lies (pid, buffers, regions): the same for every pull of its
+    offers, so built once per pool (a pull copies it and adds its nonce and blocks)."""
+    kept = _DESCRIBED.get(pool.pool_id)
+    if kept is None or kept[0]() is not pool:
+        regions = pool.regions
+        described = peer_pb2.DirectReadSource(
+            pid=os.getpid(),
+            buffer_address=[int(a.ctypes.data) for a in pool.arrays],
+            region_buffer=regions.buffer.tolist(),
+            region_offset=regions.offset.tolist(),
+            region_stride=regions.stride.tolist(),
+        )
+        if len(_DESCRIBED) >= _LENT_POOLS:
+            _DESCRIBED.clear()
+        kept = _DESCRIBED[pool.pool_id] = (weakref.ref(pool), described)
+    return kept[1]
 
 
 def source_plan(
