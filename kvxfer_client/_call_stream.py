@@ -133,6 +133,7 @@ class CallStream:
                     answered = self._pending.get(response.call_id)
                     if answered is not None and not answered.done():
                         answered.set_result(response)
+                await asyncio.sleep(0)  # the callers answered go on before the next read is asked for
         except grpc.RpcError as exc:
             error = self._stream_error(exc)
         except asyncio.CancelledError:

@@ -87,6 +87,10 @@ class _CallsServed:
             while (batch := await self.context.read()) is not grpc.aio.EOF:
                 for request in unbatched(batch):
                     await self._take(request)
+                # The calls just started run their first steps (an offer: all of it, and its
+                # answer's write) before this task asks gRPC for the next message: asking first
+                # kept them waiting ~0.05 ms on the dev VM.
+                await asyncio.sleep(0)
             # The client has sent its last request: let the calls still running answer, and the
             # answers go out, before the stream ends (and sends its status).
             while self.running:

@@ -88,6 +88,7 @@ class TransferStream:
                     inbox = self._inboxes.get(msg.transfer_id)
                     if inbox is not None:  # else a transfer this side already ended
                         inbox.put_nowait(msg)
+                await asyncio.sleep(0)  # the transfers woken go on before the next read is asked for
             self._lost(UnavailableError(f"peer {self.address} ended the transfer stream"))
         except grpc.RpcError as exc:
             self._lost(peer_error(exc, self.address))

@@ -115,6 +115,7 @@ async def serve_transfers(context: Any, node: PeerNode) -> None:
         while (batch := await context.read()) is not grpc.aio.EOF:
             for msg in unbatched(batch):
                 take(msg)
+            await asyncio.sleep(0)  # the transfers started or woken go on before the next read
     finally:
         # The puller closed its end or the stream is lost: it waits for none of these.
         tasks = []
