@@ -1,0 +1,81 @@
+"""A 4 KiB handoff's fixed cost on two trees' daemons, round by round in one run.
+
+This VM's speed swings by 2x within minutes, and a ratio to gRPC echoes only partly hides it:
+two runs of ``bench.lean`` minutes apart differ by more than most single changes to the hot
+path. So this runs daemons of two checkouts side by side (``--base``, e.g. a ``git worktree``
+of the commit before a change, and this tree), two pairs each, and alternates between them
+every round. The engines are this tree's. Per round and per tree: two unary echoes (health
+checks on the daemon's engine socket), a remote 4 KiB handoff (direct reads) and a local
+one, as the engines see them (offer + pull). Medians, and each handoff against two echoes of
+the same tree's daemons.
+
+Run: ``git worktree add /tmp/base <rev> && python -m bench.ab_fixed --base /tmp/base
+[--rounds 150]``; one JSON line per tree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from typing import Any
+
+import numpy as np
+
+from .cluster import ROOT, Cluster, EngineProcess
+from .lean import SMALL
+
+ENV = {"KVXFERD_SAME_HOST_DIRECT_READ": "true"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--base", required=True, help="a checkout whose daemons are compared with this tree's")
+    parser.add_argument("--rounds", type=int, default=150)
+    args = parser.parse_args()
+    rng = np.random.default_rng(3)
+    with Cluster() as cluster:
+        trees: dict[str, tuple[EngineProcess, ...]] = {}
+        for name, root in (("base", args.base), ("this", ROOT)):
+            prefix = ["env", "-C", root]  # ``python -m kvxferd`` imports from its working directory
+            a = cluster.daemon(f"{name}-a", env=ENV, prefix=prefix)
+            b = cluster.daemon(f"{name}-b", env=ENV, prefix=prefix)
+            # The prefill engine and a local decode engine on daemon a, a remote one on b.
+            roles = ((a, "prefill", 1), (a, "local", None), (b, "remote", None))
+            trees[name] = tuple(_engine(cluster, d, f"{name}-{role}", seed) for d, role, seed in roles)
+        figs: dict[str, dict[str, list[float]]] = {name: {"echo2": [], "local": [], "remote": []} for name in trees}
+        for r in range(args.rounds + 5):
+            for name, (prefill, local, remote) in trees.items():
+                echo = local("echo", count=2)["seconds"]
+                far, near = _handoff(rng, prefill, remote), _handoff(rng, prefill, local)
+                if r >= 5:  # warm
+                    f = figs[name]
+                    f["echo2"].append(echo[0] + echo[1])
+                    f["remote"].append(far)
+                    f["local"].append(near)
+        for name, f in figs.items():
+            med = {k: statistics.median(v) for k, v in f.items()}
+            row: dict[str, Any] = {"tree": args.base if name == "base" else ROOT}
+            row |= {f"{k}_p50_ms": round(v * 1e3, 3) for k, v in med.items()}
+            row |= {f"{k}_vs_echo2": round(med[k] / med["echo2"], 3) for k in ("local", "remote")}
+            print(json.dumps(row), flush=True)
+
+
+def _engine(cluster: Cluster, daemon: Any, name: str, seed: int | None) -> EngineProcess:
+    engine = cluster.engine(daemon, name)
+    engine("pool", shape=SMALL, seed=seed)
+    return engine
+
+
+def _handoff(rng: np.random.Generator, prefill: EngineProcess, decode: EngineProcess) -> float:
+    """One 4 KiB offer and its pull, as the engines timed them."""
+    src, dst = rng.permutation(4096)[:1].tolist(), rng.permutation(4096)[:1].tolist()
+    offered = prefill("offer", requests=[src])
+    [res] = decode("pull", pulls=[[offered["tickets"][0], dst]])["results"]
+    if not res["ok"]:
+        raise RuntimeError(f"pull failed: {res}")
+    return float(offered["offer_s"] + res["latency_s"])
+
+
+if __name__ == "__main__":
+    main()
