@@ -194,13 +194,18 @@ class TransferTable:
         self._finish(record, state, detail)
         if not self.active:
             self._idle.set()
-        # The metrics and the log line are the largest Python step of a small handoff, and
-        # nothing on the engine's path reads them: they follow once its answer is on its way
-        # (its write is started in this turn of the loop; see control.call_stream).
-        try:
-            asyncio.get_running_loop().call_soon(self._report, record, state, detail, error)
-        except RuntimeError:  # no loop running (a test, or the daemon winding down)
-            self._report(record, state, detail, error)
+        # A pull's metrics and log line are the largest Python step of a small handoff, and
+        # nothing on its engine's path reads them: they follow once the answer is on its way
+        # (its write is started in this turn of the loop; see control.call_stream). The
+        # offering side's end is off every engine's path: reported at once, before the
+        # offer's release reaches its engine.
+        if record.role == "decode":
+            try:
+                asyncio.get_running_loop().call_soon(self._report, record, state, detail, error)
+                return
+            except RuntimeError:  # no loop running (a test, or the daemon winding down)
+                pass
+        self._report(record, state, detail, error)
 
     def _report(
         self,
