@@ -182,6 +182,17 @@ def test_kvxferctl_health_and_a_watched_transfer_list(cluster: Cluster) -> None:
     assert ctl("health").returncode == 3  # gone after draining: unreachable
 
 
+def ended_records(daemon: Daemon, transfer_id: str, timeout_s: float = 30.0) -> list[dict[str, Any]]:
+    """The daemon's JSON log records once one of them says ``transfer_id`` ended."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        records = [json.loads(line) for line in daemon.log().splitlines() if line.startswith("{")]
+        if any(r.get("transfer_id") == transfer_id and r["event"].startswith("transfer.") for r in records):
+            return records
+        assert time.monotonic() < deadline, f"{daemon.name} logged no end of {transfer_id}:\n{daemon.log()}"
+        time.sleep(0.02)
+
+
 def test_json_logs_one_line_per_lifecycle_event_with_ids_and_nothing_per_segment(cluster: Cluster) -> None:
     a = cluster.daemon("a", "--log-json")
     b = cluster.daemon("b", "--log-json")
@@ -194,7 +205,9 @@ def test_json_logs_one_line_per_lifecycle_event_with_ids_and_nothing_per_segment
     assert result["ok"]
     prefill("released", offer_ids=[ticket["offer_id"]])
     for daemon in (a, b):
-        records = [json.loads(line) for line in daemon.log().splitlines() if line.startswith("{")]
+        # The pull's own line follows its answer (its release completes off the engine's path):
+        # wait for it, bounded, instead of reading the log the moment the engine has its answer.
+        records = ended_records(daemon, result["transfer_id"])
         assert records and all({"ts", "level", "event"} <= r.keys() for r in records)
         for r in records:
             if r["event"].startswith("transfer."):
