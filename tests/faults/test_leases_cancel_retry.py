@@ -78,13 +78,19 @@ async def test_without_the_heartbeat_the_lease_expires_and_the_pull_finds_nothin
         await pair.decode.pull(forged, pair.dst, [4])
     assert not isinstance(refused.value, OfferExpiredError)
     # Counted apart from refusals and transport failures: operators read it as capacity.
+    # A pull's metrics and log line follow its answer by a turn of the daemon's loop: wait, bounded.
     b = pair.decode_daemon
-    metrics = await asyncio.to_thread(_scrape, b.info["metrics_address"])
-    expired = [
-        line
-        for line in metrics.splitlines()
-        if line.startswith("kvxfer_transfers_total") and 'reason="expired"' in line
-    ]
+    deadline = time.monotonic() + 10
+    while True:
+        metrics = await asyncio.to_thread(_scrape, b.info["metrics_address"])
+        expired = [
+            line
+            for line in metrics.splitlines()
+            if line.startswith("kvxfer_transfers_total") and 'reason="expired"' in line
+        ]
+        if (expired and "reason=expired" in b.log()) or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.02)
     assert expired and float(expired[0].rsplit(" ", 1)[1]) == 1.0, expired
     assert "reason=expired" in b.log()
 

@@ -43,6 +43,15 @@ def sample(text: str, name: str, **labels: str) -> float:
 SMALL = {"layers": 1, "blocks": 8, "block_bytes": 65536}
 
 
+def settled(address: str, name: str, want: float, **labels: str) -> float:
+    """A sample once it reads ``want`` (or its last value after 10 s): a pull's metrics follow
+    its answer to the engine by a turn of its daemon's loop, which a loaded machine stretches."""
+    deadline = time.monotonic() + 10
+    while (got := sample(scrape(address), name, **labels)) != want and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return got
+
+
 def _handoff(prefill: Any, decode: Any) -> dict[str, Any]:
     """Pools of SMALL on both engines, blocks 0-1 offered and pulled into 3-4; the ticket."""
     prefill("pool", shape=SMALL, seed=2)
@@ -95,14 +104,14 @@ def test_remote_transfers_are_labelled_with_their_ucx_transport(two_daemons: Clu
     labels = {"path": "remote", "transport": "ucx:shm+cma", "result": "succeeded"}
     moved = 2 * 2 * 65536
     # Counted once per side, each under its role: a fleet sums one role.
-    assert sample(scrape(b.info["metrics_address"]), "kvxfer_transfer_bytes_total", role="decode", **labels) == moved
+    assert settled(b.info["metrics_address"], "kvxfer_transfer_bytes_total", moved, role="decode", **labels) == moved
     assert sample(scrape(a.info["metrics_address"]), "kvxfer_transfer_bytes_total", role="prefill", **labels) == moved
     assert sample(scrape(b.info["metrics_address"]), "kvxfer_peers", state="connected") == 1
     # A pull refused by the offerer (wrong token) moved nothing: refused, on no transport.
     forged = dict(ticket, token="00" * 16, offer_id=prefill("offer", requests=[[6, 7]])["tickets"][0]["offer_id"])
     assert decode("pull", pulls=[[forged, [6, 7]]])["results"][0]["type"] == "PermissionDeniedError"
     refused = {"path": "remote", "transport": "none", "result": "refused", "reason": "refused"}
-    assert sample(scrape(b.info["metrics_address"]), "kvxfer_transfers_total", role="decode", **refused) == 1
+    assert settled(b.info["metrics_address"], "kvxfer_transfers_total", 1, role="decode", **refused) == 1
 
 
 def test_fragmented_host_transfers_move_without_staging_and_staged_ones_show_it(cluster: Cluster) -> None:
