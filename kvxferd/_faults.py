@@ -108,6 +108,10 @@ class Faults:
                 points[point] = _Action(failures=count, corrupt=m.group(4) == "corrupt")
         return cls(points)
 
+    def armed(self, point: str) -> bool:
+        """Whether an action is armed at ``point`` (spent or not)."""
+        return point in self.points
+
     def corrupts(self, point: str, transfer_id: str = "-") -> bool:
         """Whether this hit of ``point`` is to corrupt (a ``corrupt`` action with hits left)."""
         action = self.points.get(point)

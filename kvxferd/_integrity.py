@@ -21,7 +21,10 @@ flipped bit needs ``full``).
    ``sent``.
 3. **Where they land**, before ``done``: the receiver sums what arrived and compares it with
    the digest (carried in ``sent``; at hand on a local pull). A mismatch fails the pull with
-   :class:`DataLossError` naming the blocks; the destination is never reported filled.
+   :class:`DataLossError` naming the blocks; the destination is never reported filled. A
+   local pull of a small offer whose digest holds every segment whole (a few segments, copied
+   one assignment each) sums each segment right after it landed, while it is in cache, and
+   compares the lists; only a mismatch takes the general check, which names the blocks.
 
 A remapped stream (other TP, head order or block size) lands in blocks cut otherwise than
 the offer's: after step 2 (both modes), the source also sums windows of the stream as it
@@ -55,7 +58,7 @@ from ._log import log_event
 from ._offers import Offer
 from ._stream_sums import blocks_under, peer_windows, stream_windows
 from ._transfers import TransferRecord
-from .dataplane.checksum import window_sums
+from .dataplane.checksum import whole_segment_sums, window_sums
 from .dataplane.plan import RegionTable, SidePlan, build_plan
 from .memory.pools import Pool
 
@@ -128,6 +131,13 @@ class Integrity:
             log_event("integrity.digest", logging.DEBUG, offer_id=offer.offer_id, mode=self.mode, sums=len(sums))
             return Digest(self.mode, positions, regions, within, sums)
 
+        if regions is not None and within is None and offer.pool.process is None:
+            # Every segment whole (a small offer, mapped here): summed where it lies.
+            whole = whole_segment_sums(offer.pool.arrays, offer.pool.regions, offer.block_ids.tolist())
+            if whole is not None:
+                future.set_result(summed(np.array(whole, dtype=np.uint64)))
+                self._spent("digest", time.thread_time() - started)
+                return
         ids = offer.block_ids[positions]
         if covered_bytes(offer.pool, ids, regions, within) <= INLINE_BYTES:
             try:
@@ -273,6 +283,25 @@ class Integrity:
         except DataLossError as landed:
             raise await self.changed_since_offer(record, offer, indices) or landed from None
 
+    def checked_as_copied(
+        self, record: TransferRecord, offer: Offer, indices: I64 | None, dst: Pool, dst_ids: list[int]
+    ) -> bool:
+        """A local pull of a whole small offer just copied (a few segments, one assignment
+        each): its segments summed where they landed, still in cache, against a digest of every
+        segment whole (what ``sampled`` takes of a small offer). False when that is not the
+        case, or on a mismatch: :meth:`check_local` then checks, and names what differs."""
+        started = time.thread_time()
+        digest = _digest_now(offer)
+        if indices is not None or digest is None or digest.regions is None or digest.within is not None:
+            return False
+        if dst.closing or dst.on_gpu or self.faults.armed("before_check"):
+            return False
+        if whole_segment_sums(dst.arrays, dst.regions, dst_ids) != digest.sums.tolist():
+            return False
+        self._checked(record, digest.mode, len(dst_ids), False)
+        self._spent("landed", time.thread_time() - started)
+        return True
+
     async def changed_since_offer(
         self, record: TransferRecord, offer: Offer, indices: I64 | None
     ) -> DataLossError | None:
@@ -354,11 +383,10 @@ class Integrity:
         copy thread; None when the pool is going away."""
         if pool.closing:
             return None
-        with pool.in_use():
-            memory = pool.host_memory()
-            if nbytes <= INLINE_BYTES:
-                return sums(memory, *args)
-            return await in_thread(self.executor, sums, memory, *args)
+        if nbytes <= INLINE_BYTES:  # on the loop: no deregistration can come between
+            return sums(pool.host_memory(), *args)
+        with pool.in_use():  # a deregistration meanwhile unmaps only once this ends
+            return await in_thread(self.executor, sums, pool.host_memory(), *args)
 
     def _checked(self, record: TransferRecord, mode: str, blocks: int, mismatch: bool) -> None:
         record.integrity_mode, record.integrity_blocks = mode, blocks
@@ -368,6 +396,15 @@ class Integrity:
     def _unchecked(self, record: TransferRecord, why: str) -> None:
         record.integrity_result = why if why.startswith("not checked") else f"not checked: {why}"
         self._count(record.integrity_mode, "not_checked", 0)
+
+
+def _digest_now(offer: Offer) -> Digest | None:
+    """The offer's digest if it is summed already (None: not taken, still summing, or failed)."""
+    future = offer.digest
+    if future is None or not future.done() or future.cancelled() or future.exception() is not None:
+        return None
+    digest: Digest | None = future.result()
+    return digest
 
 
 def _flip_first_bit(dst: Pool, dst_ids: I64) -> None:

@@ -36,7 +36,7 @@ import numpy.typing as npt
 from .hostmem import HostMemory
 from .plan import RegionTable, SidePlan, build_plan, plan_segments, window_pieces
 
-__all__ = ["SCRATCH_BYTES", "block_sums", "bytes_sum", "segment_sums", "window_sums"]
+__all__ = ["SCRATCH_BYTES", "block_sums", "bytes_sum", "segment_sums", "whole_segment_sums", "window_sums"]
 
 U64 = npt.NDArray[np.uint64]
 #: The most bytes gathered at once to be summed (the rest waits its turn).
@@ -145,6 +145,30 @@ def _sums_in_place(
             return None
         sums.append(arrays[buffer[r]][o : o + n].view(np.uint64) @ weights[: n >> 3])
     return np.array(sums, dtype=np.uint64)
+
+
+def whole_segment_sums(arrays: list[npt.NDArray[np.uint8]], regions: RegionTable, ids: list[int]) -> list[int] | None:
+    """The sum of every segment of a few blocks mapped here, whole, block by block (region
+    order within a block): what :func:`segment_sums` gives for those entries, in plain Python
+    around one product each; None if a segment is not word-aligned.
+
+    >>> from kvxferd.dataplane.hostmem import MappedMemory
+    >>> buf = np.arange(4096, dtype=np.uint8)
+    >>> regions = RegionTable.from_regions([(0, 0, 1024, 512), (0, 512, 1024, 512)])
+    >>> entries = segment_sums(MappedMemory([buf]), regions, np.array([2, 2, 0, 0]), np.array([0, 1, 0, 1]))
+    >>> whole_segment_sums([buf], regions, [2, 0]) == entries.tolist()
+    True
+    """
+    buffer, offset, stride, nbytes = regions.lists
+    weights = _weights_for(max(nbytes) // 8)
+    sums = []
+    for i in ids:
+        for r, n in enumerate(nbytes):
+            o = offset[r] + i * stride[r]
+            if (o | n) % 8:
+                return None
+            sums.append(int(arrays[buffer[r]][o : o + n].view(np.uint64) @ weights[: n >> 3]))
+    return sums
 
 
 def window_sums(memory: HostMemory, plan: SidePlan, window_bytes: int, windows: npt.NDArray[np.integer]) -> U64:

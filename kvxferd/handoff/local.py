@@ -77,6 +77,7 @@ class LocalHandoff:
         except BaseException:
             self.offers.unclaim(offer)  # refused before anything moved: the offer stays pullable
             raise
+        checked = False  # by checked_as_copied, as a few blocks landed
         try:
             await self.faults.hit("before_local_copy", transfer_id=record.transfer_id)
             on_host = not (src.on_gpu or dst.on_gpu)
@@ -87,10 +88,12 @@ class LocalHandoff:
                 await offer.wait_ready(offer.layers)  # a layer-wise offer moving whole: once written
                 started = time.perf_counter()
                 if plans is None and on_host and _few(src, dst, len(src_ids)):
+                    landing = dst_ids.tolist()
                     with src.in_use():
                         record.nbytes = copy_few_blocks(
-                            src.arrays, src.regions, src_ids.tolist(), dst.arrays, dst.regions, dst_ids.tolist()
+                            src.arrays, src.regions, src_ids.tolist(), dst.arrays, dst.regions, landing
                         )
+                    checked = self.integrity.checked_as_copied(record, offer, indices, dst, landing)
                 else:
                     plans = plans or (self._plans(src, src_ids, dst, dst_ids) if on_host else None)
                     record.nbytes = plans[0].total_bytes if plans else len(src_ids) * src.layout.bytes_per_block
@@ -103,7 +106,7 @@ class LocalHandoff:
                 sums = await self.integrity.to_send(record, offer, indices, plans[0])
                 if sums is not None and len(sums.sums):
                     await self.integrity.check_landed(record, sums, dst, dst_ids, plans[1])
-            else:
+            elif not checked:
                 await self.integrity.check_local(record, offer, indices, dst, dst_ids)
             record.mark("checked")
         except BaseException as exc:

@@ -102,6 +102,8 @@ class Pool:
     #: Host pools: pinned for GPU kernels (done on first GPU use, undone at close).
     pinned: bool = False
     _closers: list[Callable[[], None]] = field(default_factory=list)
+    #: The mapped pool's memory, made once: it shares ``arrays``, which ``close`` empties.
+    _mapped: MappedMemory | None = field(default=None, repr=False)
 
     @property
     def on_gpu(self) -> bool:
@@ -116,7 +118,9 @@ class Pool:
         assert not self.on_gpu
         if self.process is not None:
             return ProcessMemory(self.process.pid, self.base, self.process.check)
-        return MappedMemory(self.arrays)
+        if self._mapped is None:
+            self._mapped = MappedMemory(self.arrays)
+        return self._mapped
 
     def pin_for_gpu(self) -> None:
         """Make a host pool addressable by GPU kernels (cudaHostRegister), once."""

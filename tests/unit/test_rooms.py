@@ -136,6 +136,40 @@ async def test_a_local_pull_copies_the_blocks_records_the_transfer_and_releases_
     assert again is record and len(d.observed) == 1
 
 
+async def test_a_small_local_pull_is_summed_as_it_lands_and_a_block_written_again_is_named(d: Daemonless) -> None:
+    """A few blocks (2 x 4 segments, all in the default 8 samples) copied one assignment per segment are
+    summed where they landed, without the general check; a block the engine wrote again after
+    the offer fails the pull, named by the general check the mismatch hands over to."""
+    p, q = d.sessions.open("p"), d.sessions.open("q")
+    src, src_bufs = d.pool(p, seed=1)
+    dst, _ = d.pool(q)
+    integrity = d.pulls.local.integrity
+    general: list[str] = []
+    check_local = integrity.check_local
+
+    async def spied(record: TransferRecord, *args: Any) -> None:
+        general.append(record.transfer_id)
+        await check_local(record, *args)
+
+    integrity.check_local = spied  # type: ignore[method-assign]
+    for transfer_id in ("t-ok", "t-rewritten"):
+        offer = d.offers.create(src, np.array([3, 9], dtype=np.int64), 30.0)
+        integrity.take_digest(offer)
+        if transfer_id == "t-rewritten":
+            region = LAYOUT.regions[3]
+            start = region.offset + 9 * region.block_stride
+            src_bufs[region.buffer_index].array()[start : start + 8] ^= 0xFF  # another request's KV
+        ask = PullAsk("s", dst.pool_id, d.ticket_for(offer), np.array([0, 63], dtype=np.int64), 10.0, transfer_id)
+        if transfer_id == "t-ok":
+            record = await d.pulls.run_pull(ask, dst)
+            assert (record.integrity_mode, record.integrity_blocks, record.integrity_result) == ("sampled", 2, "ok")
+            assert general == []
+        else:
+            with pytest.raises(DataLossError, match=r"blocks \[9\] changed after they were offered"):
+                await d.pulls.run_pull(ask, dst)
+            assert general == ["t-rewritten"]
+
+
 WINDOWED = peer_pb2.BlockSums(mode="full", window_bytes=4096, windows=[0], sums=[1])
 
 
