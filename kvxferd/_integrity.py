@@ -55,11 +55,13 @@ from ._cpu_time import cpu_timed, in_thread
 from ._digest import Digest, covered_bytes, peer_entries, sample_offer, settle, sum_entries
 from ._faults import Faults
 from ._log import log_event
+from ._mismatch import changed_after_offer, distinct, flip_first_bit, landed_otherwise, stream_otherwise
 from ._offers import Offer
 from ._stream_sums import blocks_under, peer_windows, stream_windows
 from ._transfers import TransferRecord
-from .dataplane.checksum import whole_segment_sums, window_sums
-from .dataplane.plan import RegionTable, SidePlan, build_plan
+from ._whole_segments import digest_now, landed_as_offered, landed_as_said, offer_sums
+from .dataplane.checksum import window_sums
+from .dataplane.plan import SidePlan
 from .memory.pools import Pool
 
 __all__ = ["INLINE_BYTES", "Integrity"]
@@ -70,8 +72,6 @@ U64 = npt.NDArray[np.uint64]
 #: Sums over at most this many bytes run on the event loop (about 0.2 ms here); more go to
 #: the copy threads.
 INLINE_BYTES = 1 << 20
-#: Blocks named in an error message (a mismatch of many says how many more).
-NAMED = 8
 
 
 class Integrity:
@@ -131,13 +131,11 @@ class Integrity:
             log_event("integrity.digest", logging.DEBUG, offer_id=offer.offer_id, mode=self.mode, sums=len(sums))
             return Digest(self.mode, positions, regions, within, sums)
 
-        if regions is not None and within is None and offer.pool.process is None:
-            # Every segment whole (a small offer, mapped here): summed where it lies.
-            whole = whole_segment_sums(offer.pool.arrays, offer.pool.regions, offer.block_ids.tolist())
-            if whole is not None:
-                future.set_result(summed(np.array(whole, dtype=np.uint64)))
-                self._spent("digest", time.thread_time() - started)
-                return
+        whole = offer_sums(offer.pool, offer.block_ids) if regions is not None and within is None else None
+        if whole is not None:  # every segment whole, summed where it lies (:mod:`._whole_segments`)
+            future.set_result(summed(whole))
+            self._spent("digest", time.thread_time() - started)
+            return
         ids = offer.block_ids[positions]
         if covered_bytes(offer.pool, ids, regions, within) <= INLINE_BYTES:
             try:
@@ -185,15 +183,15 @@ class Integrity:
         offer_pos, moved = digest.for_pull(indices)
         if remapped is None:  # a block changed here shows where it lands (module docstring, 2.)
             record.integrity_mode, record.integrity_result = digest.mode, "sent"
-            record.integrity_blocks = _distinct(offer_pos)
+            record.integrity_blocks = distinct(offer_pos)
         else:  # the windows sent stand for the blocks: the blocks must still be as offered
             changed = await self._changes(offer, offer_pos, moved)
             if changed is None:
                 self._unchecked(record, "the offered pool went away")
                 return None
-            self._checked(record, digest.mode, _distinct(offer_pos), bool(len(changed)))
+            self._checked(record, digest.mode, distinct(offer_pos), bool(len(changed)))
             if len(changed):
-                raise self._changed(record, offer, changed)
+                raise changed_after_offer(record, offer, changed)
         if left is not None:
             return peer_pb2.BlockSums(mode=digest.mode, window_bytes=window, windows=picks.tolist(), sums=left.tolist())
         return peer_pb2.BlockSums(
@@ -203,15 +201,6 @@ class Integrity:
             regions=moved.regions.tolist() if moved.regions is not None else [],
             starts=moved.within[0].tolist() if moved.within is not None else [],
             lengths=moved.within[1].tolist() if moved.within is not None else [],
-        )
-
-    @staticmethod
-    def _changed(record: TransferRecord, offer: Offer, offer_pos: I64) -> DataLossError:
-        return DataLossError(
-            f"offer {offer.offer_id}: blocks {_named(np.unique(offer.block_ids[offer_pos]))} changed after "
-            "they were offered (the engine wrote them again before the pull ended): the destination is not filled",
-            offer_id=offer.offer_id,
-            transfer_id=record.transfer_id,
         )
 
     async def _digest_of(self, offer: Offer) -> Digest | None:
@@ -247,12 +236,15 @@ class Integrity:
         remapped: SidePlan | None,
     ) -> None:
         if not dst.on_gpu and self.faults.corrupts("before_check", record.transfer_id):
-            _flip_first_bit(dst, dst_ids)
+            flip_first_bit(dst, dst_ids)
         windowed = sums is not None and sums.window_bytes > 0
         if sums is not None and len(sums.sums) and windowed != (remapped is not None):
             raise InvalidRequestError("the peer's sums do not fit this stream (windows of a remap, blocks otherwise)")
         if windowed and remapped is not None and sums is not None:
             await self._check_windows(record, sums, dst, dst_ids, remapped)
+            return
+        if sums is not None and remapped is None and landed_as_said(sums, dst, dst_ids):
+            self._checked(record, sums.mode, len(dst_ids), False)  # a small offer's every segment
             return
         if sums is None or not len(sums.positions):
             why = f" ({sums.unchecked[:200]})" if sums is not None and sums.unchecked else ""
@@ -277,7 +269,7 @@ class Integrity:
             self._unchecked(record, offer.integrity_off or "no digest was taken")
             return
         if not dst.on_gpu and self.faults.corrupts("before_check", record.transfer_id):
-            _flip_first_bit(dst, dst_ids)
+            flip_first_bit(dst, dst_ids)
         try:
             await self._compare(record, digest.for_pull(indices)[1], dst, dst_ids)
         except DataLossError as landed:
@@ -291,13 +283,10 @@ class Integrity:
         segment whole (what ``sampled`` takes of a small offer). False when that is not the
         case, or on a mismatch: :meth:`check_local` then checks, and names what differs."""
         started = time.thread_time()
-        digest = _digest_now(offer)
-        if indices is not None or digest is None or digest.regions is None or digest.within is not None:
+        digest = digest_now(offer)
+        if indices is not None or self.faults.armed("before_check") or not landed_as_offered(digest, dst, dst_ids):
             return False
-        if dst.closing or dst.on_gpu or self.faults.armed("before_check"):
-            return False
-        if whole_segment_sums(dst.arrays, dst.regions, dst_ids) != digest.sums.tolist():
-            return False
+        assert digest is not None
         self._checked(record, digest.mode, len(dst_ids), False)
         self._spent("landed", time.thread_time() - started)
         return True
@@ -312,7 +301,7 @@ class Integrity:
             return None
         offer_pos, moved = digest.for_pull(indices)
         changed = await self._changes(offer, offer_pos, moved)
-        return self._changed(record, offer, changed) if changed is not None and len(changed) else None
+        return changed_after_offer(record, offer, changed) if changed is not None and len(changed) else None
 
     async def _changes(self, offer: Offer, offer_pos: I64, moved: Digest) -> I64 | None:
         """The offer positions whose sums differ from the digest now (None: the pool is gone)."""
@@ -332,15 +321,9 @@ class Integrity:
             return
         bad = landed != expected.sums
         mismatch = bool(bad.any())
-        self._checked(record, expected.mode, _distinct(positions), mismatch)
+        self._checked(record, expected.mode, distinct(positions), mismatch)
         if mismatch:
-            raise DataLossError(
-                f"blocks {_named(np.unique(dst_ids[positions[bad]]))} (positions {_named(np.unique(positions[bad]))} "
-                f"of the transfer) landed with other bytes than offer {record.offer_id} held when it was written: "
-                "changed at the source or corrupted on the way; the destination is not filled",
-                transfer_id=record.transfer_id,
-                offer_id=record.offer_id,
-            )
+            raise landed_otherwise(record, dst_ids, positions[bad])
 
     async def _check_windows(
         self, record: TransferRecord, sums: peer_pb2.BlockSums, dst: Pool, dst_ids: I64, plan: SidePlan
@@ -354,13 +337,7 @@ class Integrity:
         blocks = len(dst_ids) if sums.mode == "full" else len(blocks_under(dst, plan, window, picks))
         self._checked(record, sums.mode, blocks, bool(bad.any()))
         if bad.any():
-            raise DataLossError(
-                f"blocks {_named(blocks_under(dst, plan, window, picks[bad]))} (bytes "
-                f"{_named(picks[bad] * window)} onwards, {window} each, of the remapped stream) landed with "
-                f"other bytes than offer {record.offer_id} sent: corrupted on the way; the destination is not filled",
-                transfer_id=record.transfer_id,
-                offer_id=record.offer_id,
-            )
+            raise stream_otherwise(record, dst, plan, window, picks[bad])
 
     async def _window_sums(self, pool: Pool, plan: SidePlan, window: int, picks: I64) -> U64 | None:
         return await self._summed(pool, len(picks) * window, window_sums, plan, window, picks)
@@ -396,34 +373,3 @@ class Integrity:
     def _unchecked(self, record: TransferRecord, why: str) -> None:
         record.integrity_result = why if why.startswith("not checked") else f"not checked: {why}"
         self._count(record.integrity_mode, "not_checked", 0)
-
-
-def _digest_now(offer: Offer) -> Digest | None:
-    """The offer's digest if it is summed already (None: not taken, still summing, or failed)."""
-    future = offer.digest
-    if future is None or not future.done() or future.cancelled() or future.exception() is not None:
-        return None
-    digest: Digest | None = future.result()
-    return digest
-
-
-def _flip_first_bit(dst: Pool, dst_ids: I64) -> None:
-    """Fault injection (``before_check=corrupt``): flip a bit of the first landed block."""
-    regions = dst.regions
-    first = RegionTable(regions.buffer[:1], regions.offset[:1], regions.stride[:1], np.ones(1, np.int64))
-    chunk = build_plan(first, dst_ids[:1], 1).chunks[0]
-    memory, byte = dst.host_memory(), np.zeros(1, dtype=np.uint8)
-    memory.gather(chunk, byte)
-    memory.scatter(chunk, byte ^ np.uint8(1))
-
-
-def _distinct(values: I64) -> int:
-    """How many different values: plain Python for a sample, numpy for every block of a pull."""
-    return len(set(values.tolist())) if len(values) <= 64 else len(np.unique(values))
-
-
-def _named(values: Any) -> str:
-    """Up to :data:`NAMED` values, and how many more."""
-    listed = [int(v) for v in values]
-    more = f" and {len(listed) - NAMED} more" if len(listed) > NAMED else ""
-    return f"{listed[:NAMED]}{more}"

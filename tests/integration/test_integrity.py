@@ -108,16 +108,18 @@ async def test_a_bit_flipped_on_the_way_fails_the_pull_naming_the_block(pair: tu
         assert "fault.hit point=before_check action=corrupt" in b.log()
 
 
+@pytest.mark.parametrize("blocks", [6, 2])
 @pytest.mark.parametrize("mode", ["sampled", "full"])
 @pytest.mark.parametrize("path", PATHS)
 async def test_a_block_written_again_after_its_offer_is_not_shipped_under_the_old_request(
-    cluster: Cluster, path: str, mode: str
+    cluster: Cluster, path: str, mode: str, blocks: int
 ) -> None:
     """The engine reuses an offered block (writes one layer's V of it) before the pull: the
     transfer fails naming the block instead of delivering new contents under the old request
-    (every segment sampled here: 6 blocks x 4 regions < 32). The check where it lands finds
-    it; the offering daemon, summing its source again only then, tells the engine it was the
-    engine's own write, not the way."""
+    (every segment sampled here: 6 blocks x 4 regions < 32; 2 blocks are a few segments,
+    summed whole where they lie). The check where it lands finds it; the offering daemon,
+    summing its source again only then, tells the engine it was the engine's own write, not
+    the way."""
     extra = ("--integrity", mode, "--integrity-samples", "32", "--log-level", "debug")
     a = cluster.daemon("a", *extra, env=_env(path))
     b = a if path == "local" else cluster.daemon("b", *extra, env=_env(path))
@@ -126,14 +128,14 @@ async def test_a_block_written_again_after_its_offer_is_not_shipped_under_the_ol
         AsyncKvxferClient(b.socket, engine_name="decode") as d,
     ):
         src, dst = await _pools(p, d)
-        ticket = await p.offer(src, SRC)
+        ticket = await p.offer(src, SRC[:blocks])
         await _until(lambda: f"integrity.digest offer_id={ticket.offer_id}" in a.log(), "the offer was never summed")
-        reused = SRC[3]
+        reused = SRC[blocks - 1]
         region = LAYOUT.regions[1]
         start = region.offset + reused * region.block_stride
         src.buffers[region.buffer_index].array()[start : start + 64] ^= 0xFF  # another request's KV
         with pytest.raises(DataLossError, match=rf"blocks \[{reused}\] changed after they were offered"):
-            await d.pull(ticket, dst, DST)
+            await d.pull(ticket, dst, DST[:blocks])
         assert (await p.wait_released(ticket.offer_id, 10)).reason is ReleaseReason.FAILED
 
 
