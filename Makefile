@@ -70,19 +70,21 @@ pytest: $(STAMP) etcd
 
 # make test: lint, types and the suite in .venv while, in the background, the engines' venvs are
 # built (mostly downloads) and vLLM's engine tests and SGLang's backend tests run, side by side,
-# as soon as they exist (mostly waiting on engine processes); their logs are printed at the end. Then the served-load tests (four vLLM servers under a
+# as soon as they and .venv exist (.venv is built here only, never by two makes at once); their
+# logs are printed at the end. Then the served-load tests (four vLLM servers under a
 # soak, whose busy loops would starve the suite's timing checks) run alone. make vllm-test runs
 # all vLLM tests.
 test:
-	@rm -f $(VLLM_VENV).rc $(VLLM_VENV)-test.rc $(VLLM_VENV).main-done $(SGLANG_VENV)-test.log
+	@rm -f $(VLLM_VENV).rc $(VLLM_VENV)-test.rc $(VLLM_VENV).main-done $(VLLM_VENV).venv-done $(SGLANG_VENV)-test.log
 	@( $(MAKE) -j2 --no-print-directory vllm-venv sglang-venv > $(VLLM_VENV).log 2>&1; rc=$$?; echo $$rc > $(VLLM_VENV).rc; \
-	   while [ ! -f $(STAMP) ] && [ ! -f $(VLLM_VENV).main-done ]; do sleep 2; done; \
+	   while [ ! -f $(VLLM_VENV).venv-done ] && [ ! -f $(VLLM_VENV).main-done ]; do sleep 2; done; \
 	   if [ $$rc = 0 ] && [ -f $(STAMP) ]; then \
 	     $(MAKE) --no-print-directory vllm-engines-test > $(VLLM_VENV)-test.log 2>&1 & vllm=$$!; \
 	     $(MAKE) --no-print-directory sglang-test > $(SGLANG_VENV)-test.log 2>&1; sglang=$$?; \
 	     wait $$vllm; engines=$$?; cat $(SGLANG_VENV)-test.log >> $(VLLM_VENV)-test.log; \
 	     [ $$engines = 0 ] && [ $$sglang = 0 ]; echo $$? > $(VLLM_VENV)-test.rc; \
 	   else echo "engine tests not run: a venv is missing" > $(VLLM_VENV)-test.log; echo 1 > $(VLLM_VENV)-test.rc; fi ) & \
+	$(MAKE) --no-print-directory venv && touch $(VLLM_VENV).venv-done; \
 	$(MAKE) --no-print-directory lint typecheck docs pytest; status=$$?; touch $(VLLM_VENV).main-done; \
 	while [ ! -f $(VLLM_VENV)-test.rc ]; do sleep 2; done; \
 	if [ "$$(cat $(VLLM_VENV).rc)" != 0 ]; then tail -50 $(VLLM_VENV).log; echo "building the engines' venvs failed"; exit 1; fi; \
