@@ -59,7 +59,9 @@ def landed_as_said(sums: peer_pb2.BlockSums, dst: Pool, dst_ids: npt.NDArray[np.
     segments that landed in ``dst_ids`` match them (False otherwise)."""
     regions = len(dst.regions.lists[3])
     count = len(dst_ids) * regions
-    if count > FEW_SEGMENTS or len(sums.sums) != count or sums.starts or dst.on_gpu or dst.process is not None:
+    if count > FEW_SEGMENTS or len(sums.sums) != count or sums.starts:
+        return False
+    if dst.closing or dst.on_gpu or dst.process is not None:
         return False
     positions, region_of = block_major(len(dst_ids), regions)
     if tuple(sums.positions) != positions or tuple(sums.regions) != region_of:
