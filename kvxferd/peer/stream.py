@@ -130,7 +130,10 @@ class TransferCall:
         self._ended = False
 
     async def _read(self, expected: str, timeout: float | None) -> Any:
-        item = await within(self._inbox.get(), timeout, f"the peer's {expected!r}")
+        if self._inbox.empty():
+            item = await within(self._inbox.get(), timeout, f"the peer's {expected!r}")
+        else:  # here already (a lent source's sent comes with its accepted): no deadline to arm
+            item = self._inbox.get_nowait()
         if isinstance(item, KvxferError):
             self._ended = True
             raise item
