@@ -215,6 +215,8 @@ def signature_fingerprint(sig: common_pb2.LayoutSignature) -> str:
 def signature_mismatch(ours: common_pb2.LayoutSignature, theirs: common_pb2.LayoutSignature) -> str | None:
     """Name the first difference between two signatures that no mapping bridges, or return
     None when blocks can move between them (see :func:`mapping_between` for how)."""
+    if ours == theirs:  # the rule on every pull between like pools: one comparison in C
+        return None
     a, b = KvGeometry.from_proto(ours.geometry), KvGeometry.from_proto(theirs.geometry)
     if a is not None and b is not None:
         return _geometry_mismatch(ours, theirs, a, b)
@@ -288,6 +290,8 @@ def mapping_between(src: common_pb2.LayoutSignature, dst: common_pb2.LayoutSigna
     >>> mapping_between(sig(1, 0, "HND", 16), sig(1, 0, "HND", 16))
     ''
     """
+    if src == dst:
+        return ""
     a, b = KvGeometry.from_proto(src.geometry), KvGeometry.from_proto(dst.geometry)
     if a is None or b is None:
         return ""

@@ -63,6 +63,20 @@ class Digest:
     within: tuple[I64, I64] | None
     sums: U64
 
+    @functools.cached_property
+    def sent_whole(self) -> tuple[int, peer_pb2.BlockSums]:
+        """What a pull of every offered block is sent (the same for each of its readers, so
+        built once): how many blocks the sums cover, and the sums."""
+        sums = peer_pb2.BlockSums(
+            mode=self.mode,
+            positions=self.positions.tolist(),
+            sums=self.sums.tolist(),
+            regions=self.regions.tolist() if self.regions is not None else [],
+            starts=self.within[0].tolist() if self.within is not None else [],
+            lengths=self.within[1].tolist() if self.within is not None else [],
+        )
+        return len(set(sums.positions)), sums
+
     def for_pull(self, indices: I64 | None) -> tuple[I64, Digest]:
         """The entries a pull of the offer's blocks at ``indices`` (None: all) moves: their
         offer positions, and the same entries by positions in the pull's stream."""

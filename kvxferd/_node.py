@@ -12,7 +12,6 @@ starts passes :class:`~._admission.Admission` first (draining, whose pools).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import secrets
 import socket
@@ -332,7 +331,7 @@ class Node:
         self.admission.admit("pulls")
         pool = self.admission.owned_pool(ask.pool_id, ask.session_id)
         ids = check_block_ids(ask.block_ids, pool.layout.num_blocks, "pull destination")
-        return await self.pulls.run_pull(dataclasses.replace(ask, block_ids=ids), pool)
+        return await self.pulls.run_pull(ask, pool, ids)
 
     # -- what peers ask (see peer.serve_request.PeerNode) ------------------------------------
 

@@ -33,12 +33,13 @@ from __future__ import annotations
 import ctypes
 import errno
 import functools
+import itertools
 import os
 
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["IOV_MAX", "copy_iov", "read_iov", "self_copy_works", "write_iov"]
+__all__ = ["IOV_MAX", "copy_iov", "read_few", "read_iov", "self_copy_works", "write_iov"]
 
 #: Entries per side the kernel takes in one call (``UIO_MAXIOV``).
 IOV_MAX = 1024
@@ -95,6 +96,30 @@ def read_iov(pid: int, local: IovArray, remote: IovArray) -> None:
     no ``CAP_SYS_PTRACE``, or a Yama policy) and that every page is mapped readable.
     """
     _vm_copy("process_vm_readv", pid, local, remote)
+
+
+def read_few(pid: int, local: list[tuple[int, int]], remote: list[tuple[int, int]]) -> None:
+    """:func:`read_iov` for a few ``(address, length)`` pairs a side (at most :data:`IOV_MAX`),
+    given as lists: a one-block read builds no arrays.
+
+    >>> src, dst = np.arange(8, dtype=np.uint8), np.zeros(8, dtype=np.uint8)
+    >>> if self_copy_works():
+    ...     read_few(os.getpid(), [(dst.ctypes.data, 8)], [(src.ctypes.data + 4, 4), (src.ctypes.data, 4)])
+    ... else:
+    ...     dst[:] = [4, 5, 6, 7, 0, 1, 2, 3]
+    >>> dst.tolist()
+    [4, 5, 6, 7, 0, 1, 2, 3]
+    """
+    total = sum(n for _, n in remote)
+    if total != sum(n for _, n in local):
+        raise ValueError(f"the two sides differ in length: {total} and {sum(n for _, n in local)} bytes")
+    if len(local) > IOV_MAX or len(remote) > IOV_MAX:
+        raise ValueError(f"read_few takes at most {IOV_MAX} entries a side")
+    ours = (ctypes.c_uint64 * (2 * len(local)))(*itertools.chain.from_iterable(local))
+    theirs = (ctypes.c_uint64 * (2 * len(remote)))(*itertools.chain.from_iterable(remote))
+    fn = _syscall("process_vm_readv", total <= HOLD_GIL_BYTES)
+    got = fn(pid, ctypes.addressof(ours), len(local), ctypes.addressof(theirs), len(remote), 0)
+    _copied("process_vm_readv", pid, got, total)
 
 
 def write_iov(pid: int, local: IovArray, remote: IovArray) -> None:

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from kvxfer.errors import (
     AlreadyExistsError,
@@ -58,12 +59,11 @@ class Pulls:
         self.remote = remote
         self.shared = SharedReads(local.copy_blocks)
 
-    async def run_pull(self, ask: PullAsk, dst: Pool) -> TransferRecord:
+    async def run_pull(self, ask: PullAsk, dst: Pool, dst_ids: npt.NDArray[np.int64]) -> TransferRecord:
         """Move the ticket's blocks (those at ``ask.indices`` of its list, or all) into the
-        destination blocks ``ask.block_ids`` (checked against ``dst``) within its timeout;
-        returns the finished record (see :class:`~kvxferd._asks.PullAsk`)."""
+        destination blocks ``dst_ids`` (``ask.block_ids`` as checked against ``dst``) within
+        its timeout; returns the finished record (see :class:`~kvxferd._asks.PullAsk`)."""
         ticket, transfer_id, indices, timeout_s = ask.ticket, ask.transfer_id, ask.indices, ask.timeout_s
-        dst_ids = np.asarray(ask.block_ids, dtype=np.int64)
         pushed_by = ask.pushed_by
         offered = self.local.offers.offers.get(ticket.offer_id) if ticket.daemon_id == self.daemon_id else None
         _check_against(ticket, dst, dst_ids, indices, offered.pool if offered is not None else None)

@@ -12,6 +12,7 @@ itself in Hello, by the id it answers with and, over mTLS, by a certificate nami
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import socket
 import time
@@ -54,12 +55,15 @@ class Peer:
     direct_read: bool | None = None
     #: The ``Transfers`` stream our pulls from this peer share (dialled peers only).
     transfers: TransferStream | None = None
+    #: The transport bytes to this peer take, by whether this side's pool is GPU memory
+    #: (named once per peer: see ``RemotePlane.transport``).
+    transports: dict[bool, str] = field(default_factory=dict)
 
     @property
     def daemon_id(self) -> str:
         return self.identity.daemon_id
 
-    @property
+    @functools.cached_property
     def same_host(self) -> bool:
         return self.identity.hostname == socket.gethostname()
 

@@ -49,7 +49,7 @@ from kvxfer.errors import IncompatibleError, InvalidRequestError, UnavailableErr
 from kvxfer.proto import common_pb2, peer_pb2
 
 from .._log import log_event
-from ..dataplane.cma import read_iov
+from ..dataplane.cma import IOV_MAX, read_few, read_iov
 from ..dataplane.hostmem import ProcessMemory
 from ..dataplane.plan import RegionTable, SidePlan, build_layered_plan, build_plan
 from ..dataplane.remap import Side, peer_side, plan_remap
@@ -127,8 +127,12 @@ def nonce_missing(
         local.append((into.ctypes.data, into.nbytes))
     if not 0 < address < _MAX_ADDRESS:
         return f"nonce address {address:#x} out of range"
+    remote = [(address, NONCE_BYTES), *segments]
     try:
-        read_iov(pid, np.array(local, dtype=np.uint64), np.array([(address, NONCE_BYTES), *segments], dtype=np.uint64))
+        if len(remote) <= IOV_MAX:  # a probe, or a read of a few blocks: no arrays to build
+            read_few(pid, local, remote)
+        else:
+            read_iov(pid, np.array(local, dtype=np.uint64), np.array(remote, dtype=np.uint64))
     except ProcessLookupError:
         raise UnavailableError(f"the peer daemon's process {pid} exited") from None
     except OSError as exc:

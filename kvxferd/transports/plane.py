@@ -204,7 +204,10 @@ class RemotePlane:
         """The transport bytes to ``peer`` take (for records, metrics and the log); warns once
         per peer when GPU memory would go over TCP."""
         gpu = pool is not None and pool.on_gpu
-        transport = describe_transport(
+        named = peer.transports.get(gpu)
+        if named is not None:  # a peer's identity and this side's settings do not change
+            return named
+        transport = peer.transports[gpu] = describe_transport(
             self.ucx.transports, list(peer.identity.ucx_transports), peer.same_host, self.error_handling(peer), gpu
         )
         if gpu and transport == "ucx:tcp" and peer.daemon_id not in self._tcp_warned:

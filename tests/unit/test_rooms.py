@@ -123,7 +123,7 @@ async def test_a_local_pull_copies_the_blocks_records_the_transfer_and_releases_
     dst, dst_bufs = d.pool(q)
     offer = d.offers.create(src, np.array([3, 9, 40], dtype=np.int64), 30.0)
     ask = PullAsk("s", dst.pool_id, d.ticket_for(offer), np.array([0, 63, 7], dtype=np.int64), 10.0, "t-1")
-    record = await d.pulls.run_pull(ask, dst)
+    record = await d.pulls.run_pull(ask, dst, np.asarray(ask.block_ids))
     assert _blocks(dst_bufs, [0, 63, 7]) == _blocks(src_bufs, [3, 9, 40])
     assert record.state == common_pb2.TRANSFER_STATE_SUCCEEDED and record.transport == "local-copy"
     assert d.released == [(offer.offer_id, "RELEASE_REASON_PULLED", "t-1")]
@@ -132,7 +132,7 @@ async def test_a_local_pull_copies_the_blocks_records_the_transfer_and_releases_
     assert d.observed == [("local", "local-copy", "succeeded", 3 * LAYOUT.bytes_per_block)]
     assert not d.offers.offers and not d.transfers.active
     # Retried under its id, the pull answers from the record and moves nothing.
-    again = await d.pulls.run_pull(ask, dst)
+    again = await d.pulls.run_pull(ask, dst, np.asarray(ask.block_ids))
     assert again is record and len(d.observed) == 1
 
 
@@ -161,13 +161,38 @@ async def test_a_small_local_pull_is_summed_as_it_lands_and_a_block_written_agai
             src_bufs[region.buffer_index].array()[start : start + 8] ^= 0xFF  # another request's KV
         ask = PullAsk("s", dst.pool_id, d.ticket_for(offer), np.array([0, 63], dtype=np.int64), 10.0, transfer_id)
         if transfer_id == "t-ok":
-            record = await d.pulls.run_pull(ask, dst)
+            record = await d.pulls.run_pull(ask, dst, np.asarray(ask.block_ids))
             assert (record.integrity_mode, record.integrity_blocks, record.integrity_result) == ("sampled", 2, "ok")
             assert general == []
         else:
             with pytest.raises(DataLossError, match=r"blocks \[9\] changed after they were offered"):
-                await d.pulls.run_pull(ask, dst)
+                await d.pulls.run_pull(ask, dst, np.asarray(ask.block_ids))
             assert general == ["t-rewritten"]
+
+
+async def test_a_whole_pull_of_a_summed_offer_is_sent_the_sums_the_general_path_sends_built_once(
+    d: Daemonless,
+) -> None:
+    """The offering side's lean step (a pull of every block of an offer already summed) sends
+    what the general step sends for the same blocks, and builds it once for all readers."""
+    p = d.sessions.open("p")
+    src, _ = d.pool(p, seed=1)
+    integrity = d.pulls.local.integrity
+    offer = d.offers.create(src, np.array([3, 9], dtype=np.int64), 30.0, readers=2)
+    integrity.take_digest(offer)
+
+    def record(transfer_id: str) -> TransferRecord:
+        return TransferRecord(transfer_id, "prefill", common_pb2.TRANSFER_PATH_REMOTE, offer.offer_id)
+
+    lean, again, general = record("t-lean"), record("t-again"), record("t-general")
+    sent = await integrity.to_send(lean, offer, None, None)
+    assert await integrity.to_send(again, offer, None, None) is sent
+    # The same blocks named one by one take the general step.
+    expected = await integrity.to_send(general, offer, np.array([0, 1], dtype=np.int64), None)
+    assert sent is not None and expected is not None and sent is not expected
+    assert sent == expected and len(sent.sums) == 2 * len(LAYOUT.regions)
+    facts = [(r.integrity_mode, r.integrity_blocks, r.integrity_result) for r in (lean, again, general)]
+    assert facts == [("sampled", 2, "sent")] * 3
 
 
 WINDOWED = peer_pb2.BlockSums(mode="full", window_bytes=4096, windows=[0], sums=[1])
