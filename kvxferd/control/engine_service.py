@@ -79,7 +79,10 @@ class EngineService(engine_pb2_grpc.EngineServiceServicer):
             code = "INTERNAL"
             raise
         finally:
-            self.node.metrics.rpc_finished(method, code, time.perf_counter() - started)
+            # Observed once the answer is on its way (its write starts in this turn of the loop).
+            asyncio.get_running_loop().call_soon(
+                self.node.metrics.rpc_finished, method, code, time.perf_counter() - started
+            )
 
     async def _offer(self, request: engine_pb2.OfferRequest) -> engine_pb2.OfferResponse:
         return await self._timed("offer", self._offer_now(request))

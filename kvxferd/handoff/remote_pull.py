@@ -247,7 +247,11 @@ class RemotePull:
         record.mark("done")
         if order.deadline is not None:
             order.deadline.reschedule(None)  # nothing left to time out on the engine's path
-        closing = asyncio.create_task(self._read_closed(call, record.transfer_id, ends_at))
+        # Its reader starts once the engine's answer is on its way (started in this turn).
+        asyncio.get_running_loop().call_soon(self._start_closing, call, record.transfer_id, ends_at)
+
+    def _start_closing(self, call: TransferCall, transfer_id: str, ends_at: float) -> None:
+        closing = asyncio.create_task(self._read_closed(call, transfer_id, ends_at))
         self._closing.add(closing)
         closing.add_done_callback(self._closing.discard)
 
