@@ -63,11 +63,9 @@ class Digest:
     within: tuple[I64, I64] | None
     sums: U64
 
-    @functools.cached_property
-    def sent_whole(self) -> tuple[int, peer_pb2.BlockSums]:
-        """What a pull of every offered block is sent (the same for each of its readers, so
-        built once): how many blocks the sums cover, and the sums."""
-        sums = peer_pb2.BlockSums(
+    def to_proto(self) -> peer_pb2.BlockSums:
+        """These sums as a pull is sent them (by positions in its stream)."""
+        return peer_pb2.BlockSums(
             mode=self.mode,
             positions=self.positions.tolist(),
             sums=self.sums.tolist(),
@@ -75,6 +73,12 @@ class Digest:
             starts=self.within[0].tolist() if self.within is not None else [],
             lengths=self.within[1].tolist() if self.within is not None else [],
         )
+
+    @functools.cached_property
+    def sent_whole(self) -> tuple[int, peer_pb2.BlockSums]:
+        """What a pull of every offered block is sent (the same for each of its readers, so
+        built once): how many blocks the sums cover, and the sums."""
+        sums = self.to_proto()
         return len(set(sums.positions)), sums
 
     def for_pull(self, indices: I64 | None) -> tuple[I64, Digest]:

@@ -183,7 +183,7 @@ class Integrity:
         left: U64 | None = None
         if remapped is not None:
             window, picks = stream_windows(self._rng, digest.mode, self.samples, remapped.total_bytes)
-            left = await self._window_sums(offer.pool, remapped, window, picks)
+            left = await _summed(self.executor, offer.pool, len(picks) * window, window_sums, remapped, window, picks)
             if left is None:
                 self._unchecked(record, "the offered pool went away")
                 return None
@@ -201,14 +201,7 @@ class Integrity:
                 raise changed_after_offer(record, offer, changed)
         if left is not None:
             return peer_pb2.BlockSums(mode=digest.mode, window_bytes=window, windows=picks.tolist(), sums=left.tolist())
-        return peer_pb2.BlockSums(
-            mode=digest.mode,
-            positions=moved.positions.tolist(),
-            sums=moved.sums.tolist(),
-            regions=moved.regions.tolist() if moved.regions is not None else [],
-            starts=moved.within[0].tolist() if moved.within is not None else [],
-            lengths=moved.within[1].tolist() if moved.within is not None else [],
-        )
+        return moved.to_proto()  # the digest's mode, by positions in the pull's stream
 
     async def _digest_of(self, offer: Offer) -> Digest | None:
         future = offer.digest
@@ -339,7 +332,7 @@ class Integrity:
         self, record: TransferRecord, sums: peer_pb2.BlockSums, dst: Pool, dst_ids: I64, plan: SidePlan
     ) -> None:
         window, picks = peer_windows(sums, plan.total_bytes)
-        landed = await self._window_sums(dst, plan, window, picks)
+        landed = await _summed(self.executor, dst, len(picks) * window, window_sums, plan, window, picks)
         if landed is None:
             self._unchecked(record, "the destination pool went away")
             return
@@ -348,9 +341,6 @@ class Integrity:
         self._checked(record, sums.mode, blocks, bool(bad.any()))
         if bad.any():
             raise stream_otherwise(record, dst, plan, window, picks[bad])
-
-    async def _window_sums(self, pool: Pool, plan: SidePlan, window: int, picks: I64) -> U64 | None:
-        return await self._summed(pool, len(picks) * window, window_sums, plan, window, picks)
 
     # -- shared ---------------------------------------------------------------------------
 
@@ -363,17 +353,7 @@ class Integrity:
         self, pool: Pool, ids: I64, regions: I64 | None, within: tuple[I64, I64] | None = None
     ) -> U64 | None:
         covered = covered_bytes(pool, ids, regions, within)
-        return await self._summed(pool, covered, sum_entries, pool.regions, ids, regions, within)
-
-    async def _summed(self, pool: Pool, nbytes: int, sums: Callable[..., U64], *args: Any) -> U64 | None:
-        """``sums(pool's host memory, *args)`` over ``nbytes``: on the loop when small, else in a
-        copy thread; None when the pool is going away."""
-        if pool.closing:
-            return None
-        if nbytes <= INLINE_BYTES:  # on the loop: no deregistration can come between
-            return sums(pool.host_memory(), *args)
-        with pool.in_use():  # a deregistration meanwhile unmaps only once this ends
-            return await in_thread(self.executor, sums, pool.host_memory(), *args)
+        return await _summed(self.executor, pool, covered, sum_entries, pool.regions, ids, regions, within)
 
     def _checked(self, record: TransferRecord, mode: str, blocks: int, mismatch: bool) -> None:
         record.integrity_mode, record.integrity_blocks = mode, blocks
@@ -383,3 +363,14 @@ class Integrity:
     def _unchecked(self, record: TransferRecord, why: str) -> None:
         record.integrity_result = why if why.startswith("not checked") else f"not checked: {why}"
         self._count(record.integrity_mode, "not_checked", 0)
+
+
+async def _summed(executor: Executor, pool: Pool, nbytes: int, sums: Callable[..., U64], *args: Any) -> U64 | None:
+    """``sums(pool's host memory, *args)`` over ``nbytes``: on the loop when small, else in a
+    copy thread; None when the pool is going away."""
+    if pool.closing:
+        return None
+    if nbytes <= INLINE_BYTES:  # on the loop: no deregistration can come between
+        return sums(pool.host_memory(), *args)
+    with pool.in_use():  # a deregistration meanwhile unmaps only once this ends
+        return await in_thread(executor, sums, pool.host_memory(), *args)
