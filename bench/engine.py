@@ -103,6 +103,8 @@ class Engine:
         self.shape: dict[str, int] = {}
         self.memory = "host"
         self._echo: Any = None
+        #: Offers made under tickets already handed out (``offer`` with ``early``).
+        self._early: set[asyncio.Task[Any]] = set()
 
     def arrays(self) -> list[npt.NDArray[np.uint8]]:
         """The pool's buffers as host byte arrays (a copy from the GPU for GPU pools)."""
@@ -163,10 +165,23 @@ class Engine:
         self.pool = await self.client.register_pool(buffers, layout, name=self.client.engine_name)
         return {"pool_id": self.pool.pool_id, "fingerprint": self.pool.fingerprint}
 
-    async def op_offer(self, requests: list[list[int]], lease_s: float = 0.0, readers: int = 1) -> Any:
+    async def op_offer(
+        self, requests: list[list[int]], lease_s: float = 0.0, readers: int = 1, early: bool = False
+    ) -> Any:
+        """Offer each request's blocks; ``early``: as vLLM's connector does, hand each ticket
+        out at once (``new_ticket``) and make its offer under it without waiting for the
+        answer (a failed one fails the next ``offer`` op, and its pull)."""
         assert self.pool is not None
         pool = self.pool
+        for made in [t for t in self._early if t.done()]:
+            self._early.discard(made)
+            made.result()
         t0 = time.perf_counter()
+        if early:
+            tickets = [self.client.new_ticket(pool, len(ids), readers) for ids in requests]
+            for ids, ticket in zip(requests, tickets, strict=True):
+                self._early.add(asyncio.create_task(self.client.offer(pool, ids, lease_s=lease_s, ticket=ticket)))
+            return {"tickets": [t.to_dict() for t in tickets], "offer_s": time.perf_counter() - t0}
         offers = [self.client.offer(pool, ids, lease_s=lease_s, readers=readers) for ids in requests]
         # One offer is awaited as an engine awaits it (gather would add a task's turn of the loop).
         tickets = [await offers[0]] if len(offers) == 1 else await asyncio.gather(*offers)

@@ -5,6 +5,8 @@ round by round in one run so that the machine's drift hits every figure alike:
 
 * ``fixed``: a 4 KiB handoff (offer in the prefill engine + pull in the decode engine), local
   and remote, against two gRPC unary echoes (health checks on the daemon's engine socket);
+  beside it, not a target, a remote one whose ticket is handed out before the offer's answer
+  (``new_ticket``, as vLLM's connector does: the offer goes off the path);
 * every remote figure for two pairs of same-host daemons: with direct reads (the default:
   the decode daemon reads the offered blocks itself) and without (UCX's shared memory);
 * ``size``: remote GB/s of a 16 MiB request (about 128 tokens of Llama-3-8B KV) against a
@@ -77,11 +79,14 @@ class Bench:
         self.big_p = engine(self.a, "big-prefill", B16, seed=2)
         self.big_remote = engine(self.b, "big-decode-remote", B16)
 
-    def handoff(self, prefill: EngineProcess, decode: EngineProcess, blocks: int, pool_blocks: int) -> dict[str, float]:
-        """One offer and its pull: the engines' own times (offer_s, pull_s) and the daemon's."""
+    def handoff(
+        self, prefill: EngineProcess, decode: EngineProcess, blocks: int, pool_blocks: int, early: bool = False
+    ) -> dict[str, float]:
+        """One offer and its pull: the engines' own times (offer_s, pull_s) and the daemon's.
+        ``early``: the ticket is handed out before the offer's answer (vLLM's connector)."""
         src = self.rng.permutation(pool_blocks)[:blocks].tolist()
         dst = self.rng.permutation(pool_blocks)[:blocks].tolist()
-        offered = prefill("offer", requests=[src])
+        offered = prefill("offer", requests=[src], early=early)
         [res] = decode("pull", pulls=[[offered["tickets"][0], dst]])["results"]
         if not res["ok"]:
             raise RuntimeError(f"pull failed: {res}")
@@ -138,15 +143,17 @@ def run(rounds: int, busy: int, emit: Callable[[dict[str, Any]], None]) -> None:
             "tcp": Bench(cluster, "lean-tcp", env={"UCX_TLS": "tcp,self", "KVXFERD_SAME_HOST_DIRECT_READ": "false"}),
         }
         first = pairs["direct"]
-        local, echo2, echo_pairs = [], [], []
+        local, echo2, echo_pairs, early = [], [], [], []
         figs: dict[str, dict[str, list[float]]] = {name: {} for name in pairs}
         for r in range(rounds + 2):
             warm, heavy = r >= 2, r >= 2 and r % 5 == 2
             e = first.small_local("echo", count=4)["seconds"]
             h_local = first.handoff(first.small_p, first.small_local, 1, 4096)
+            h_early = first.handoff(first.small_p, first.small_remote, 1, 4096, early=True)
             if warm:
                 echo2 += [e[0] + e[1], e[2] + e[3]]
                 local.append(h_local["offer_s"] + h_local["pull_s"])
+                early.append(h_early["offer_s"] + h_early["pull_s"])
             if heavy:
                 echo_pairs.append(64 / first.small_local("echo", count=128, in_flight=64)["wall_s"])
                 figs["direct"].setdefault("inflight_local", []).append(first.in_flight(first.small_local))
@@ -164,6 +171,10 @@ def run(rounds: int, busy: int, emit: Callable[[dict[str, Any]], None]) -> None:
                     f"remote_{n}_vs_echo2": statistics.median(figs[n]["remote"]) / statistics.median(echo2)
                     for n in ("direct", "ucx-shm")
                 },
+                # Not a target: the ticket handed out before the offer's answer, as vLLM's
+                # connector does (the offer is off the path; the pull may wait for it).
+                "remote_4k_direct_early_ticket_p50_ms": p50(early),
+                "remote_direct_early_ticket_vs_echo2": statistics.median(early) / statistics.median(echo2),
             }
         )
         for name in ("direct", "ucx-shm"):
