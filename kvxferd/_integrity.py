@@ -226,8 +226,9 @@ class Integrity:
         """Before done: the landed blocks' sums against ``sums`` (the offering daemon's);
         ``remapped``: this side's plan of a remapped stream (its windows are compared)."""
         started = time.thread_time()
-        lean = remapped is None and sums is not None and not self.faults.armed("before_check")
-        if lean and sums is not None and landed_as_said(sums, dst, dst_ids):  # a small offer, one loop
+        unfaulted = not self.faults.armed("before_check")  # a corrupt fault goes the general way
+        if sums is not None and remapped is None and unfaulted and landed_as_said(sums, dst, dst_ids):
+            # A small offer's every segment, in one loop.
             self._checked(record, sums.mode, len(dst_ids), False)
             self._spent("landed", time.thread_time() - started)
             return
