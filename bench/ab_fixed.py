@@ -7,7 +7,7 @@ of the commit before a change, and this tree), two pairs each, and alternates be
 every round. The engines are this tree's. Per round and per tree: two unary echoes (health
 checks on the daemon's engine socket), a remote 4 KiB handoff (direct reads) and a local
 one, as the engines see them (offer + pull). Medians, and each handoff against two echoes of
-the same tree's daemons.
+the same tree's daemons. ``--ucx`` moves the remote handoffs over UCX (direct reads off).
 
 Run: ``git worktree add /tmp/base <rev> && python -m bench.ab_fixed --base /tmp/base
 [--rounds 150]``; one JSON line per tree.
@@ -25,21 +25,24 @@ import numpy as np
 from .cluster import ROOT, Cluster, EngineProcess
 from .lean import SMALL
 
-ENV = {"KVXFERD_SAME_HOST_DIRECT_READ": "true"}
+#: The remote path: same-host direct reads (the default), or UCX (``--ucx``), as between hosts.
+DIRECT, UCX = {"KVXFERD_SAME_HOST_DIRECT_READ": "true"}, {"KVXFERD_SAME_HOST_DIRECT_READ": "false"}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", required=True, help="a checkout whose daemons are compared with this tree's")
     parser.add_argument("--rounds", type=int, default=150)
+    parser.add_argument("--ucx", action="store_true", help="remote handoffs over UCX (direct reads off)")
     args = parser.parse_args()
+    env = UCX if args.ucx else DIRECT
     rng = np.random.default_rng(3)
     with Cluster() as cluster:
         trees: dict[str, tuple[EngineProcess, ...]] = {}
         for name, root in (("base", args.base), ("this", ROOT)):
             prefix = ["env", "-C", root]  # ``python -m kvxferd`` imports from its working directory
-            a = cluster.daemon(f"{name}-a", env=ENV, prefix=prefix)
-            b = cluster.daemon(f"{name}-b", env=ENV, prefix=prefix)
+            a = cluster.daemon(f"{name}-a", env=env, prefix=prefix)
+            b = cluster.daemon(f"{name}-b", env=env, prefix=prefix)
             # The prefill engine and a local decode engine on daemon a, a remote one on b.
             roles = ((a, "prefill", 1), (a, "local", None), (b, "remote", None))
             trees[name] = tuple(_engine(cluster, d, f"{name}-{role}", seed) for d, role, seed in roles)
@@ -55,7 +58,10 @@ def main() -> None:
                     f["local"].append(near)
         for name, f in figs.items():
             med = {k: statistics.median(v) for k, v in f.items()}
-            row: dict[str, Any] = {"tree": args.base if name == "base" else ROOT}
+            row: dict[str, Any] = {
+                "tree": args.base if name == "base" else ROOT,
+                "remote_path": "ucx" if args.ucx else "direct",
+            }
             row |= {f"{k}_p50_ms": round(v * 1e3, 3) for k, v in med.items()}
             row |= {f"{k}_vs_echo2": round(med[k] / med["echo2"], 3) for k in ("local", "remote")}
             print(json.dumps(row), flush=True)

@@ -16,6 +16,9 @@ from .staging import StagingLease
 
 __all__ = ["ChunkFlow", "run_pipeline"]
 
+#: Failures a pipeline raises as they are; any other becomes an UnavailableError.
+_PASSED_ON = (asyncio.CancelledError, UnavailableError)
+
 
 @dataclass(frozen=True)
 class ChunkFlow:
@@ -42,6 +45,9 @@ async def run_pipeline(
     touch its buffers.
     """
     plan, lease = flow.plan, flow.lease
+    if len(plan.chunks) == 1:
+        await _move_one(flow, move, pack, stage, zero_copy)
+        return
     free: asyncio.Queue[Any] = asyncio.Queue()
     for buf in lease.buffers:
         free.put_nowait(buf)
@@ -77,6 +83,29 @@ async def run_pipeline(
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if isinstance(exc, asyncio.CancelledError | UnavailableError):
+        if isinstance(exc, _PASSED_ON):
+            raise
+        raise UnavailableError(f"UCX transfer failed: {exc!r}") from exc
+
+
+async def _move_one(
+    flow: ChunkFlow,
+    move: Callable[[ChunkPlan, Any], Awaitable[None]],
+    pack: Callable[[ChunkPlan, Any], Awaitable[None]] | None,
+    stage: bool,
+    zero_copy: bool,
+) -> None:
+    """A one-chunk plan (a small handoff), moved in this task: a task for the chunk cost two
+    turns of the loop on the handoff's critical path."""
+    [chunk] = flow.plan.chunks
+    in_place = zero_copy and chunk.contiguous is not None
+    staged = None if in_place or not stage else flow.lease.buffers[0]
+    try:
+        if staged is not None and pack is not None:
+            await pack(chunk, staged)
+        await move(chunk, staged)
+    except BaseException as exc:
+        flow.lease.poisoned = True
+        if isinstance(exc, _PASSED_ON):
             raise
         raise UnavailableError(f"UCX transfer failed: {exc!r}") from exc

@@ -20,7 +20,7 @@ import ctypes
 import functools
 import itertools
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import cast
 
 import numpy as np
@@ -115,7 +115,10 @@ class UcpTagIov:
         entry = self._pending.pop(user_data or 0, None)
         if entry is not None:
             loop, fut = entry
-            loop.call_soon_threadsafe(_resolve, fut, status)
+            if _running_loop() is loop:
+                _resolve(fut, status)  # progressed on the loop's own thread: no wake-up to send
+            else:
+                loop.call_soon_threadsafe(_resolve, fut, status)
 
     def _on_sent(self, request: int, status: int, user_data: int) -> None:
         self._on_complete(request, status, 0, user_data)
@@ -186,23 +189,36 @@ class UcpTagIov:
             raise UnavailableError(f"{call} failed with status {req - (1 << 64)}")
         return True
 
-    async def send(self, ucp_ep: int, iov: npt.NDArray[np.uint64], tag: int, keep: object) -> None:
-        """Send one tagged message gathered from ``iov`` on the endpoint ``ucp_ep``.
+    def post_send(self, ucp_ep: int, iov: npt.NDArray[np.uint64], tag: int, keep: object) -> Awaitable[None] | None:
+        """Post one tagged message gathered from ``iov`` on the endpoint ``ucp_ep``: None when
+        UCX sent it in place (a small eager message, nearly always), else the wait for it.
 
         Not cancellable (UCP cannot cancel a send; aborting the endpoint ends it): callers
-        run it shielded, and ``iov`` and ``keep`` stay referenced until UCX completes it.
+        run the wait shielded, and ``iov`` and ``keep`` stay referenced until UCX completes it.
         """
-        key, fut, param = self._request(self._send_cb, _DATATYPE_IOV)
-        req = self._lib.ucp_tag_send_nbx(ucp_ep, iov.ctypes.data, len(iov), tag, ctypes.byref(param))
+        return self._post_send(ucp_ep, iov.ctypes.data, len(iov), _DATATYPE_IOV, tag, (iov, keep))
+
+    def post_send_contig(self, ucp_ep: int, buf: U8, tag: int, keep: object) -> Awaitable[None] | None:
+        """:meth:`post_send` from one contiguous host buffer."""
+        return self._post_send(ucp_ep, buf.ctypes.data, buf.nbytes, _DATATYPE_CONTIG_BYTES, tag, (buf, keep))
+
+    def _post_send(
+        self, ucp_ep: int, buffer: int, count: int, datatype: int, tag: int, keep: object
+    ) -> Awaitable[None] | None:
+        key, fut, param = self._request(self._send_cb, datatype)
+        req = self._lib.ucp_tag_send_nbx(ucp_ep, buffer, count, tag, ctypes.byref(param))
         if not self._posted(key, req or 0, "ucp_tag_send_nbx"):
-            return
+            return None
+        return self._sent(req, fut, keep)
+
+    async def _sent(self, req: int, fut: asyncio.Future[int], keep: object) -> None:
         try:
             status = await asyncio.shield(fut)
         finally:
             if fut.done():
                 self._lib.ucp_request_free(req)
             else:  # cancelled: free the request once UCX has completed it
-                fut.add_done_callback(functools.partial(_free_after, self._lib, req, (iov, keep)))
+                fut.add_done_callback(functools.partial(_free_after, self._lib, req, keep))
         if status != _UCS_OK:
             raise UnavailableError(f"UCX send failed with status {status}")
 
@@ -278,6 +294,13 @@ async def _confirmed_within(fut: asyncio.Future[int], timeout_s: float) -> bool:
 
 def _free_after(lib: ctypes.CDLL, req: int, kept: object, _fut: object) -> None:
     lib.ucp_request_free(req)
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 def _resolve(fut: asyncio.Future[int], status: int) -> None:

@@ -200,14 +200,20 @@ class UcxTransport:
 
         async def move(chunk: ChunkPlan, staged: U8 | None) -> None:
             tag = tag_base | chunk.index
-            if staged is None and chunk.contiguous is None:
-                assert iov is not None
+            data = memory.view(chunk) if staged is None else memory.stage(chunk, staged)
+            if self.iov is None:  # UCXX progresses on its own thread: its endpoint sends
+                assert data is not None
+                await self.sends.run(ep.send(data, tag=tag, force_tag=True))
+            else:
                 if ep.closed:
                     raise UnavailableError("the UCX endpoint to the receiver is closed")
-                await self.sends.run(iov.send(ep.ucp_endpoint, memory.iov(chunk), tag, keep))
-            else:
-                data = memory.view(chunk) if staged is None else memory.stage(chunk, staged)
-                await self.sends.run(ep.send(data, tag=tag, force_tag=True))
+                # Posted here: UCX sends a small chunk in place, with no task or wait for it.
+                if data is None:  # fragmented in the pool: gathered by UCX
+                    sending = self.iov.post_send(ep.ucp_endpoint, memory.iov(chunk), tag, keep)
+                else:
+                    sending = self.iov.post_send_contig(ep.ucp_endpoint, data, tag, keep)
+                if sending is not None:
+                    await self.sends.run(sending)
             if after_chunk is not None:
                 await after_chunk(chunk.index)
 
