@@ -137,12 +137,15 @@ def chunk_iov(arrays: Sequence[U8], chunk: ChunkPlan) -> npt.NDArray[np.uint64]:
     return iov_at({i: int(arrays[i].ctypes.data) for i in used}, chunk)
 
 
-def iov_at(base: Mapping[int, int] | npt.NDArray[np.int64], chunk: ChunkPlan) -> npt.NDArray[np.uint64]:
+def iov_at(base: Sequence[int] | Mapping[int, int] | npt.NDArray[np.int64], chunk: ChunkPlan) -> npt.NDArray[np.uint64]:
     """The chunk's pieces as ``(address, length)`` rows, with buffer *i* at ``base[i]`` (in
     this process, or in the engine's process the rows are meant for)."""
     if chunk.contiguous is not None:
         buf, off = chunk.contiguous
         return np.array([[int(base[buf]) + off, chunk.nbytes]], dtype=np.uint64)
+    if sum(len(run.offsets) for run in chunk.runs) <= FEW_SEGMENTS:  # rows listed: one numpy call
+        rows = [(int(base[run.buffer]) + off, run.length) for run in chunk.runs for off in run.offsets.tolist()]
+        return np.array(rows, dtype=np.uint64)
     parts = []
     for run in chunk.runs:
         entries = np.empty((len(run.offsets), 2), dtype=np.uint64)

@@ -77,6 +77,9 @@ class StagingPool:
     async def lease(self, count: int) -> AsyncIterator[StagingLease]:
         """Hold ``min(count, capacity)`` buffers (first come, first served) until exit."""
         count = max(0, min(count, self.capacity))
+        if count == 0:  # nothing to wait for or give back (UCX gathers or scatters in place)
+            yield StagingLease([])
+            return
         async with self._cond:
             await self._cond.wait_for(lambda: len(self._free) + self.capacity - self._made >= count)
             while len(self._free) < count:

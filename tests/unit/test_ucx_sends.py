@@ -125,3 +125,17 @@ async def test_a_cancelled_one_chunk_move_is_cancelled_not_reported_as_a_failure
         with pytest.raises(asyncio.CancelledError):
             await task
         assert lease.poisoned  # UCX may still touch what the move had posted
+
+
+@pytest.mark.parametrize("blocks", [[3], [5, 1, 9], list(range(40, 0, -3))], ids=["one", "three", "fourteen"])
+def test_a_chunks_iov_rows_are_its_segments_in_stream_order(blocks: list[int]) -> None:
+    # Two regions, blocks of 2 x 1 KiB: a few rows are listed in Python, many go through numpy.
+    regions = RegionTable.from_regions([(0, 0, 1024, 1024), (1, 512, 2048, 1024)])
+    arrays = [np.zeros(64 * 2048, dtype=np.uint8) for _ in range(2)]
+    plan = build_plan(regions, np.array(blocks, dtype=np.int64), 1 << 20)
+    [chunk] = plan.chunks
+    bases = [a.ctypes.data for a in arrays]
+    expected = [(bases[0] + b * 1024, 1024) for b in blocks] + [(bases[1] + 512 + b * 2048, 1024) for b in blocks]
+    rows = MappedMemory(arrays).iov(chunk)
+    assert rows.dtype == np.uint64 and rows.shape == (2 * len(blocks), 2)
+    assert [tuple(r) for r in rows.tolist()] == expected
