@@ -21,6 +21,7 @@ import functools
 import itertools
 import os
 from collections.abc import Awaitable, Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import cast
 
 import numpy as np
@@ -78,7 +79,9 @@ def _is_request(ptr: int) -> bool:
 class UcpTagIov:
     """Posts IOV tag sends and receives on UCXX's worker and turns completions into futures."""
 
-    def __init__(self, ucp_worker: int) -> None:
+    def __init__(self, ucp_worker: int, busy: Callable[[], AbstractContextManager[None]] = nullcontext) -> None:
+        """``busy()`` is held while a receive waits on UCX (the worker is then progressed
+        tightly); one that completes as it is posted never wakes the progress driver."""
         lib = _loaded_libucp()
         lib.ucp_tag_recv_nbx.restype = ctypes.c_void_p
         lib.ucp_tag_recv_nbx.argtypes = [
@@ -101,6 +104,7 @@ class UcpTagIov:
         lib.ucp_request_free.argtypes = [ctypes.c_void_p]
         self._lib = lib
         self._worker = ucp_worker
+        self._busy = busy
         self._ids = itertools.count(1)
         self._pending: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future[int]]] = {}
         self._callback = _RECV_CALLBACK(self._on_complete)  # one instance, alive as long as self
@@ -235,8 +239,18 @@ class UcpTagIov:
         req = self._lib.ucp_tag_recv_nbx(self._worker, buffer, count, tag, _FULL_MASK, ctypes.byref(param))
         if not self._posted(key, req or 0, "ucp_tag_recv_nbx"):
             return
+        with self._busy():
+            status = await self._received(req, fut, keep, on_unconfirmed)
+        self._lib.ucp_request_free(req)
+        if status != _UCS_OK:
+            raise UnavailableError(f"UCX receive failed with status {status}")
+
+    async def _received(
+        self, req: int, fut: asyncio.Future[int], keep: object, on_unconfirmed: Callable[[], None] | None
+    ) -> int:
+        """The posted receive's status; cancelled, once UCX has let go of its memory."""
         try:
-            status = await asyncio.shield(fut)
+            return await asyncio.shield(fut)
         except asyncio.CancelledError:
             # Stop UCX writing into the pool before anyone is told the transfer is over.
             self._lib.ucp_request_cancel(self._worker, req)
@@ -250,9 +264,6 @@ class UcpTagIov:
                 raise asyncio.CancelledError from None
             self._lib.ucp_request_free(req)
             raise
-        self._lib.ucp_request_free(req)
-        if status != _UCS_OK:
-            raise UnavailableError(f"UCX receive failed with status {status}")
 
 
 async def _drain_one(receiver: UcpTagIov, sink: npt.NDArray[np.uint64], tag: int, timeout_s: float) -> None:

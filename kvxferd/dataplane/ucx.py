@@ -72,7 +72,7 @@ class UcxTransport:
         self._endpoints: dict[str, Any] = {}
         #: Posts every receive itself, so each one can be cancelled on its own; None when
         #: UCXX progresses on another thread (then receives go through UCXX's endpoint).
-        self.iov: UcpTagIov | None = UcpTagIov(int(ucxx.get_ucp_worker())) if iov_supported() else None
+        self.iov: UcpTagIov | None = UcpTagIov(int(ucxx.get_ucp_worker()), self._busy) if iov_supported() else None
         #: Receive fragmented chunks straight into their segments (else: staging + unpack).
         self.scatter_receive = iov_receive and self.iov is not None
         #: Send fragmented chunks straight from their segments (else: pack into staging).
@@ -217,7 +217,9 @@ class UcxTransport:
             if after_chunk is not None:
                 await after_chunk(chunk.index)
 
-        with self._busy(), self._retired_on_failure(ep):
+        # No tight progress around the whole: a send UCX holds on to is progressed while it
+        # waits (``sends``), and one sent in place needs none.
+        with self._retired_on_failure(ep):
             await run_pipeline(stream.flow, move, pack, stage=iov is None, zero_copy=mapped)
 
     async def receive(
@@ -266,7 +268,9 @@ class UcxTransport:
             if on_chunk is not None:
                 on_chunk(chunk.index)
 
-        with self._busy():
+        # Tight progress only while a receive waits on UCX (``iov``), none for one that
+        # completed as it was posted (its message was here already).
+        with self._busy() if iov is None else nullcontext():
             try:
                 stage = not (self.scatter_receive and mapped)
                 await run_pipeline(stream.flow, move, stage=stage, zero_copy=mapped)
