@@ -29,6 +29,7 @@ import numpy as np
 import numpy.typing as npt
 
 __all__ = [
+    "SMALL_PLAN",
     "ChunkPlan",
     "RegionTable",
     "Run",

@@ -31,7 +31,7 @@ from .._log import log_event
 from .._services import Services
 from .._steps import MIN_CHUNK, within
 from ..dataplane.gpu_kernel import BlockSide
-from ..dataplane.plan import SidePlan, build_layered_plan, build_plan, stream_plan
+from ..dataplane.plan import SMALL_PLAN, SidePlan, build_layered_plan, build_plan, stream_plan
 from ..dataplane.remap import peer_side, plan_remap, side_of
 from ..memory.pools import Pool
 from ..peer.directory import Peer
@@ -142,7 +142,10 @@ class RemotePull:
         # when this task yields, and planning first kept ``start`` back 0.2 ms.
         await asyncio.sleep(0)
         mapped = dst.layout.geometry is not None
-        expected = None if mapped else _receive_plan(dst, side, order.dst_ids, asked.max_chunk)
+        # A pull between two geometries may be remapped: planned here only when small, so
+        # that a remapped one wastes little.
+        small = len(order.dst_ids) * len(dst.regions.nbytes) <= SMALL_PLAN
+        expected = _receive_plan(dst, side, order.dst_ids, asked.max_chunk) if small or not mapped else None
         accepted = await call.accepted(self.settings.peer_timeout_s)
         record.mark("accepted")
         chunk = accepted.chunk_bytes or asked.max_chunk
