@@ -7,7 +7,9 @@ of the commit before a change, and this tree), two pairs each, and alternates be
 every round. The engines are this tree's. Per round and per tree: two unary echoes (health
 checks on the daemon's engine socket), a remote 4 KiB handoff (direct reads) and a local
 one, as the engines see them (offer + pull). Medians, and each handoff against two echoes of
-the same tree's daemons. ``--ucx`` moves the remote handoffs over UCX (direct reads off).
+the same tree's daemons. ``--ucx`` moves the remote handoffs over UCX (direct reads off);
+``--in-flight`` also times 64 remote handoffs at once each round (per second, median; the
+serial figures of such a run carry what each batch leaves behind, and are not comparable).
 
 Run: ``git worktree add /tmp/base <rev> && python -m bench.ab_fixed --base /tmp/base
 [--rounds 150]``; one JSON line per tree.
@@ -34,6 +36,7 @@ def main() -> None:
     parser.add_argument("--base", required=True, help="a checkout whose daemons are compared with this tree's")
     parser.add_argument("--rounds", type=int, default=150)
     parser.add_argument("--ucx", action="store_true", help="remote handoffs over UCX (direct reads off)")
+    parser.add_argument("--in-flight", action="store_true", help="also 64 remote 4 KiB handoffs at once, per second")
     args = parser.parse_args()
     env = UCX if args.ucx else DIRECT
     rng = np.random.default_rng(3)
@@ -47,6 +50,9 @@ def main() -> None:
             roles = ((a, "prefill", 1), (a, "local", None), (b, "remote", None))
             trees[name] = tuple(_engine(cluster, d, f"{name}-{role}", seed) for d, role, seed in roles)
         figs: dict[str, dict[str, list[float]]] = {name: {"echo2": [], "local": [], "remote": []} for name in trees}
+        if args.in_flight:
+            for f in figs.values():
+                f["in_flight"] = []
         for r in range(args.rounds + 5):
             for name, (prefill, local, remote) in trees.items():
                 echo = local("echo", count=2)["seconds"]
@@ -56,13 +62,17 @@ def main() -> None:
                     f["echo2"].append(echo[0] + echo[1])
                     f["remote"].append(far)
                     f["local"].append(near)
+                    if args.in_flight:
+                        f["in_flight"].append(_in_flight(rng, prefill, remote))
         for name, f in figs.items():
             med = {k: statistics.median(v) for k, v in f.items()}
             row: dict[str, Any] = {
                 "tree": args.base if name == "base" else ROOT,
                 "remote_path": "ucx" if args.ucx else "direct",
             }
-            row |= {f"{k}_p50_ms": round(v * 1e3, 3) for k, v in med.items()}
+            row |= {f"{k}_p50_ms": round(v * 1e3, 3) for k, v in med.items() if k != "in_flight"}
+            if "in_flight" in med:
+                row["in_flight_per_s"] = round(med["in_flight"], 1)
             row |= {f"{k}_vs_echo2": round(med[k] / med["echo2"], 3) for k in ("local", "remote")}
             print(json.dumps(row), flush=True)
 
@@ -81,6 +91,16 @@ def _handoff(rng: np.random.Generator, prefill: EngineProcess, decode: EnginePro
     if not res["ok"]:
         raise RuntimeError(f"pull failed: {res}")
     return float(offered["offer_s"] + res["latency_s"])
+
+
+def _in_flight(rng: np.random.Generator, prefill: EngineProcess, decode: EngineProcess, n: int = 64) -> float:
+    """Handoffs per second: ``n`` 4 KiB offers at once, then their ``n`` pulls at once."""
+    src, dst = rng.permutation(4096)[:n].tolist(), rng.permutation(4096)[:n].tolist()
+    offered = prefill("offer", requests=[[i] for i in src])
+    pulled = decode("pull", pulls=[[t, [d]] for t, d in zip(offered["tickets"], dst, strict=True)])
+    if not all(r["ok"] for r in pulled["results"]):
+        raise RuntimeError("a pull in flight failed")
+    return float(n / (offered["offer_s"] + pulled["wall_s"]))
 
 
 if __name__ == "__main__":
