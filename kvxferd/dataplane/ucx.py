@@ -189,7 +189,7 @@ class UcxTransport:
         awaited once each chunk is sent (the daemon's fault-injection point)."""
         ep, tag_base = stream.ep, stream.tag_base
         mapped = memory.pid is None
-        iov = self.iov if self.gather_send and mapped else None
+        gathers = self.gather_send and mapped  # fragmented chunks sent from their segments
         keep = memory.keep()
 
         async def pack(chunk: ChunkPlan, staged: U8) -> None:
@@ -220,7 +220,7 @@ class UcxTransport:
         # No tight progress around the whole: a send UCX holds on to is progressed while it
         # waits (``sends``), and one sent in place needs none.
         with self._retired_on_failure(ep):
-            await run_pipeline(stream.flow, move, pack, stage=iov is None, zero_copy=mapped)
+            await run_pipeline(stream.flow, move, pack, stage=not gathers, zero_copy=mapped)
 
     async def receive(
         self,
