@@ -132,10 +132,24 @@ def etcd_client(url: RegistryUrl, tls: TlsFiles | None = None) -> Etcd3Client:
     if url.tls:
         if tls is None:
             raise ValueError(f"registry {url} asks for TLS: give tls_cert, tls_key and tls_ca")
-        return Etcd3Client(
+        client = Etcd3Client(
             list(url.endpoints), rpc_max_attempts=1, ca_cert=tls.ca, cert_key=tls.key, cert_chain=tls.cert
         )
-    return Etcd3Client(list(url.endpoints), rpc_max_attempts=1)
+    else:
+        client = Etcd3Client(list(url.endpoints), rpc_max_attempts=1)
+    # gRPC's reconnect backoff grows to minutes while etcd is down: after a 10 s outage the
+    # channel could come back 5 s after etcd did, past a short lease, and every daemon's record
+    # would lapse. Retried every second instead (the registry's own cadence while unreachable).
+    client._manager.grpc_options += list(RECONNECT_OPTIONS)
+    return client
+
+
+#: The etcd channel's reconnect backoff: at most one second between tries.
+RECONNECT_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.min_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+)
 
 
 @dataclass(frozen=True)
