@@ -143,10 +143,17 @@ class ProcessMemory:
         """Copy ``local`` (rows in this process) into the chunk in the engine's process."""
         self._move(write_iov, local, chunk)
 
+    def read_rows(self, local: IovArray, remote: IovArray) -> None:
+        """Copy ``remote`` (rows in the engine's process) into ``local`` (rows in this one)."""
+        self._call(read_iov, local, remote)
+
     def _move(self, call: Callable[[int, IovArray, IovArray], None], local: IovArray, chunk: ChunkPlan) -> None:
+        self._call(call, local, self.iov(chunk))
+
+    def _call(self, call: Callable[[int, IovArray, IovArray], None], local: IovArray, remote: IovArray) -> None:
         self.check()
         try:
-            call(self.pid, local, self.iov(chunk))
+            call(self.pid, local, remote)
         except OSError as exc:
             if exc.errno == errno.ESRCH:
                 raise UnavailableError(f"the {self.owner} {self.pid} exited") from None

@@ -5,7 +5,9 @@ copy is given up (so nobody reuses a destination a thread can still write)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
+from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import Any
 
@@ -13,7 +15,7 @@ from .aligned import CACHE_LINE, aligned_empty
 from .hostmem import HostMemory, copy_between
 from .plan import SidePlan
 
-__all__ = ["INLINE_COPY_BYTES", "copy_in_threads", "copy_plan"]
+__all__ = ["INLINE_COPY_BYTES", "copy_in_threads", "copy_plan", "in_copy_threads"]
 
 #: Local host handoffs up to this size are copied on the event loop (about 10 us at memory
 #: speed); larger ones go to the copy threads.
@@ -34,15 +36,22 @@ async def copy_in_threads(
         # Microseconds of copying: the hop to a copy thread and back would cost more.
         copy_plan(src, dst, single_pass)
         return
-    stop = threading.Event()
     parts = min(threads, len(src_plan.chunks))
+    await in_copy_threads(executor, parts, functools.partial(copy_plan, src, dst, single_pass))
+
+
+async def in_copy_threads(executor: Executor, parts: int, work: Callable[[threading.Event, int, int], None]) -> None:
+    """``work(stop, part, parts)`` for each of ``parts`` shares, in the copy threads. Each
+    share checks ``stop`` before its next step: when the copy is given up (a share failed,
+    or the caller was cancelled) this sets it and waits for every share to stop, so that
+    nobody hears "failed" or "cancelled" (and reuses the destination) while one can still
+    write there."""
+    stop = threading.Event()
     loop = asyncio.get_running_loop()
-    copying = [loop.run_in_executor(executor, copy_plan, src, dst, single_pass, stop, k, parts) for k in range(parts)]
+    copying = [loop.run_in_executor(executor, work, stop, k, parts) for k in range(parts)]
     try:
         await asyncio.shield(asyncio.gather(*copying))
     except BaseException:
-        # Every copy thread stops at its next chunk; wait for them all, so that nobody hears
-        # "failed" or "cancelled" (and reuses the destination) while one can still write there.
         stop.set()
         await asyncio.wait(copying)
         raise

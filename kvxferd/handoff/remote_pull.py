@@ -27,6 +27,7 @@ from kvxfer.errors import DataLossError, DeadlineExceededError, IncompatibleErro
 from kvxfer.layout import mapping_between
 from kvxfer.proto import peer_pb2
 
+from .._folded_sums import FoldedSums
 from .._log import log_event
 from .._services import Services
 from .._steps import MIN_CHUNK, within
@@ -83,7 +84,7 @@ class RemotePull:
                 receiver = choose_receiver(landing, self.services, self.plane, accepted, asked, endpoint)
                 await receiver.prepare(stack)
                 said = await self._move(receiver, call, ends_at)
-                await self._check(order, call, sums_of(said), plan if record.mapping else None)
+                await self._check(order, call, sums_of(said), plan if record.mapping else None, receiver.folded)
                 await self._commit(order, call, hand_on, ends_at)
             except BaseException as exc:
                 await self._fail(order, peer, call, receiver, exc)
@@ -189,6 +190,7 @@ class RemotePull:
             # it (here already: no deadline to wait on), then land here, without a task for each
             # (two turns of the loop).
             said = await call.sent()
+            receiver.said_sums = sums_of(said)  # a receiver that copies may sum as it lands
             await receiver.land()
             record.data_plane_s = time.perf_counter() - started
             record.mark("received")
@@ -218,13 +220,18 @@ class RemotePull:
             raise
 
     async def _check(
-        self, order: PullOrder, call: TransferCall, sums: peer_pb2.BlockSums | None, mapped: SidePlan | None
+        self,
+        order: PullOrder,
+        call: TransferCall,
+        sums: peer_pb2.BlockSums | None,
+        mapped: SidePlan | None,
+        folded: FoldedSums | None = None,
     ) -> None:
         """The landed blocks against the offerer's sums. A mismatch is told to the offerer
         (``done`` not ok), whose word, due within a moment, says whether its engine wrote
         the blocks again since the offer (then that error is the pull's)."""
         try:
-            await self.services.integrity.check_landed(order.record, sums, order.dst, order.dst_ids, mapped)
+            await self.services.integrity.check_landed(order.record, sums, order.dst, order.dst_ids, mapped, folded)
         except DataLossError as landed:
             call.reject(str(landed))
             try:

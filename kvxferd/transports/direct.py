@@ -13,17 +13,24 @@ import numpy as np
 from kvxfer.errors import IncompatibleError, UnavailableError
 from kvxfer.proto import peer_pb2
 
+from .._folded_sums import fold_windows
 from .._services import Services
 from ..dataplane.hostcopy import FEW_SEGMENTS, scatter_few_blocks
+from ..dataplane.hostmem import MappedMemory
 from ..dataplane.plan import sub_plan
 from ..dataplane.remap import side_of
+from ..dataplane.segment_reads import read_rows, segment_rows
 from ..dataplane.threaded_copy import copy_in_threads
-from .direct_proof import DIRECT_READ, lent_segments, nonce_missing, source_plan
+from .direct_proof import DIRECT_READ, lent_rows, lent_segments, nonce_missing, source_plan
 from .faces import Landing, Receiver, Sender, Sending
 from .layers import layer_batches, layer_sizes
 from .plane import RemotePlane
 
 __all__ = ["DirectRead", "Lend"]
+
+#: Segments up to this size are read segment to segment; larger ones (a contiguous cache's
+#: few big segments) by the chunk plan, which cuts them so that every copy thread gets a share.
+ROW_BYTES = 4 << 20
 
 
 class DirectRead(Receiver):
@@ -45,6 +52,9 @@ class DirectRead(Receiver):
         if why:
             raise IncompatibleError(f"peer {t.peer.daemon_id} answered with a direct read, but {why}")
         t.record.transport = DIRECT_READ
+        if self._alike():
+            await self._read_rows()
+            return None
         layers = len(t.starts) - 1 if t.starts is not None else 0
         remap_to = side_of(t.dst.layout, t.dst.regions, t.dst_ids) if t.record.mapping else None
         src, src_plan = source_plan(source, self.sender, t.plan.chunk_bytes, remap_to, layers)
@@ -78,6 +88,35 @@ class DirectRead(Receiver):
         segments = len(t.dst.regions.nbytes) * len(t.dst_ids)
         plain = t.starts is None and not t.record.mapping and t.dst.process is None
         return plain and segments <= FEW_SEGMENTS and len(self.source.block_ids) == len(t.dst_ids)
+
+    def _alike(self) -> bool:
+        """A whole read into memory mapped here, blocks laid out alike on both sides, in
+        segments that the copy threads can share (none over :data:`ROW_BYTES`)."""
+        t = self.landing
+        return (
+            t.starts is None
+            and not t.record.mapping
+            and t.dst.process is None
+            and int(t.dst.regions.nbytes.max()) <= ROW_BYTES
+        )
+
+    async def _read_rows(self) -> None:
+        """The lent segments read into the destination's, segment to segment (no plans:
+        :mod:`..dataplane.segment_reads`)."""
+        t = self.landing
+        memory, remote = lent_rows(self.source, self.sender)
+        here = t.dst.host_memory()
+        assert isinstance(here, MappedMemory)  # a pool of no engine's process is mapped here
+        local = segment_rows(here.bases, t.dst.regions, t.dst_ids)
+        if len(remote) != len(local) or not np.array_equal(remote[:, 1], local[:, 1]):
+            raise IncompatibleError(f"peer {t.peer.daemon_id} lends other segments than the destination's")
+        folded = fold_windows(self.said_sums, here, t.dst.regions, t.dst_ids)
+        t.record.mark("lent")
+        threads, landed = self.services.settings.copy_threads, folded.landed if folded is not None else None
+        await read_rows(self.services.executor, threads, memory, local, remote, landed)
+        if folded is not None:
+            folded.done = True
+            self.folded = folded
 
     def _read_few(self) -> None:
         """The nonce and the blocks in one read, into scratch; laid into the destination once

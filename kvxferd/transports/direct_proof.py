@@ -50,9 +50,10 @@ from kvxfer.proto import common_pb2, peer_pb2
 
 from .._log import log_event
 from ..dataplane.cma import IOV_MAX, read_few, read_iov
-from ..dataplane.hostmem import ProcessMemory
+from ..dataplane.hostmem import IovArray, ProcessMemory
 from ..dataplane.plan import RegionTable, SidePlan, build_layered_plan, build_plan
 from ..dataplane.remap import Side, peer_side, plan_remap
+from ..dataplane.segment_reads import segment_rows
 from ..memory.pools import MAX_BUFFERS, Pool
 from ..peer.serve_request import NONCE_BYTES
 
@@ -60,6 +61,7 @@ __all__ = [
     "DIRECT_READ",
     "NONCE_BYTES",
     "ProofSlots",
+    "lent_rows",
     "lent_segments",
     "new_nonce",
     "nonce_missing",
@@ -220,6 +222,14 @@ def lent_segments(source: peer_pb2.DirectReadSource, sender: common_pb2.LayoutSi
     base, (buffer, offset, stride, nbytes) = memory.base.tolist(), regions.lists
     ids = list(source.block_ids)
     return [(base[buffer[r]] + offset[r] + i * stride[r], nbytes[r]) for r in range(len(nbytes)) for i in ids]
+
+
+def lent_rows(source: peer_pb2.DirectReadSource, sender: common_pb2.LayoutSignature) -> tuple[ProcessMemory, IovArray]:
+    """The offering daemon's memory and the lent blocks' segments there as ``(address,
+    length)`` rows in stream order: checked as :func:`source_plan` checks them, for a read
+    segment to segment that needs no plan (:mod:`..dataplane.segment_reads`)."""
+    memory, regions = _lent(source, sender)
+    return memory, segment_rows(memory.base, regions, np.array(list(source.block_ids), dtype=np.int64))
 
 
 def _lent(source: peer_pb2.DirectReadSource, sender: common_pb2.LayoutSignature) -> tuple[ProcessMemory, RegionTable]:

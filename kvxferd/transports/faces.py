@@ -17,6 +17,7 @@ import numpy.typing as npt
 
 from kvxfer.proto import peer_pb2
 
+from .._folded_sums import FoldedSums
 from .._offers import Offer
 from .._services import Services
 from .._transfers import TransferRecord
@@ -68,6 +69,11 @@ class Receiver(ABC):
         self.landing = landing
         self.services = services
         self.task: asyncio.Task[peer_pb2.TransferSent | None] | None = None
+        #: The offering daemon's sums, where its ``sent`` came before the landing began.
+        self.said_sums: peer_pb2.BlockSums | None = None
+        #: Their windows, summed as they landed by a receiver that copies the bytes itself
+        #: (None: the pull's check sums the destination).
+        self.folded: FoldedSums | None = None
 
     async def prepare(self, stack: contextlib.AsyncExitStack) -> None:
         """Take what the landing holds until the pull ends (entered on ``stack``); most hold
