@@ -38,6 +38,7 @@ from ..memory.pools import Pool
 from ..peer.directory import Peer
 from ..peer.stream import TransferCall
 from ..transports.choice import choose_receiver, sums_of
+from ..transports.direct import reads_alike
 from ..transports.direct_proof import new_nonce
 from ..transports.faces import Asked, Landing, Receiver
 from ..transports.lanes import lanes_to_ask
@@ -143,10 +144,13 @@ class RemotePull:
         # when this task yields, and planning first kept ``start`` back 0.2 ms.
         await asyncio.sleep(0)
         mapped = dst.layout.geometry is not None
-        # A pull between two geometries may be remapped: planned here only when small, so
-        # that a remapped one wastes little.
+        # A pull between two geometries may be remapped, and a direct read of blocks laid
+        # out alike needs no plan (it reads segment to segment): planned here only when
+        # small, so that a plan not used wastes little.
         small = len(order.dst_ids) * len(dst.regions.nbytes) <= SMALL_PLAN
-        expected = _receive_plan(dst, side, order.dst_ids, asked.max_chunk) if small or not mapped else None
+        alike = bool(asked.nonce) and not mapped and reads_alike(dst)
+        ahead = small or not (mapped or alike)
+        expected = _receive_plan(dst, side, order.dst_ids, asked.max_chunk) if ahead else None
         accepted = await call.accepted(self.settings.peer_timeout_s)
         record.mark("accepted")
         chunk = accepted.chunk_bytes or asked.max_chunk
@@ -163,6 +167,8 @@ class RemotePull:
             plan = await self._remapped_plan(order, accepted.sender_signature, chunk, side)
         elif expected is not None and chunk == asked.max_chunk:
             plan = expected
+        elif alike and accepted.HasField("direct"):
+            plan = stream_plan(record.nbytes, chunk)  # its chunks only: DirectRead reads the rows
         else:
             plan = _receive_plan(dst, side, order.dst_ids, chunk)
         if accepted.total_bytes != plan.total_bytes:

@@ -21,16 +21,24 @@ from ..dataplane.plan import sub_plan
 from ..dataplane.remap import side_of
 from ..dataplane.segment_reads import read_rows, segment_rows
 from ..dataplane.threaded_copy import copy_in_threads
+from ..memory.pools import Pool
 from .direct_proof import DIRECT_READ, lent_rows, lent_segments, nonce_missing, source_plan
 from .faces import Landing, Receiver, Sender, Sending
 from .layers import layer_batches, layer_sizes
 from .plane import RemotePlane
 
-__all__ = ["DirectRead", "Lend"]
+__all__ = ["DirectRead", "Lend", "reads_alike"]
 
 #: Segments up to this size are read segment to segment; larger ones (a contiguous cache's
 #: few big segments) by the chunk plan, which cuts them so that every copy thread gets a share.
 ROW_BYTES = 4 << 20
+
+
+def reads_alike(dst: Pool) -> bool:
+    """Whether a direct read of blocks laid out alike lands in ``dst`` segment to segment,
+    with no plan on either side: host memory mapped here, in segments that the copy threads
+    can share (none over :data:`ROW_BYTES`)."""
+    return dst.device is None and dst.process is None and int(dst.regions.nbytes.max()) <= ROW_BYTES
 
 
 class DirectRead(Receiver):
@@ -90,15 +98,10 @@ class DirectRead(Receiver):
         return plain and segments <= FEW_SEGMENTS and len(self.source.block_ids) == len(t.dst_ids)
 
     def _alike(self) -> bool:
-        """A whole read into memory mapped here, blocks laid out alike on both sides, in
-        segments that the copy threads can share (none over :data:`ROW_BYTES`)."""
+        """A whole read (not layer by layer) of blocks laid out alike on both sides (not
+        remapped), into a destination :func:`reads_alike` reads."""
         t = self.landing
-        return (
-            t.starts is None
-            and not t.record.mapping
-            and t.dst.process is None
-            and int(t.dst.regions.nbytes.max()) <= ROW_BYTES
-        )
+        return t.starts is None and not t.record.mapping and reads_alike(t.dst)
 
     async def _read_rows(self) -> None:
         """The lent segments read into the destination's, segment to segment (no plans:
