@@ -65,9 +65,10 @@ def daemon_main(socket: str, peer_port: int) -> None:
         async def calls(requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:
             async for request in requests:
                 if peer is not None:
-                    waiting[request] = asyncio.get_running_loop().create_future()
+                    # Held here: the answer may arrive (and leave ``waiting``) before write returns.
+                    answered = waiting[request] = asyncio.get_running_loop().create_future()
                     await peer.write(request)
-                    await waiting[request]
+                    await answered
                 yield request
 
         async def echo_stream(requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:

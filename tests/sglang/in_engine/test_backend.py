@@ -52,12 +52,14 @@ def _port() -> int:
 
 
 @contextlib.contextmanager
-def _ranks(prefill_tp: int, decode_tp: int, model: str, kind: str = "mha") -> Iterator[Pair]:
-    """Prefill ranks on one daemon, decode ranks on another, of a ``kind`` model."""
+def _ranks(prefill_tp: int, decode_tp: int, model: str, kind: str = "mha", decode_faults: str = "") -> Iterator[Pair]:
+    """Prefill ranks on one daemon, decode ranks on another (with fault points
+    ``decode_faults``), of a ``kind`` model."""
     os.environ["SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT"] = str(TIMEOUT_S)
     os.environ["SGLANG_DISAGGREGATION_WAITING_TIMEOUT"] = str(TIMEOUT_S)
     with Cluster() as cluster, ThreadPoolExecutor(4) as pool:
-        a, b = cluster.daemon("prefill-node"), cluster.daemon("decode-node")
+        faults = ["--fault-injection", "--faults", decode_faults] if decode_faults else []
+        a, b = cluster.daemon("prefill-node"), cluster.daemon("decode-node", *faults)
         port = _port()
         first = SglangRank("prefill", (prefill_tp, 0), port, model, a, kind)  # it runs the bootstrap server
         others = [
@@ -105,6 +107,16 @@ def _settled(daemon: Daemon) -> tuple[int, int]:
     return int(status.active_offers), int(status.active_transfers)
 
 
+def _holds_nothing(pair: Pair) -> None:
+    """Neither daemon keeps an offer or a transfer (within 10 s); where one does, the message
+    carries what its log says of offers, pushes and transfers."""
+    for daemon in (pair.prefill_daemon, pair.decode_daemon):
+        held = _settled(daemon)
+        if held != (0, 0):
+            lines = [ln for ln in daemon.log().splitlines() if any(k in ln for k in ("offer.", "push.", "transfer."))]
+            raise AssertionError(f"{daemon.name} holds (offers, transfers) {held}; its log:\n" + "\n".join(lines[-40:]))
+
+
 def _rooms(base: int, n: int) -> list[int]:
     return [(base << 20) + i for i in range(n)]
 
@@ -136,7 +148,7 @@ def test_requests_at_once_land_byte_exact_in_the_decode_ranks_pages(pair: Pair) 
     shapes = dict(zip(rooms, [(17, 0), (100, 0), (256, 32), (301, 64), (48, 16)], strict=True))
     for room, end in _succeeded(pair, shapes, chunk_pages=3):
         assert end["bad_elements"] == 0 and end["elements"] > 0 and end["metadata_ok"], (room, end)
-    assert _settled(pair.prefill_daemon) == (0, 0) and _settled(pair.decode_daemon) == (0, 0)
+    _holds_nothing(pair)
     # SGLang's own KV checksum is comparable only where both sides hold the same heads.
     same_heads = len(pair.prefill) == len(pair.decode)
     assert all(rank("compares_checksums") == same_heads for rank in pair.decode)
@@ -163,7 +175,7 @@ def test_each_chunk_moves_while_the_prefill_computes_the_next(pair: Pair) -> Non
     assert all(e[str(room)]["status"] == "success" for e in _wait(pair.prefill, [room])), "prefill"
     for ends in _wait(pair.decode, [room]):
         assert ends[str(room)]["status"] == "success" and ends[str(room)]["bad_elements"] == 0, ends
-    assert _settled(pair.prefill_daemon) == (0, 0) and _settled(pair.decode_daemon) == (0, 0)
+    _holds_nothing(pair)
 
 
 def test_a_chunk_message_under_another_nonce_is_ignored_and_one_out_of_order_fails_the_request(pair: Pair) -> None:
@@ -187,7 +199,7 @@ def test_a_chunk_message_under_another_nonce_is_ignored_and_one_out_of_order_fai
         assert "expected page 2 next" in str(ends[str(room)]["reason"]), ends
     assert time.monotonic() - started < TIMEOUT_S / 2
     assert all(e[str(room)]["status"] == "failed" for e in _wait(pair.prefill, [room], timeout_s=TIMEOUT_S))
-    assert _settled(pair.prefill_daemon) == (0, 0) and _settled(pair.decode_daemon) == (0, 0)
+    _holds_nothing(pair)
 
 
 @pytest.mark.parametrize("side", ["decode", "prefill"])
@@ -210,7 +222,33 @@ def test_a_request_aborted_on_one_side_fails_the_other_at_once_and_leaves_nothin
     if side == "prefill":
         assert all("aborted" in str(e[str(room)].get("reason")) for e in ends), ends
     assert all(e[str(room)]["status"] == "failed" for e in _wait(aborting, [room])), "the aborting side"
-    assert _settled(pair.prefill_daemon) == (0, 0) and _settled(pair.decode_daemon) == (0, 0)
+    _holds_nothing(pair)
+
+
+def test_a_prefill_abort_while_the_decode_daemon_pulls_a_push_withdraws_its_offer(tmp_path: str) -> None:
+    """The prefill side aborts a request while the decode daemon is pulling one of its pushes
+    (held at ``before_done``): a release of an offer being pulled is refused, so the prefill
+    rank cancels the push's transfer first and then releases the offer. Its daemon holds
+    nothing well before the offer's 30 s lease, and the decode side fails the request."""
+    [room] = _rooms(10, 1)
+    with _ranks(1, 1, write_model(tmp_path), decode_faults="before_done=pause:6") as pair:
+        _bootstrap(pair, [room])
+        for rank in pair.decode:
+            rank("allocate", room=room, tokens=96, prefix=0)  # 6 pages
+        _until_waiting_for_input(pair, [room])
+        for rank in pair.prefill:
+            rank("prefill", room=room, tokens=96, chunk_pages=2, chunks=1)  # pages 0-1 pushed
+        deadline = time.monotonic() + 20
+        while "point=before_done" not in pair.decode_daemon.log():
+            assert time.monotonic() < deadline, "the decode daemon never pulled the push"
+            time.sleep(0.02)
+        for rank in pair.prefill:
+            rank("abort", room=room)
+        started = time.monotonic()
+        assert _settled(pair.prefill_daemon) == (0, 0)
+        assert time.monotonic() - started < 5, "the offer waited for the pull to end"
+        assert all(e[str(room)]["status"] == "failed" for e in _wait(pair.decode, [room], timeout_s=TIMEOUT_S))
+        assert _settled(pair.decode_daemon) == (0, 0)
 
 
 def test_a_bogus_bootstrap_room_fails_in_bounded_time_on_both_sides(pair: Pair) -> None:
@@ -227,7 +265,7 @@ def test_a_bogus_bootstrap_room_fails_in_bounded_time_on_both_sides(pair: Pair) 
     assert all(e[str(decode_only)]["status"] == "failed" for e in decode_ends), decode_ends
     assert all(e[str(prefill_only)]["status"] == "failed" for e in prefill_ends), prefill_ends
     assert time.monotonic() - started < 3 * TIMEOUT_S
-    assert _settled(pair.prefill_daemon) == (0, 0) and _settled(pair.decode_daemon) == (0, 0)
+    _holds_nothing(pair)
     assert all(decode_only not in r("state")["rooms"] for r in pair.all())
 
 
@@ -248,7 +286,7 @@ def test_a_hybrid_models_state_lands_byte_exact_beside_its_pages(
     with _ranks(prefill_tp, decode_tp, write_model(tmp_path), kind) as pair:
         for room, end in _succeeded(pair, shapes, chunk_pages=2):
             assert end["bad_elements"] == 0 and end["metadata_ok"] and end["state_bad_elements"] == 0, (room, end)
-        assert _settled(pair.prefill_daemon) == (0, 0) and _settled(pair.decode_daemon) == (0, 0)
+        _holds_nothing(pair)
 
 
 def test_mamba_state_between_other_tp_sizes_fails_at_once_naming_the_fix(tmp_path: str) -> None:
@@ -266,4 +304,4 @@ def test_mamba_state_between_other_tp_sizes_fails_at_once_naming_the_fix(tmp_pat
             assert "equal attention TP" in str(ends[str(room)]["reason"]), ends
         assert time.monotonic() - started < TIMEOUT_S / 2
         assert all(e[str(room)]["status"] == "failed" for e in _wait(pair.prefill, [room], timeout_s=3 * TIMEOUT_S))
-        assert _settled(pair.prefill_daemon) == (0, 0) and _settled(pair.decode_daemon) == (0, 0)
+        _holds_nothing(pair)
