@@ -227,9 +227,10 @@ def test_a_request_aborted_on_one_side_fails_the_other_at_once_and_leaves_nothin
 
 def test_a_prefill_abort_while_the_decode_daemon_pulls_a_push_withdraws_its_offer(tmp_path: str) -> None:
     """The prefill side aborts a request while the decode daemon is pulling one of its pushes
-    (held at ``before_done``): a release of an offer being pulled is refused, so the prefill
-    rank cancels the push's transfer first and then releases the offer. Its daemon holds
-    nothing well before the offer's 30 s lease, and the decode side fails the request."""
+    (held at ``before_done``, 6 s): an engine's release of an offer being pulled is refused,
+    so what ends it is the prefill rank's cancel of the push's transfer, which fails the pull
+    on both daemons. Its daemon holds nothing well before the pull would have ended (or the
+    offer's 30 s lease), and the decode side fails the request."""
     [room] = _rooms(10, 1)
     with _ranks(1, 1, write_model(tmp_path), decode_faults="before_done=pause:6") as pair:
         _bootstrap(pair, [room])
