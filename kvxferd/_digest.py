@@ -29,6 +29,7 @@ import bisect
 import functools
 import itertools
 from collections.abc import Callable
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,17 +39,31 @@ import numpy.typing as npt
 from kvxfer.errors import InvalidRequestError
 from kvxfer.proto import peer_pb2
 
+from ._cpu_time import in_thread
 from .dataplane.checksum import block_sums, segment_sums
 from .dataplane.hostmem import HostMemory
 from .dataplane.plan import RegionTable
 from .memory.pools import Pool
 
-__all__ = ["SAMPLE_WINDOW", "Digest", "covered_bytes", "peer_entries", "sample_offer", "settle", "sum_entries"]
+__all__ = [
+    "INLINE_BYTES",
+    "SAMPLE_WINDOW",
+    "Digest",
+    "covered_bytes",
+    "peer_entries",
+    "pool_sums",
+    "sample_offer",
+    "settle",
+    "sum_entries",
+]
 
 I64 = npt.NDArray[np.int64]
 U64 = npt.NDArray[np.uint64]
 #: The most bytes one sample sums (about one segment of a Llama-8B-sized 16-token block).
 SAMPLE_WINDOW = 64 << 10
+#: Sums over at most this many bytes run on the event loop (about 0.2 ms here); more go to
+#: the copy threads.
+INLINE_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -200,3 +215,14 @@ def settle(future: asyncio.Future[Any], task: asyncio.Future[Any], summed: Calla
         future.exception()  # retrieved: an offer gone before its pull logs no warning
     else:
         future.set_result(summed(task.result()))
+
+
+async def pool_sums(executor: Executor, pool: Pool, nbytes: int, sums: Callable[..., U64], *args: Any) -> U64 | None:
+    """``sums(pool's host memory, *args)`` over ``nbytes``: on the loop when small, else in a
+    copy thread; None when the pool is going away."""
+    if pool.closing:
+        return None
+    if nbytes <= INLINE_BYTES:  # on the loop: no deregistration can come between
+        return sums(pool.host_memory(), *args)
+    with pool.in_use():  # a deregistration meanwhile unmaps only once this ends
+        return await in_thread(executor, sums, pool.host_memory(), *args)

@@ -7,10 +7,10 @@ the default: a reused block, a stale block reference or a broken path changes ev
 it touches, so a few catch it at the cost of a few windows, whatever the layout; a lone
 flipped bit needs ``full``).
 
-1. **Digest**: the moment an offer is written (in the offer call, or in the layers-ready call
-   that completes a layer-wise offer), the offering daemon sums what it covers. A digest over
-   more than :data:`INLINE_BYTES` is summed off the event loop right after, and the offer
-   answers at once (a block rewritten within that window is not caught as rewritten).
+1. **Digest** (:mod:`._offer_digest`): once an offer is written, the offering daemon sums
+   what it covers before the offer call answers (over :data:`._digest.INLINE_BYTES` of it
+   in a copy thread meanwhile; a pull that comes sooner awaits the sums). A block of such a
+   large offer rewritten before its sums are taken is not caught as rewritten.
 2. **At the source, only when it tells something**: where the pull is not remapped, step 3
    compares what landed with the digest, so a block the engine wrote again before the pull
    ended fails there. Only then does the offering daemon sum its source again
@@ -37,12 +37,11 @@ of a daemon with ``integrity: off``.
 from __future__ import annotations
 
 import asyncio
-import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -51,28 +50,25 @@ from kvxfer.errors import DataLossError, InvalidRequestError, KvxferError
 from kvxfer.proto import peer_pb2
 
 from ._config import Settings
-from ._cpu_time import cpu_timed, in_thread
-from ._digest import Digest, covered_bytes, peer_entries, sample_offer, settle, sum_entries
+from ._cpu_time import cpu_timed
+from ._digest import Digest, covered_bytes, peer_entries, pool_sums, sum_entries
 from ._faults import Faults
 from ._folded_sums import FoldedSums
-from ._log import log_event
 from ._mismatch import changed_after_offer, distinct, flip_first_bit, landed_otherwise, stream_otherwise
+from ._offer_digest import OfferDigests
 from ._offers import Offer
 from ._stream_sums import blocks_under, peer_windows, stream_windows
 from ._transfers import TransferRecord
-from ._whole_segments import digest_now, landed_as_offered, landed_as_said, offer_sums
+from ._whole_segments import digest_now, landed_as_offered, landed_as_said
 from .dataplane.checksum import window_sums
 from .dataplane.plan import SidePlan
 from .memory.pools import Pool
 
-__all__ = ["INLINE_BYTES", "Integrity"]
+__all__ = ["Integrity"]
 
 T = TypeVar("T")
 I64 = npt.NDArray[np.int64]
 U64 = npt.NDArray[np.uint64]
-#: Sums over at most this many bytes run on the event loop (about 0.2 ms here); more go to
-#: the copy threads.
-INLINE_BYTES = 1 << 20
 
 
 class Integrity:
@@ -97,60 +93,14 @@ class Integrity:
         # One generator for the daemon: where samples fall must not be foreseeable from outside,
         # and seeding one per offer costs more than the sums of a small offer.
         self._rng = np.random.default_rng(secrets.randbits(128))
+        self.digests = OfferDigests(self.mode, self.samples, self._rng, self._sums, spent)
 
     # -- the offering side ----------------------------------------------------------------
 
     def take_digest(self, offer: Offer) -> None:
         """Sum the offer's blocks if it is written and not summed yet (called when it is made,
-        and when a layer-wise offer's layers are said written)."""
-        if offer.digest is not None or offer.integrity_off:
-            return
-        if self.mode == "off":
-            offer.integrity_off = "integrity is off on the offering daemon"
-            return
-        if offer.pool.on_gpu:
-            offer.integrity_off = "GPU pool: no checksum kernel yet"
-            return
-        if not offer.written:
-            return
-        started = time.thread_time()
-        regions: I64 | None = None
-        within: tuple[I64, I64] | None = None
-        if self.mode == "full":
-            positions = np.arange(len(offer.block_ids), dtype=np.int64)
-        else:
-            positions, regions, within = sample_offer(
-                self._rng, len(offer.block_ids), offer.pool.regions.nbytes, self.samples
-            )
-        future: asyncio.Future[Digest | None] = asyncio.get_running_loop().create_future()
-        offer.digest = future
-
-        def summed(sums: U64 | None) -> Digest | None:
-            if sums is None:
-                offer.integrity_off = "the offered pool went away before its blocks were summed"
-                return None
-            log_event("integrity.digest", logging.DEBUG, offer_id=offer.offer_id, mode=self.mode, sums=len(sums))
-            return Digest(self.mode, positions, regions, within, sums)
-
-        whole = offer_sums(offer.pool, offer.block_ids) if regions is not None and within is None else None
-        if whole is not None:  # every segment whole, summed where it lies (:mod:`._whole_segments`)
-            future.set_result(summed(whole))
-            self._spent("digest", time.thread_time() - started)
-            return
-        ids = offer.block_ids[positions]
-        if covered_bytes(offer.pool, ids, regions, within) <= INLINE_BYTES:
-            try:
-                memory = offer.pool.host_memory()
-                future.set_result(summed(sum_entries(memory, offer.pool.regions, ids, regions, within)))
-            except KvxferError as exc:  # e.g. an engine's process memory that cannot be read
-                offer.integrity_off = f"its blocks could not be summed: {exc}"
-                offer.digest = None
-            finally:
-                self._spent("digest", time.thread_time() - started)
-            return
-        self._spent("digest", time.thread_time() - started)
-        task = asyncio.ensure_future(self._timed("digest", self._sums(offer.pool, ids, regions, within)))
-        task.add_done_callback(lambda t: settle(future, t, summed))
+        and when a layer-wise offer's layers are said written): see :mod:`._offer_digest`."""
+        self.digests.take(offer)
 
     async def to_send(
         self, record: TransferRecord, offer: Offer, indices: I64 | None, remapped: SidePlan | None
@@ -184,7 +134,7 @@ class Integrity:
         left: U64 | None = None
         if remapped is not None:
             window, picks = stream_windows(self._rng, digest.mode, self.samples, remapped.total_bytes)
-            left = await _summed(self.executor, offer.pool, len(picks) * window, window_sums, remapped, window, picks)
+            left = await pool_sums(self.executor, offer.pool, len(picks) * window, window_sums, remapped, window, picks)
             if left is None:
                 self._unchecked(record, "the offered pool went away")
                 return None
@@ -344,7 +294,7 @@ class Integrity:
         self, record: TransferRecord, sums: peer_pb2.BlockSums, dst: Pool, dst_ids: I64, plan: SidePlan
     ) -> None:
         window, picks = peer_windows(sums, plan.total_bytes)
-        landed = await _summed(self.executor, dst, len(picks) * window, window_sums, plan, window, picks)
+        landed = await pool_sums(self.executor, dst, len(picks) * window, window_sums, plan, window, picks)
         if landed is None:
             self._unchecked(record, "the destination pool went away")
             return
@@ -365,7 +315,7 @@ class Integrity:
         self, pool: Pool, ids: I64, regions: I64 | None, within: tuple[I64, I64] | None = None
     ) -> U64 | None:
         covered = covered_bytes(pool, ids, regions, within)
-        return await _summed(self.executor, pool, covered, sum_entries, pool.regions, ids, regions, within)
+        return await pool_sums(self.executor, pool, covered, sum_entries, pool.regions, ids, regions, within)
 
     def _checked(self, record: TransferRecord, mode: str, blocks: int, mismatch: bool) -> None:
         record.integrity_mode, record.integrity_blocks = mode, blocks
@@ -375,14 +325,3 @@ class Integrity:
     def _unchecked(self, record: TransferRecord, why: str) -> None:
         record.integrity_result = why if why.startswith("not checked") else f"not checked: {why}"
         self._count(record.integrity_mode, "not_checked", 0)
-
-
-async def _summed(executor: Executor, pool: Pool, nbytes: int, sums: Callable[..., U64], *args: Any) -> U64 | None:
-    """``sums(pool's host memory, *args)`` over ``nbytes``: on the loop when small, else in a
-    copy thread; None when the pool is going away."""
-    if pool.closing:
-        return None
-    if nbytes <= INLINE_BYTES:  # on the loop: no deregistration can come between
-        return sums(pool.host_memory(), *args)
-    with pool.in_use():  # a deregistration meanwhile unmaps only once this ends
-        return await in_thread(executor, sums, pool.host_memory(), *args)

@@ -103,11 +103,11 @@ async def test_a_process_pool_whose_memory_the_engine_unmapped_fails_only_its_ow
         size = LAYOUT.buffer_sizes()[0]
         region = mmap.mmap(-1, size * len(LAYOUT.buffer_sizes()))
         arrays = [np.frombuffer(region, dtype=np.uint8, count=size, offset=i * size) for i in range(2)]
+        for i, array in enumerate(arrays):  # not zeros: fresh memory at these addresses would match
+            array[:] = np.random.default_rng((3, i)).integers(0, 256, size, dtype=np.uint8)
         src = await owner.register_pool(arrays, LAYOUT)
         ticket = await owner.offer(src, [1])
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        assert libc.munmap(ctypes.c_void_p(arrays[0].ctypes.data), ctypes.c_size_t(len(region))) == 0
+        _unmap_in_place(arrays[0].ctypes.data, len(region))
         dst_bufs = _filled(4)
         dst = await other.register_pool(dst_bufs, LAYOUT)
         with pytest.raises(KvxferError):  # the offer (when it sums) or its pull reads the unmapped memory
@@ -122,3 +122,15 @@ async def test_a_process_pool_whose_memory_the_engine_unmapped_fails_only_its_ow
     finally:
         await owner.close()
         await other.close()
+
+
+def _unmap_in_place(address: int, length: int) -> None:
+    """What ``munmap`` does to the pages (their contents are gone, any access faults), but the
+    addresses stay taken: after a real ``munmap`` the next allocation of this process could be
+    placed there and a read of them succeed, and ``mmap``'s own close would unmap that later."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    prot_none, map_fixed = 0, 0x10  # Linux's values (Python's mmap module names neither)
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | map_fixed  # replaces what is there, at once
+    assert libc.mmap(ctypes.c_void_p(address), ctypes.c_size_t(length), prot_none, flags, -1, 0) == address

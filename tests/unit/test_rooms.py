@@ -26,6 +26,7 @@ from kvxfer_client import (
     NotFoundError,
     PermissionDeniedError,
 )
+from kvxferd import _digest, _offer_digest
 from kvxferd._asks import PullAsk
 from kvxferd._config import Settings
 from kvxferd._faults import Faults
@@ -155,6 +156,8 @@ async def test_a_small_local_pull_is_summed_as_it_lands_and_a_block_written_agai
     for transfer_id in ("t-ok", "t-rewritten"):
         offer = d.offers.create(src, np.array([3, 9], dtype=np.int64), 30.0)
         integrity.take_digest(offer)
+        # Summed before the offer call answers: the engine's rewrite below comes after it.
+        assert offer.digest is not None and offer.digest.done()
         if transfer_id == "t-rewritten":
             region = LAYOUT.regions[3]
             start = region.offset + 9 * region.block_stride
@@ -168,6 +171,25 @@ async def test_a_small_local_pull_is_summed_as_it_lands_and_a_block_written_agai
             with pytest.raises(DataLossError, match=r"blocks \[9\] changed after they were offered"):
                 await d.pulls.run_pull(ask, dst, np.asarray(ask.block_ids))
             assert general == ["t-rewritten"]
+
+
+async def test_a_pull_that_comes_before_a_large_offer_is_summed_awaits_the_sums(
+    d: Daemonless, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A large offer is summed in a copy thread while its answer goes out: a pull already
+    running then (a ticket handed out before the offer) checks against those sums."""
+    monkeypatch.setattr(_offer_digest, "INLINE_BYTES", 0)  # these few windows count as large
+    monkeypatch.setattr(_digest, "INLINE_BYTES", 0)
+    p, q = d.sessions.open("p"), d.sessions.open("q")
+    src, src_bufs = d.pool(p, seed=1)
+    dst, dst_bufs = d.pool(q)
+    offer = d.offers.create(src, np.array([5, 6, 7, 8], dtype=np.int64), 30.0)
+    d.pulls.local.integrity.take_digest(offer)
+    assert offer.digest is not None and not offer.digest.done()
+    ask = PullAsk("s", dst.pool_id, d.ticket_for(offer), np.array([1, 2, 3, 4], dtype=np.int64), 10.0, "t-early")
+    record = await d.pulls.run_pull(ask, dst, np.asarray(ask.block_ids))
+    assert (record.integrity_mode, record.integrity_result) == ("sampled", "ok")
+    assert _blocks(dst_bufs, [1, 2, 3, 4]) == _blocks(src_bufs, [5, 6, 7, 8])
 
 
 async def test_a_whole_pull_of_a_summed_offer_is_sent_the_sums_the_general_path_sends_built_once(
