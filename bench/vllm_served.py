@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import time
@@ -79,12 +80,16 @@ class ServedEngine:
             args += ["--kv-transfer-config", json.dumps(config)]
         env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": ROOT}
         with open(log_path, "w") as log:
+            # Its own session, as users start servers (systemd units, containers, a shell of
+            # their own): the kernel then shares CPUs between sessions first (autogroups), which
+            # is what hid the decode stall from tests whose engines shared the test's session.
             self.proc = subprocess.Popen(
                 [vllm_python(), "-m", "vllm.entrypoints.openai.api_server", *args],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=env,
                 cwd=ROOT,
+                start_new_session=True,
             )
 
     def wait(self, timeout_s: float = 420.0) -> ServedEngine:
@@ -130,7 +135,7 @@ class ServedEngine:
         try:
             self.proc.wait(30)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the server and the engine processes it started
             self.proc.wait()
 
 

@@ -93,6 +93,8 @@ class KvxferMetadata(KVConnectorMetadata):
         self.tier_saves = tier_saves or []
         #: Requests whose offer failed: vLLM already has their blocks back; stop watching them.
         self.unoffered: list[str] = []
+        #: The step schedules no tokens (it only polls transfers): see :mod:`._loads`.
+        self.idle = False
 
 
 class KvxferHandshake(KVConnectorHandshakeMetadata):
@@ -125,6 +127,7 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         self._handshake: KvxferHandshake | None = None
         self._socket = str(extra["socket"])
         self._lease_s = float(extra["lease_s"])
+        self._idle_wait_s = float(extra["idle_wait_s"])
         self._offerer: KvxferClient | None = None
         #: Decode side: keeps the offers of requests waiting here alive (see ._leases).
         self._leases: LeaseKeeper | None = None
@@ -203,7 +206,12 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         return results.finished_sending or None, results.finished_recving or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """What finished since the last step; a step with nothing to compute first sleeps up to
+        ``idle_wait_s`` for a transfer to end (why: :mod:`._loads`)."""
         assert self._worker is not None
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        if isinstance(meta, KvxferMetadata) and meta.idle and self._idle_wait_s > 0:
+            self._worker.wait_for_any(self._idle_wait_s)
         sending, receiving, failed = self._worker.poll()
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=receiving, failed_recving=failed)
 
@@ -318,6 +326,7 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         tier_loads, tier_saves = self._tier.take() if self._tier is not None else ([], [])
         meta = KvxferMetadata(loads, sends, streams, cancels, tier_loads, tier_saves)
         meta.unoffered = self._refusals.for_workers() if self._refusals is not None else []
+        meta.idle = scheduler_output.total_num_scheduled_tokens == 0
         return meta
 
     def request_finished_all_groups(

@@ -23,6 +23,9 @@ def settings(given: dict[str, Any], role: KVConnectorRole) -> dict[str, Any]:
         "socket": default_socket_path(),
         "lease_s": 60.0,
         "pull_timeout_s": 60.0,
+        # How long a step with nothing to compute waits for a transfer to end (see
+        # ._worker.WorkerTransfers.wait_for_any); 0: it returns at once.
+        "idle_wait_s": 0.01,
         # The decode deployment's tensor-parallel size, when it differs from this engine's: each
         # prefill rank's offer then waits for every decode rank that takes its heads.
         "decode_tp_size": 0,
@@ -44,4 +47,8 @@ def settings(given: dict[str, Any], role: KVConnectorRole) -> dict[str, Any]:
             raise ValueError(
                 f"kv_connector_extra_config: {key} must be a positive number of seconds, got {settings[key]!r}"
             )
+    if not 0 <= float(settings["idle_wait_s"]) <= 1:
+        raise ValueError(
+            f"kv_connector_extra_config: idle_wait_s must be between 0 and 1 second, got {settings['idle_wait_s']!r}"
+        )
     return settings

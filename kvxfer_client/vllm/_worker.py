@@ -11,7 +11,8 @@ started at its beginning): calls run on the client's thread and are polled.
 Failures: a pull that failed is reported as finished (vLLM then frees or recomputes) with its
 blocks in the load errors; one that may still be written by the data plane
 (``may_still_write``) is held back from vLLM until the daemon has had ``QUARANTINE_S`` to stop
-the writes, so the blocks are never reused while a late write can land in them.
+the writes, so the blocks are never reused while a late write can land in them. A load's
+deadline, and why a step with nothing to compute sleeps: :mod:`._loads`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import concurrent.futures
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from kvxfer.errors import IncompatibleError, InvalidRequestError, KvxferError, OfferExpiredError, UnavailableError
@@ -29,7 +29,8 @@ from kvxfer.layout import ModelInfo
 from kvxfer.ticket import Ticket
 
 from .._blocking import KvxferClient
-from .._results import Pool, PullResult
+from .._results import Pool
+from ._loads import Loading, failed_load, wait_for_any
 from ._messages import Load, RankPool, Send, Stream, stream_id
 from ._pushes import StepPushes, done, log_refusal
 from ._tensors import HeadFacts, pool_layout
@@ -41,17 +42,6 @@ log = logging.getLogger("vllm.kvxfer")
 
 #: How long blocks a failed pull may still be written into are kept from vLLM.
 QUARANTINE_S = 30.0
-
-
-@dataclass
-class _Loading:
-    request_id: str
-    block_ids: tuple[int, ...]
-    #: One pull per prefill rank this rank takes heads from (one when the TP sizes match).
-    futures: list[concurrent.futures.Future[PullResult]]
-    held_until: float = 0.0  # may_still_write: not handed back before this time
-    #: From the node's KV tier (a stored prefix), not from a prefill engine.
-    tier: bool = False
 
 
 class WorkerTransfers:
@@ -74,7 +64,7 @@ class WorkerTransfers:
         #: under the same pool id and offer key (the scheduler keeps offering with them).
         self.client = KvxferClient(socket_path, engine_name=engine_name, auto_reconnect=True, logger=log)
         self.pool: Pool | None = None
-        self._loading: dict[str, _Loading] = {}
+        self._loading: dict[str, Loading] = {}
         #: What each finished request waits for before vLLM may free its blocks: its offer's or
         #: push's release, or its tier store.
         self._released: dict[str, tuple[str, concurrent.futures.Future[Any]]] = {}
@@ -175,7 +165,7 @@ class WorkerTransfers:
                 # Refused here, reported as a failed load (vLLM's policy then applies): an
                 # exception out of a step would stop the engine.
                 error.args = (f"request {load.request_id}: {error}",)
-                self._loading[load.request_id] = _Loading(load.request_id, load.block_ids, [_failed(error)])
+                self._loading[load.request_id] = Loading(load.request_id, load.block_ids, [failed_load(error)])
                 continue
             if load.transfer_id:  # streamed: this rank's push, whichever comes first
                 receive = self.client.start_receive(
@@ -185,7 +175,7 @@ class WorkerTransfers:
                     timeout_s=self.pull_timeout_s,
                     offer_block_indices=load.offer_block_indices,
                 )
-                self._loading[load.request_id] = _Loading(load.request_id, load.block_ids, [receive])
+                self._loading[load.request_id] = Loading(load.request_id, load.block_ids, [receive])
                 continue
             futures = [
                 self.client.start_pull(
@@ -197,7 +187,7 @@ class WorkerTransfers:
                 )
                 for rank in sources
             ]
-            self._loading[load.request_id] = _Loading(load.request_id, load.block_ids, futures)
+            self._loading[load.request_id] = Loading(load.request_id, load.block_ids, futures)
 
     def forget(self, request_ids: list[str]) -> None:
         """Requests whose offer the daemon refused: vLLM has their blocks back already (the
@@ -224,7 +214,7 @@ class WorkerTransfers:
             pull = self.client.start_pull(
                 ticket, self.pool, load.block_ids, timeout_s=self.pull_timeout_s, offer_block_indices=indices
             )
-            self._loading[load.request_id] = _Loading(load.request_id, load.block_ids, [pull], tier=True)
+            self._loading[load.request_id] = Loading(load.request_id, load.block_ids, [pull], tier=True)
             if load.event is not None:
                 self._events_due[(load.request_id, "load")] = load.event
 
@@ -267,6 +257,17 @@ class WorkerTransfers:
 
         now = time.monotonic()
         for rid, loading in list(self._loading.items()):
+            if loading.overdue(self.pull_timeout_s, now):
+                loading.give_up(now)
+                log.warning(
+                    "kvxfer: request %s: its load had no answer from kvxferd at %s %.0f s after it started "
+                    "(pull_timeout_s %.0f): cancelled and failed (vLLM's kv_load_failure_policy applies). Check that "
+                    "the daemon is alive (systemctl status kvxferd) and what its log and kvxferctl transfers say",
+                    rid,
+                    self.client.socket_path,
+                    now - loading.started,
+                    self.pull_timeout_s,
+                )
             if not all(f.done() for f in loading.futures) or now < loading.held_until:
                 continue
             errors = [e for e in (f.exception() for f in loading.futures) if e is not None]
@@ -306,6 +307,11 @@ class WorkerTransfers:
             self._events_due.pop((rid, "load"), None)
         return sending, receiving, failed
 
+    def wait_for_any(self, timeout_s: float) -> None:
+        """Sleep until one of this worker's transfers ends, or ``timeout_s`` passed (for steps
+        with nothing to compute: see :mod:`._loads`)."""
+        wait_for_any((f for _, f in self._released.values()), self._loading.values(), timeout_s)
+
     def take_stats(self) -> dict[str, Any]:
         """The counters since the last call; they start again from zero."""
         taken, self.stats = self.stats, _zero_stats()
@@ -322,12 +328,6 @@ class WorkerTransfers:
     def close(self) -> None:
         self.pushes.close()
         self.client.close()
-
-
-def _failed(error: BaseException) -> concurrent.futures.Future[PullResult]:
-    future: concurrent.futures.Future[PullResult] = concurrent.futures.Future()
-    future.set_exception(error)
-    return future
 
 
 def _zero_stats() -> dict[str, Any]:

