@@ -63,6 +63,7 @@ class ServedEngine:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
+        self.model_dir = model_dir  # also the served model's name
         args = ["--model", model_dir, "--port", str(self.port)]
         if extra.pop("dummy", True):  # random weights of the model's shape (a test model has no others)
             args += ["--load-format", "dummy"]
