@@ -18,7 +18,23 @@ b'/kvxfer/prod/daemons/kvxferd-n1'
 True
 
 A record is only a hint: whoever reads one still asks the daemon at that address who it is
-(the peer Hello, and its certificate where mTLS is on) before trusting it with anything.
+(the peer Hello, and its certificate where mTLS is on) before trusting it with anything. And
+anyone with write access to etcd may have written it, so :func:`accepted` holds every record
+read (listed or watched, by a daemon or by ``kvxferctl fleet``) to what a daemon writes: its
+own key, a lease, a bounded size. :func:`list_records` lists in pages, so large records
+under the prefix cannot make the listing too big to receive.
+
+>>> prefix = cluster_prefix("prod")
+>>> accepted("prod", prefix + b"n1", r.to_json(), lease=7).peer_address
+'10.0.0.5:7461'
+>>> accepted("prod", prefix + b"n2", r.to_json(), lease=7)
+Traceback (most recent call last):
+...
+kvxfer_client.InvalidRequestError: the record under key 'n2' claims daemon id 'n1'
+>>> accepted("prod", prefix + b"n1", r.to_json(), lease=0)
+Traceback (most recent call last):
+...
+kvxfer_client.InvalidRequestError: the record of 'n1' has no lease: it would outlive any daemon, so no daemon wrote it
 """
 
 from __future__ import annotations
@@ -38,11 +54,14 @@ if TYPE_CHECKING:
 __all__ = [
     "KEY_ROOT",
     "FleetRecord",
+    "Listed",
     "RegistryUrl",
+    "accepted",
     "check_advertised",
     "check_cluster_name",
     "cluster_prefix",
     "etcd_client",
+    "list_records",
     "record_key",
 ]
 
@@ -67,6 +86,76 @@ def cluster_prefix(cluster: str) -> bytes:
 
 def record_key(cluster: str, daemon_id: str) -> bytes:
     return cluster_prefix(cluster) + daemon_id.encode()
+
+
+def accepted(cluster: str, key: bytes, value: bytes, lease: int) -> FleetRecord:
+    """The record stored under ``key`` on etcd lease ``lease`` (0: none), if a daemon could have
+    written it: a record of this version, under the key of its own daemon id, on a lease.
+    InvalidRequestError names what is wrong."""
+    key_id = key[len(cluster_prefix(cluster)) :].decode(errors="replace")
+    record = FleetRecord.from_json(value)
+    if record.daemon_id != key_id:
+        raise InvalidRequestError(f"the record under key {key_id[:100]!r} claims daemon id {record.daemon_id[:100]!r}")
+    if not lease:
+        raise InvalidRequestError(
+            f"the record of {key_id[:100]!r} has no lease: it would outlive any daemon, so no daemon wrote it"
+        )
+    return record
+
+
+@dataclass(frozen=True)
+class Listed:
+    """One key of a listing: its daemon id, and its record or why none is used."""
+
+    key_id: str
+    record: FleetRecord | None
+    why: str = ""
+
+
+#: Keys per page of a listing; halved while a page is too large to receive.
+LIST_PAGE = 256
+
+
+async def list_records(client: Etcd3Client, cluster: str, timeout_s: float) -> tuple[list[Listed], int]:
+    """Every key under the cluster's prefix, checked (:func:`accepted`), at one revision: page by
+    page, each page halved while etcd's answer is over gRPC's receive limit (records are
+    bounded by etcd's request size, so one per page always fits). Returns the keys and the
+    revision they were read at."""
+    from etcd3aio import prefix_range_end
+
+    assert client.kv is not None
+    prefix = cluster_prefix(cluster)
+    start, end, revision, limit = prefix, prefix_range_end(prefix), 0, LIST_PAGE
+    listed: list[Listed] = []
+    while True:
+        try:
+            page = await client.kv.get(start, range_end=end, revision=revision, limit=limit, timeout=timeout_s)
+        except Exception as exc:  # etcd's client raises its own tree, or gRPC's
+            if limit > 1 and _too_large(exc):
+                limit //= 2
+                continue
+            raise
+        revision = revision or page.header.revision
+        for kv in page.kvs:
+            key_id = kv.key[len(prefix) :].decode(errors="replace")
+            try:
+                listed.append(Listed(key_id, accepted(cluster, kv.key, kv.value, kv.lease)))
+            except InvalidRequestError as exc:
+                listed.append(Listed(key_id, None, str(exc)))
+        if not page.more or not page.kvs:
+            return listed, revision
+        start = page.kvs[-1].key + b"\0"
+
+
+def _too_large(exc: BaseException) -> bool:
+    """Whether gRPC refused an answer as over its receive limit (etcd's client may wrap it)."""
+    import grpc
+
+    while exc is not None:
+        if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return True
+        exc = exc.__cause__  # type: ignore[assignment]
+    return False
 
 
 def _is_local(host: str) -> bool:
@@ -140,8 +229,14 @@ def etcd_client(url: RegistryUrl, tls: TlsFiles | None = None) -> Etcd3Client:
     # gRPC's reconnect backoff grows to minutes while etcd is down: after a 10 s outage the
     # channel could come back 5 s after etcd did, past a short lease, and every daemon's record
     # would lapse. Retried every second instead (the registry's own cadence while unreachable).
-    client._manager.grpc_options += list(RECONNECT_OPTIONS)
+    client._manager.grpc_options += [*RECONNECT_OPTIONS, ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES)]
     return client
+
+
+#: The most one answer of etcd may hold: a watch answer can carry several records of up to
+#: etcd's request limit (1.5 MiB by default); bounded, so a prefix filled by anyone with write
+#: access costs a reader at most this much at a time (listings come in pages).
+MAX_RECEIVE_BYTES = 16 << 20
 
 
 #: The etcd channel's reconnect backoff: at most one second between tries.

@@ -19,36 +19,24 @@ from typing import Any
 import grpc
 
 from kvxfer.defaults import channel_options
-from kvxfer.errors import InvalidRequestError
-from kvxfer.fleet import FleetRecord, RegistryUrl, check_cluster_name, cluster_prefix, etcd_client
+from kvxfer.fleet import FleetRecord, Listed, RegistryUrl, check_cluster_name, etcd_client, list_records
 from kvxfer.proto import admin_pb2, admin_pb2_grpc
 from kvxfer.tls import TlsFiles
 
-from ._ctl_views import human_bytes, table
+from ._ctl_views import human_bytes, printable, table
 
 __all__ = ["fleet_rows", "run_fleet"]
 
 COLUMNS = ("daemon", "address", "version", "state", "pools", "offers", "transfers", "tier", "registry")
 
 
-async def _records(url: RegistryUrl, cluster: str, tls: TlsFiles | None, timeout_s: float) -> list[FleetRecord]:
-    from etcd3aio import prefix_range_end
-
+async def _records(url: RegistryUrl, cluster: str, tls: TlsFiles | None, timeout_s: float) -> list[Listed]:
     client = etcd_client(url, tls)
     await client.connect()
     try:
-        assert client.kv is not None
-        prefix = cluster_prefix(cluster)
-        resp = await client.kv.get(prefix, range_end=prefix_range_end(prefix), timeout=timeout_s)
+        return (await list_records(client, cluster, timeout_s))[0]
     finally:
         await client.close()
-    records = []
-    for kv in resp.kvs:
-        try:
-            records.append(FleetRecord.from_json(kv.value))
-        except InvalidRequestError:
-            continue  # not a record of ours: nothing to show
-    return records
 
 
 async def _row(record: FleetRecord, tls: TlsFiles | None, timeout_s: float) -> dict[str, Any]:
@@ -94,15 +82,19 @@ async def _row(record: FleetRecord, tls: TlsFiles | None, timeout_s: float) -> d
 
 
 async def fleet_rows(url: RegistryUrl, cluster: str, tls: TlsFiles | None, timeout_s: float) -> list[dict[str, Any]]:
-    """One row per registered daemon, each asked for its ``Status`` at once."""
-    records = await _records(url, cluster, tls, timeout_s)
-    rows = await asyncio.gather(*(_row(r, tls, timeout_s) for r in sorted(records, key=lambda r: r.daemon_id)))
-    return list(rows)
+    """One row per registered daemon, each asked for its ``Status`` at once; a key whose record
+    no daemon could have written (``kvxfer.fleet.accepted``) is an ``ignored`` row, never asked."""
+    listed = sorted(await _records(url, cluster, tls, timeout_s), key=lambda item: item.key_id)
+    asked = await asyncio.gather(*(_row(i.record, tls, timeout_s) for i in listed if i.record is not None))
+    rows = iter(asked)
+    return [
+        next(rows) if i.record is not None else {"daemon": i.key_id, "state": "ignored", "error": i.why} for i in listed
+    ]
 
 
 def run_fleet(args: argparse.Namespace, tls: TlsFiles | None) -> int:
     """Print the fleet; exit 0 when every registered daemon serves, 1 when one does not, 3
-    when the registry does not answer."""
+    when the registry does not answer. Keys no daemon could have written are shown, ignored."""
     try:
         url = RegistryUrl.parse(args.registry)
         check_cluster_name(args.cluster)
@@ -118,11 +110,14 @@ def run_fleet(args: argparse.Namespace, tls: TlsFiles | None) -> int:
         print(json.dumps({"registry": str(url), "cluster": args.cluster, "daemons": rows}))
     else:
         up = sum(r["state"] == "serving" for r in rows)
-        print(f"cluster {args.cluster} in {url}: {len(rows)} registered, {up} serving")
+        ignored = sum(r["state"] == "ignored" for r in rows)
+        more = f", {ignored} key(s) ignored (no daemon could have written them)" if ignored else ""
+        print(f"cluster {args.cluster} in {url}: {len(rows) - ignored} registered, {up} serving{more}")
         shown = [{**r, "tier": human_bytes(r.get("tier_used_bytes", 0))} for r in rows]
-        shown = [{k: ("-" if v is None else v) for k, v in r.items()} for r in shown]
+        # Records are anyone's writing: nothing of theirs reaches the terminal unescaped.
+        shown = [{k: ("-" if v is None else printable(v)) for k, v in r.items()} for r in shown]
         print(table(shown, COLUMNS))
         for r in rows:
             if "error" in r:
-                print(f"  {r['daemon']}: {r['error']}")
-    return 0 if all(r["state"] == "serving" for r in rows) else 1
+                print(f"  {printable(r['daemon'])}: {printable(r['error'])}")
+    return 0 if all(r["state"] in ("serving", "ignored") for r in rows) else 1

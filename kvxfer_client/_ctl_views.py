@@ -21,6 +21,18 @@ def table(rows: list[dict[str, Any]], columns: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
+def printable(value: Any) -> Any:
+    """``value`` as a terminal may show it: a string's control and other unprintable characters
+    escaped (an escape sequence in a registry record must not reach the operator's terminal).
+
+    >>> printable("n1\\x1b[2J"), printable(3)
+    ('n1\\\\x1b[2J', 3)
+    """
+    if not isinstance(value, str):
+        return value
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in value)
+
+
 def human_bytes(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":

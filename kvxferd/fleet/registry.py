@@ -28,7 +28,8 @@ from typing import Any
 import grpc
 from etcd3aio import EtcdError, prefix_range_end
 
-from kvxfer.fleet import FleetRecord, RegistryUrl, cluster_prefix, etcd_client, record_key
+from kvxfer.errors import InvalidRequestError
+from kvxfer.fleet import FleetRecord, RegistryUrl, accepted, cluster_prefix, etcd_client, list_records, record_key
 from kvxfer.tls import TlsFiles
 
 from .._config import Settings
@@ -133,7 +134,8 @@ class Registry:
             if not kvs:
                 continue  # it went between the compare and the read: try again
             held = kvs[0].value
-            if held == value or _holder_died_here(held):
+            # A record on no lease is no daemon's (it would outlive any): taken over too.
+            if held == value or _holder_died_here(held) or not kvs[0].lease:
                 if (
                     await kv.txn(
                         [kv.txn_compare_value(self._key, held)],
@@ -198,12 +200,15 @@ class Registry:
         end = prefix_range_end(prefix)
         while True:
             try:
-                assert self._client.kv is not None and self._client.watch is not None
-                listed = await self._client.kv.get(prefix, range_end=end, timeout=self.op_timeout_s)
-                for gone in self.members.replace([r for kv in listed.kvs if (r := _parsed(kv.value)) is not None]):
+                listed, revision = await list_records(self._client, self.cluster, self.op_timeout_s)
+                for item in listed:
+                    if item.record is None and item.key_id != self.record.daemon_id:
+                        log_event("registry.record_ignored", logging.WARNING, key=item.key_id[:100], detail=item.why)
+                records = [item.record for item in listed if item.record is not None]
+                for gone in self.members.replace(records):
                     self._left(gone, "its record was gone when the registry was listed again")
                 await self._faults.hit("registry_watch")  # tests: compact etcd between list and watch
-                await self._follow(prefix, end, listed.header.revision + 1)
+                await self._follow(prefix, end, revision + 1)
             except _ETCD_DOWN as exc:
                 self._set("unreachable", _why(exc))
                 await asyncio.sleep(min(1.0, self.ttl_s / 3))
@@ -226,15 +231,38 @@ class Registry:
 
     def _apply(self, event: Any) -> None:
         daemon_id = event.kv.key[len(cluster_prefix(self.cluster)) :].decode(errors="replace")
-        if event.type == 0:  # PUT
-            record = _parsed(event.kv.value)
-            if record is not None and record.daemon_id == daemon_id:
-                self.members.put(record)
+        if event.type == 0 and daemon_id == self.record.daemon_id:
+            if (event.kv.value, event.kv.lease) != (self.record.to_json(), self._lease) and self.state == "registered":
+                self._restore(event.kv.value)
+        elif event.type == 0:  # PUT
+            try:
+                self.members.put(accepted(self.cluster, event.kv.key, event.kv.value, event.kv.lease))
+            except InvalidRequestError as exc:
+                log_event("registry.record_ignored", logging.WARNING, key=daemon_id[:100], detail=str(exc))
         elif daemon_id == self.record.daemon_id:
             if self.state == "registered":  # someone deleted our record: put it back
                 self._set("unreachable", "our record was deleted; putting it back")
         else:
             self._left(daemon_id, "its record left the registry (lease expired or drained)")
+
+    def _restore(self, written: bytes) -> None:
+        """Our record was overwritten while our lease lives: no daemon does that (a daemon of
+        our id would have waited for our lease), so we put ours back over it at once."""
+        log_event(
+            "registry.record_overwritten", logging.WARNING, daemon_id=self.record.daemon_id, by=_describe(written)
+        )
+        self._tasks = [t for t in self._tasks if not t.done()]
+        self._tasks.append(asyncio.create_task(self._put_back(written), name="registry-restore"))
+
+    async def _put_back(self, written: bytes) -> None:
+        kv = self._client.kv
+        assert kv is not None
+        try:
+            put = [kv.txn_op_put(self._key, self.record.to_json(), lease=self._lease)]
+            if (await kv.txn([kv.txn_compare_value(self._key, written)], put, timeout=self.op_timeout_s)).succeeded:
+                log_event("registry.record_restored", logging.WARNING, daemon_id=self.record.daemon_id)
+        except _ETCD_DOWN as exc:
+            self._set("unreachable", _why(exc))  # _keep puts it back once etcd answers
 
     def _left(self, daemon_id: str, why: str) -> None:
         if self.members.drop(daemon_id, why):

@@ -47,7 +47,8 @@ def _forge(etcd: EtcdCluster, cluster_name: str, victim: str, address: str) -> N
         "hostname": "forger",
         "started_at": time.time(),
     }
-    etcd.ctl("put", f"/kvxfer/{cluster_name}/daemons/{victim}", json.dumps(record))
+    lease = etcd.ctl("lease", "grant", "120").split()[1]  # anyone who may write to etcd may grant
+    etcd.ctl("put", f"--lease={lease}", f"/kvxfer/{cluster_name}/daemons/{victim}", json.dumps(record))
 
 
 def test_a_forged_record_pointing_at_another_daemon_is_refused_in_hello(etcd: EtcdCluster) -> None:

@@ -202,7 +202,8 @@ def test_a_watch_compacted_past_lists_again_and_sees_who_left(etcd: EtcdCluster)
     ghost = "/kvxfer/compact/daemons/ghost"
     record = {"v": 1, "daemon_id": "ghost", "peer_address": "10.9.9.9:7461", "admin_address": ""}
     record |= {"version": "0", "protocol_version": 3, "hostname": "h", "started_at": 0.0}
-    etcd.ctl("put", ghost, json.dumps(record))
+    lease = etcd.ctl("lease", "grant", "120").split()[1]  # a daemon's record is on a lease
+    etcd.ctl("put", f"--lease={lease}", ghost, json.dumps(record))
     with Cluster() as cluster:
         d = cluster.daemon(
             "watcher", *registry_args(etcd, "compact"), "--fault-injection", "--faults", "registry_watch=pause:4"
