@@ -65,6 +65,24 @@ MADV_POPULATE_WRITE = 23
 _PAGE = mmap.PAGESIZE
 
 
+def _not_writable(fd: int) -> str:
+    """Why a shared-memory file cannot be mapped for writing: sealed, or opened read-only."""
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        seals = 0  # not a memfd: no seals
+    if seals & (fcntl.F_SEAL_WRITE | _F_SEAL_FUTURE_WRITE):
+        return (
+            "the memfd is sealed against writes (F_SEAL_WRITE or F_SEAL_FUTURE_WRITE), and a pool's blocks are "
+            "written by pulls: register it before sealing, or a memfd without write seals"
+        )
+    return "the descriptor is not open for reading and writing (open it O_RDWR)"
+
+
+#: Linux's F_SEAL_FUTURE_WRITE (5.1), which Python's fcntl module does not name.
+_F_SEAL_FUTURE_WRITE = 0x0010
+
+
 def _map(fd: int, size: int) -> mmap.mmap:
     """Map ``size`` bytes of the shared-memory file ``fd``: huge pages where allowed, every
     page faulted in now.
@@ -176,7 +194,7 @@ class HostBuffer:
         try:
             mapping = _map(fd, size)
         except PermissionError:
-            raise InvalidRequestError(f"{what}: the descriptor is not open for reading and writing") from None
+            raise InvalidRequestError(f"{what}: {_not_writable(fd)}") from None
         except OSError as exc:
             raise ResourceExhaustedError(f"cannot map {what}: {exc.strerror}") from None
         return cls("", size, mapping, owner=False)

@@ -32,7 +32,7 @@ from kvxfer.proto import admin_pb2, common_pb2
 
 from ._log import log_event
 
-__all__ = ["EndedTransfer", "TransferRecord", "TransferTable"]
+__all__ = ["EndedTransfer", "TransferRecord", "TransferTable", "described"]
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,20 @@ class EndedTransfer:
 #: Told of each ended transfer (the metrics).
 Observer = Callable[[EndedTransfer], None]
 _REFUSALS = (PermissionDeniedError, NotFoundError, InvalidRequestError, IncompatibleError, AlreadyExistsError)
+
+
+def described(error: BaseException) -> str:
+    """An error as an operator reads it (a release reason, a transfer's detail): its message,
+    or what its kind means where it has none.
+
+    >>> described(asyncio.CancelledError()), described(TimeoutError()), described(ValueError("bad size"))
+    ('cancelled', 'deadline exceeded', 'bad size')
+    """
+    if isinstance(error, CancelledError | asyncio.CancelledError):
+        return str(error) or "cancelled"
+    if isinstance(error, DeadlineExceededError | TimeoutError):
+        return str(error) or "deadline exceeded"
+    return str(error) or type(error).__name__
 
 
 def failure_reason(error: BaseException | None) -> str:

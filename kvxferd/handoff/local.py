@@ -18,7 +18,7 @@ from kvxfer.proto import common_pb2
 
 from .._offers import Offer, OfferTable
 from .._services import Services
-from .._transfers import TransferRecord
+from .._transfers import TransferRecord, described
 from ..dataplane.gpu_kernel import BlockSide
 from ..dataplane.hostcopy import FEW_SEGMENTS, copy_few_blocks
 from ..dataplane.plan import SidePlan, build_layered_plan, build_plan, sub_plan
@@ -110,7 +110,7 @@ class LocalHandoff:
                 await self.integrity.check_local(record, offer, indices, dst, dst_ids)
             record.mark("checked")
         except BaseException as exc:
-            detail = f"local pull failed: {exc!r}"
+            detail = f"local pull failed: {described(exc)}"
             self.offers.release(offer, common_pb2.RELEASE_REASON_FAILED, detail, record.transfer_id)
             raise
         self.offers.pulled(offer, record.transfer_id)

@@ -31,7 +31,7 @@ from kvxfer.proto import common_pb2
 from kvxfer.ticket import Ticket
 
 from .._asks import PullAsk
-from .._transfers import TransferRecord, TransferTable
+from .._transfers import TransferRecord, TransferTable, described
 from ..memory.block_ids import check_block_ids
 from ..memory.pools import Pool
 from .local import LocalHandoff
@@ -120,7 +120,7 @@ class Pulls:
             self.transfers.end(record, common_pb2.TRANSFER_STATE_CANCELLED, "cancelled")
             raise _about(CancelledError(f"pull {transfer_id} was cancelled"), record) from None
         except Exception as exc:
-            self.transfers.end(record, common_pb2.TRANSFER_STATE_FAILED, repr(exc), exc)
+            self.transfers.end(record, common_pb2.TRANSFER_STATE_FAILED, described(exc), exc)
             raise
         self.transfers.end(record, common_pb2.TRANSFER_STATE_SUCCEEDED)
         return record

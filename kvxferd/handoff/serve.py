@@ -29,7 +29,7 @@ from kvxfer.proto import common_pb2
 
 from .._offers import Offer, OfferTable
 from .._services import Services
-from .._transfers import TransferRecord, TransferTable
+from .._transfers import TransferRecord, TransferTable, described
 from ..dataplane.plan import SidePlan
 from ..dataplane.remap import peer_side, plan_remap, side_of
 from ..peer.directory import Peer
@@ -157,7 +157,7 @@ class TransferServer:
             # The puller said done and the offer went as pulled; only closed was interrupted.
             self.transfers.end(record, common_pb2.TRANSFER_STATE_SUCCEEDED)
             return
-        detail = "deadline exceeded" if own_deadline else str(exc) or repr(exc)
+        detail = "deadline exceeded" if own_deadline else described(exc)
         self.offers.release(sending.offer, common_pb2.RELEASE_REASON_FAILED, detail, record.transfer_id)
         self.transfers.end(record, common_pb2.TRANSFER_STATE_FAILED, detail, exc)
         if own_deadline:

@@ -38,7 +38,8 @@ def _memfd_buffer(size: int, seals: int = 0) -> HostBuffer:
     os.ftruncate(fd, size)
     if seals:
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
-    return HostBuffer("", size, mmap.mmap(fd, size), owner=False, fd=fd)
+    prot = mmap.PROT_READ | (0 if seals & fcntl.F_SEAL_WRITE else mmap.PROT_WRITE)
+    return HostBuffer("", size, mmap.mmap(fd, size, prot=prot), owner=False, fd=fd)
 
 
 async def test_a_shared_memory_pool_cannot_shrink_and_every_path_goes_on(cluster: Cluster) -> None:
@@ -83,6 +84,10 @@ async def test_memory_that_could_shrink_is_refused_or_sealed_at_registration(clu
             with pytest.raises(InvalidRequestError, match=r"HostBuffer\.create"):
                 await engine.register_pool([bad], layout)
             bad.close()
+        sealed = _memfd_buffer(size, fcntl.F_SEAL_WRITE)  # the daemon could never write pulls into it
+        with pytest.raises(InvalidRequestError, match="sealed against writes"):
+            await engine.register_pool([sealed], layout)
+        sealed.close()
         loose = _memfd_buffer(size)
         await engine.register_pool([loose], layout)
         with pytest.raises(PermissionError):
