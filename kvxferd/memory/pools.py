@@ -105,6 +105,11 @@ class Pool:
     #: The mapped pool's memory, made once: it shares ``arrays``, which ``close`` empties.
     _mapped: MappedMemory | None = field(default=None, repr=False)
 
+    @functools.cached_property
+    def buffer_sizes(self) -> npt.NDArray[np.int64]:
+        """Each buffer's size: the least that holds its segments (made once)."""
+        return np.array(self.layout.buffer_sizes(), dtype=np.int64)
+
     @property
     def on_gpu(self) -> bool:
         return self.device is not None

@@ -134,6 +134,22 @@ class EngineProcess:
                 raise InvalidRequestError(f"cannot read engine process {self.pid} at {address:#x}: {exc}") from None
         self.check()  # the maps read above were this process's
 
+    def probe(self, addresses: np.ndarray, sizes: np.ndarray) -> None:
+        """Raise unless the first and last byte of each registered range can still be read
+        (one system call): memory the engine unmapped or freed after registering it is refused
+        when it is offered, not when a pull reads it."""
+        self.check()
+        remote = np.empty((2 * len(addresses), 2), dtype=np.uint64)
+        remote[0::2, 0], remote[1::2, 0], remote[:, 1] = addresses, addresses + sizes - 1, 1
+        scratch = np.zeros(len(remote), dtype=np.uint8)
+        try:
+            read_iov(self.pid, np.array([[scratch.ctypes.data, len(remote)]], dtype=np.uint64), remote)
+        except OSError as exc:
+            raise InvalidRequestError(
+                f"engine process {self.pid} no longer maps all of this pool's memory ({exc.strerror}): it freed or "
+                "unmapped a registered tensor; deregister a pool before freeing its memory"
+            ) from None
+
     def _mappings(self) -> tuple[list[int], list[int], list[str]]:
         try:
             with open(f"/proc/{self.pid}/maps") as f:

@@ -98,9 +98,9 @@ async def test_memory_that_could_shrink_is_refused_or_sealed_at_registration(clu
 
 
 async def test_a_process_pool_whose_memory_the_engine_unmapped_fails_only_its_owners_calls(cluster: Cluster) -> None:
-    """The engine unmaps the CPU memory it registered as it is: pulls out of it (of an offer
-    made before and one made after) fail typed; the daemon lives and another engine's handoff is
-    byte-exact beside it."""
+    """The engine unmaps the CPU memory it registered as it is: an offer made after is refused
+    (typed, naming the fix), a pull of one made before fails typed; the daemon lives and another
+    engine's handoff is byte-exact beside it."""
     a = cluster.daemon("a", "--integrity", "full")
     owner = await AsyncKvxferClient(a.socket, engine_name="owner").connect()
     other = await AsyncKvxferClient(a.socket, engine_name="other").connect()
@@ -115,8 +115,8 @@ async def test_a_process_pool_whose_memory_the_engine_unmapped_fails_only_its_ow
         _unmap_in_place(arrays[0].ctypes.data, len(region))
         dst_bufs = _filled(4)
         dst = await other.register_pool(dst_bufs, LAYOUT)
-        with pytest.raises(KvxferError):  # the offer (when it sums) or its pull reads the unmapped memory
-            await other.pull(await owner.offer(src, [2]), dst, [2])
+        with pytest.raises(InvalidRequestError, match="no longer maps"):  # refused when offered, not at pull
+            await owner.offer(src, [2])
         with pytest.raises(KvxferError):
             await other.pull(ticket, dst, [3])
         good_bufs = _filled(5)

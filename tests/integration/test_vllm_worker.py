@@ -13,8 +13,9 @@ import pytest
 from bench.cluster import Cluster
 from kvxfer.layout import ModelInfo
 from kvxfer_client import UnavailableError
+from kvxfer_client.vllm._loads import Loading
 from kvxfer_client.vllm._messages import Load
-from kvxfer_client.vllm._worker import WorkerTransfers, _Loading
+from kvxfer_client.vllm._worker import WorkerTransfers
 
 NUM_BLOCKS = 16
 
@@ -58,7 +59,7 @@ def test_blocks_a_failed_pull_may_still_write_are_held_back_until_the_quarantine
     worker.quarantine_s = 0.5
     future: concurrent.futures.Future[object] = concurrent.futures.Future()
     future.set_exception(UnavailableError("peer gone mid-pull", may_still_write=True))
-    worker._loading["r2"] = _Loading("r2", (7, 8), [future])  # type: ignore[list-item]
+    worker._loading["r2"] = Loading("r2", (7, 8), [future])  # type: ignore[list-item]
     started = time.monotonic()
     assert worker.poll() == (set(), set(), set())  # not handed back: vLLM would reuse the blocks
     assert worker.take_load_errors() == set()
