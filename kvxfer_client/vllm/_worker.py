@@ -36,12 +36,15 @@ from ._pushes import StepPushes, done, log_refusal
 from ._tensors import HeadFacts, pool_layout
 from ._tier import TierLoad, TierSave
 
-__all__ = ["QUARANTINE_S", "WorkerTransfers"]
+__all__ = ["QUARANTINE_S", "RECONNECT_WAIT_S", "WorkerTransfers"]
 
 log = logging.getLogger("vllm.kvxfer")
 
 #: How long blocks a failed pull may still be written into are kept from vLLM.
 QUARANTINE_S = 30.0
+#: How long a load waits for this worker's session to kvxferd to come back (the daemon
+#: restarting) before it fails; a restart takes a second or two.
+RECONNECT_WAIT_S = 10.0
 
 
 class WorkerTransfers:
@@ -65,6 +68,8 @@ class WorkerTransfers:
         self.client = KvxferClient(socket_path, engine_name=engine_name, auto_reconnect=True, logger=log)
         self.pool: Pool | None = None
         self._loading: dict[str, Loading] = {}
+        #: Loads that came while the daemon was away: started once it is back (see start).
+        self._parked: dict[str, tuple[Load, float]] = {}
         #: What each finished request waits for before vLLM may free its blocks: its offer's or
         #: push's release, or its tier store.
         self._released: dict[str, tuple[str, concurrent.futures.Future[Any]]] = {}
@@ -150,44 +155,62 @@ class WorkerTransfers:
             ticket = Ticket.from_dict(send.tickets[self.tp_rank])
             self._released[send.request_id] = ("offer", self.client.watch_release(ticket.offer_id))
             self._count("offers")
+        now = time.monotonic()
         for load in loads:
-            try:
-                if load.refused:
-                    raise InvalidRequestError(load.refused)
-                if not self.client.connected:  # fail now (vLLM's policy applies), never wait
-                    raise UnavailableError(
-                        f"kvxferd at {self.client.socket_path} is away (restarting?); the connector reconnects "
-                        "by itself: check the daemon (systemctl status kvxferd)"
-                    )
-                # Streamed: rank to rank, this rank's push (see ``stream_id``).
-                sources = self.sources(len(load.tickets)) if not load.transfer_id else [self.tp_rank]
-            except KvxferError as error:
-                # Refused here, reported as a failed load (vLLM's policy then applies): an
-                # exception out of a step would stop the engine.
-                error.args = (f"request {load.request_id}: {error}",)
-                self._loading[load.request_id] = Loading(load.request_id, load.block_ids, [failed_load(error)])
+            if not load.refused and not self.client.connected:  # its daemon restarting: wait a little
+                self._parked[load.request_id] = (load, now + min(self.pull_timeout_s, RECONNECT_WAIT_S))
+                log.info("kvxfer: request %s waits for kvxferd to come back (a restart?)", load.request_id)
                 continue
-            if load.transfer_id:  # streamed: this rank's push, whichever comes first
-                receive = self.client.start_receive(
-                    stream_id(load.transfer_id, self.tp_rank),
-                    self.pool,
-                    load.block_ids,
-                    timeout_s=self.pull_timeout_s,
-                    offer_block_indices=load.offer_block_indices,
+            self._start_load(load)
+
+    def _start_load(self, load: Load) -> None:
+        """Start one load's pulls (or its receive); a load refused here is a failed load."""
+        assert self.pool is not None, "register_kv_caches first"
+        try:
+            if load.refused:
+                raise InvalidRequestError(load.refused)
+            if not self.client.connected:  # still away after the wait: vLLM's policy applies
+                raise UnavailableError(
+                    f"kvxferd at {self.client.socket_path} is away (restarting?); the connector reconnects "
+                    "by itself: check the daemon (systemctl status kvxferd)"
                 )
-                self._loading[load.request_id] = Loading(load.request_id, load.block_ids, [receive])
-                continue
-            futures = [
-                self.client.start_pull(
-                    Ticket.from_dict(load.tickets[rank]),
-                    self.pool,
-                    load.block_ids,
-                    timeout_s=self.pull_timeout_s,
-                    offer_block_indices=load.offer_block_indices,
-                )
-                for rank in sources
-            ]
-            self._loading[load.request_id] = Loading(load.request_id, load.block_ids, futures)
+            # Streamed: rank to rank, this rank's push (see ``stream_id``).
+            sources = self.sources(len(load.tickets)) if not load.transfer_id else [self.tp_rank]
+        except KvxferError as error:
+            # Refused here, reported as a failed load (vLLM's policy then applies): an
+            # exception out of a step would stop the engine.
+            error.args = (f"request {load.request_id}: {error}",)
+            self._loading[load.request_id] = Loading(load.request_id, load.block_ids, [failed_load(error)])
+            return
+        if load.transfer_id:  # streamed: this rank's push, whichever comes first
+            receive = self.client.start_receive(
+                stream_id(load.transfer_id, self.tp_rank),
+                self.pool,
+                load.block_ids,
+                timeout_s=self.pull_timeout_s,
+                offer_block_indices=load.offer_block_indices,
+            )
+            self._loading[load.request_id] = Loading(load.request_id, load.block_ids, [receive])
+            return
+        futures = [
+            self.client.start_pull(
+                Ticket.from_dict(load.tickets[rank]),
+                self.pool,
+                load.block_ids,
+                timeout_s=self.pull_timeout_s,
+                offer_block_indices=load.offer_block_indices,
+            )
+            for rank in sources
+        ]
+        self._loading[load.request_id] = Loading(load.request_id, load.block_ids, futures)
+
+    def _unpark(self) -> None:
+        """Start the loads that waited for the daemon, once it is back or their wait is over."""
+        now = time.monotonic()
+        for request_id, (load, until) in list(self._parked.items()):
+            if self.client.connected or now > until:
+                del self._parked[request_id]
+                self._start_load(load)
 
     def forget(self, request_ids: list[str]) -> None:
         """Requests whose offer the daemon refused: vLLM has their blocks back already (the
@@ -235,6 +258,8 @@ class WorkerTransfers:
     def poll(self) -> tuple[set[str], set[str], set[str]]:
         """``(finished sending, finished receiving, failed receiving)`` since the last poll;
         failed loads' blocks go to :attr:`load_errors`."""
+        if self._parked:
+            self._unpark()
         sending = {rid for rid, (_, f) in self._released.items() if f.done()}
         for rid in sending:
             what, future = self._released.pop(rid)
@@ -310,6 +335,9 @@ class WorkerTransfers:
     def wait_for_any(self, timeout_s: float) -> None:
         """Sleep until one of this worker's transfers ends, or ``timeout_s`` passed (for steps
         with nothing to compute: see :mod:`._loads`)."""
+        if self._parked and not self._loading and not self._released:
+            time.sleep(timeout_s)  # only loads waiting for the daemon: they are retried next step
+            return
         wait_for_any((f for _, f in self._released.values()), self._loading.values(), timeout_s)
 
     def take_stats(self) -> dict[str, Any]:

@@ -40,7 +40,7 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
-from bench.cluster import Cluster
+from bench.cluster import Cluster, wait_for
 from bench.vllm_engine import write_model
 from bench.vllm_served import PREFILL_PARAMS
 from kvxfer.errors import DeadlineExceededError
@@ -1080,3 +1080,31 @@ def test_a_load_with_no_answer_past_its_deadline_is_cancelled_failed_and_held(en
     held.held_until = time.monotonic() - 1  # the quarantine over
     assert worker.poll() == (set(), {"r-silent"}, {"r-silent"})
     assert worker.take_load_errors() == {5, 6}
+
+
+def test_a_load_that_comes_while_its_daemon_restarts_waits_for_it_and_lands(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """The decode engine's daemon restarts (SIGTERM, the same socket) just as a request that
+    needs a pull reaches it: the load waits for the worker's session to come back (up to
+    ``RECONNECT_WAIT_S``) and lands, instead of failing because the worker had not yet
+    reconnected."""
+    model = write_model(str(tmp_path_factory.mktemp("model-restart")), num_key_value_heads=HEADS)
+    with Cluster() as cluster:
+        a, b = cluster.daemon("a"), cluster.daemon("b")
+        prefill, decode = Engine(model, "kv_producer", a.socket), Engine(model, "kv_consumer", b.socket)
+        try:
+            prompt = list(range(4000, 4000 + BLOCK + 3))
+            prefill.scheduler.add_request(_request("p-back", prompt, 1, {"do_remote_decode": True}))
+            params = _params_of(prefill.step(), "p-back")
+            assert params is not None
+            assert b.terminate() == 0
+            wait_for(lambda: not decode.worker.client.connected, "the worker to see its daemon gone")
+            decode.scheduler.add_request(_request("d-back", prompt, 2, params))
+            decode.step()  # the load waits for the daemon
+            b.start()
+            _run_until(decode, lambda: "d-back" not in decode.scheduler.requests, "the load never landed", 30)
+            assert decode.worker.totals["pulls"] == 1 and decode.worker.totals["pull_failures"] == 0
+        finally:
+            prefill.close()
+            decode.close()
