@@ -140,6 +140,16 @@ class KvxferClient:
     def reconnects(self) -> int:
         return self._async.reconnects
 
+    @property
+    def lost_at(self) -> float:
+        """``time.monotonic()`` when a session was last lost (0: never)."""
+        return self._async.lost_at
+
+    @property
+    def restored_at(self) -> float:
+        """``time.monotonic()`` when this client's pools were last registered again (0: never)."""
+        return self._async.restored_at
+
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any, Self
 
 import grpc
@@ -42,6 +43,12 @@ class SessionClient:
         self.log = logger or logging.getLogger("kvxfer_client")
         #: Sessions opened again after one was lost (by :meth:`reconnect` or automatically).
         self.reconnects = 0
+        #: ``time.monotonic()`` when the daemon last ended a session (0: never; a session this
+        #: client closed does not count), and when this client's pools were last registered
+        #: again after one was (0: never): other processes of the engine compare them (the
+        #: clock is the host's).
+        self.lost_at = 0.0
+        self.restored_at = 0.0
         self._reconnecting: asyncio.Task[None] | None = None
         self._reconnect_lock = asyncio.Lock()
         self._closed = False
@@ -106,6 +113,7 @@ class SessionClient:
             await self.connect()
             await self._restore()
             self.reconnects += 1
+            self.restored_at = time.monotonic()
         return self
 
     async def _ready(self) -> None:
@@ -163,8 +171,10 @@ class SessionClient:
                 if event is not None:
                     self._inbox.take(event)
             self._session_lost = UnavailableError("kvxferd closed the session")
+            self.lost_at = time.monotonic()
         except grpc.RpcError as exc:
             self._session_lost = UnavailableError(f"session with kvxferd lost: {error_from_rpc(exc)}")
+            self.lost_at = time.monotonic()
         except asyncio.CancelledError:
             self._session_lost = UnavailableError("client closed")
             raise

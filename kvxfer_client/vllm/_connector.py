@@ -29,12 +29,12 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorHandshakeMetadata,
-    KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
     SupportsHMA,
@@ -51,11 +51,12 @@ from ._extra_config import settings
 from ._groups import GROUPS_KEY, offered
 from ._kv_events import WorkerEvents
 from ._leases import LeaseKeeper
-from ._messages import STREAM_KEY, TICKETS_KEY, UNAVAILABLE_KEY, Load, RankPool, Send, Stream
+from ._messages import STREAM_KEY, TICKETS_KEY, UNAVAILABLE_KEY
+from ._metadata import KvxferHandshake, KvxferMetadata, KvxferWorkerMeta
 from ._plan import SchedulerPlan
+from ._readiness import PoolsBack
 from ._refusals import RefusedOffers
 from ._stats import KvxferStats
-from ._tier import TierLoad, TierSave
 from ._tier_side import TierSide
 from ._worker import WorkerTransfers
 
@@ -66,42 +67,10 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-__all__ = ["KvxferConnector", "KvxferHandshake", "KvxferMetadata"]
+__all__ = ["KvxferConnector", "KvxferHandshake", "KvxferMetadata", "KvxferWorkerMeta"]
 
 #: A child of vLLM's logger, so these lines go where vLLM's own go.
 log = logging.getLogger("vllm.kvxfer")
-
-
-class KvxferMetadata(KVConnectorMetadata):
-    """Scheduler → workers, once per step: the loads and sends to start."""
-
-    def __init__(
-        self,
-        loads: list[Load],
-        sends: list[Send],
-        streams: list[Stream] | None = None,
-        cancels: list[str] | None = None,
-        tier_loads: list[TierLoad] | None = None,
-        tier_saves: list[TierSave] | None = None,
-    ) -> None:
-        self.loads = loads
-        self.sends = sends
-        self.streams = streams or []
-        #: Transfer ids of streamed receives whose requests ended: stop waiting for them.
-        self.cancels = cancels or []
-        self.tier_loads = tier_loads or []
-        self.tier_saves = tier_saves or []
-        #: Requests whose offer failed: vLLM already has their blocks back; stop watching them.
-        self.unoffered: list[str] = []
-        #: The step schedules no tokens (it only polls transfers): see :mod:`._loads`.
-        self.idle = False
-
-
-class KvxferHandshake(KVConnectorHandshakeMetadata):
-    """Worker → scheduler, once: the rank's pool, so the scheduler can make tickets."""
-
-    def __init__(self, pool: RankPool) -> None:
-        self.pool = pool
 
 
 class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
@@ -133,6 +102,10 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         self._leases: LeaseKeeper | None = None
         #: Offers the daemon refused: their blocks go back to vLLM (see ._refusals).
         self._refusals: RefusedOffers | None = None
+        #: Whether the workers' pools are back after a daemon restart (see ._readiness), and
+        #: on the worker side, when it last said its own was.
+        self._back: PoolsBack | None = None
+        self._told_restored = 0.0
         #: KV-cache groups (vLLM's hybrid manager: sliding-window layers beside full ones).
         self._groups = len(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else 1
         #: The node's KV tier (scheduler side), with vLLM's KV events of what it holds when
@@ -226,6 +199,14 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         reports, self._worker.kv_events = self._worker.kv_events, []
         return WorkerEvents(reports)
 
+    def build_connector_worker_meta(self) -> KvxferWorkerMeta | None:
+        """Once after this worker's pool was registered again (its daemon restarted): when
+        (the scheduler hands out tickets again once every rank said so: :mod:`._readiness`)."""
+        if self._worker is None or self._worker.client.restored_at == self._told_restored:
+            return None
+        self._told_restored = self._worker.client.restored_at
+        return KvxferWorkerMeta({self._worker.tp_rank: self._told_restored})
+
     def get_kv_connector_stats(self) -> KvxferStats | None:
         """This worker's counters since the last step (None in the scheduler, or when idle)."""
         if self._worker is None:
@@ -264,11 +245,15 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
 
             self._leases = LeaseKeeper(renew, lease_s).start()
             self._refusals = RefusedOffers(offerer.start_release)
+            self._back = PoolsBack(len(self._plan.pools))
         if self._tier is not None and self._offerer is not None and self._plan.pools:
             self._tier.connect(self._offerer, self._plan.pools)
 
     def update_connector_output(self, connector_output: Any) -> None:
         assert self._plan is not None
+        told = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(told, KvxferWorkerMeta) and self._back is not None:
+            self._back.heard(told.restored)
         self._plan.received(connector_output.finished_recving or ())
         if self._leases is not None:
             self._leases.release(connector_output.finished_recving or ())
@@ -357,8 +342,12 @@ class KvxferConnector(KVConnectorBase_V1, SupportsHMA):
         if self._leases is not None:
             self._leases.release([request.request_id])
         offerer, daemon, away = self._offerer, None, ""
-        if offerer is not None and offerer.connected:
+        back = self._back is None or offerer is None or self._back.ready(offerer.lost_at, time.monotonic())
+        if offerer is not None and offerer.connected and back:
             daemon = (offerer.daemon_id, offerer.peer_address)
+        elif offerer is not None and offerer.connected:
+            away = f"kvxferd at {self._socket} is back, but this engine's workers have not yet registered their KV"
+            away += " with it again; the decode engine computes this prompt itself"
         elif offerer is not None:
             away = f"kvxferd at {self._socket} is away (restarting?); the decode engine computes this prompt itself"
         delay, params, send = self._plan.finished(

@@ -175,6 +175,7 @@ class Engine:
                         failed_recving=results.failed_recving,
                         invalid_block_ids=worker.get_block_ids_with_load_errors(),
                         kv_connector_stats=worker.get_kv_connector_stats(),
+                        kv_connector_worker_meta=worker.build_connector_worker_meta(),
                     ),
                 )
             )
@@ -1105,6 +1106,43 @@ def test_a_load_that_comes_while_its_daemon_restarts_waits_for_it_and_lands(
             b.start()
             _run_until(decode, lambda: "d-back" not in decode.scheduler.requests, "the load never landed", 30)
             assert decode.worker.totals["pulls"] == 1 and decode.worker.totals["pull_failures"] == 0
+        finally:
+            prefill.close()
+            decode.close()
+
+
+def test_after_the_prefill_daemon_restarts_tickets_go_out_only_for_pools_registered_again(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """The prefill engine's scheduler and worker reconnect to the restarted daemon each on
+    their own: a request that finishes once the scheduler is back but before the worker has
+    registered its pool again goes out without tickets (the decode engine computes it), never
+    with tickets whose offer the daemon then refuses; once the worker said so, requests hand
+    off again and their pulls land."""
+    model = write_model(str(tmp_path_factory.mktemp("model-back")), num_key_value_heads=HEADS)
+    with Cluster() as cluster:
+        a, b = cluster.daemon("a"), cluster.daemon("b")
+        prefill, decode = Engine(model, "kv_producer", a.socket), Engine(model, "kv_consumer", b.socket)
+        try:
+            assert a.terminate() == 0
+            a.start()
+            offerer = prefill.scheduler.connector._offerer
+            wait_for(lambda: offerer.connected, "the scheduler's session back")
+            handed = 0
+            for i in range(40):  # a request a step, while the worker catches up and after
+                prompt = list(range(5000 + 50 * i, 5000 + 50 * i + BLOCK + 1))
+                prefill.scheduler.add_request(_request(f"p-{i}", prompt, 1, {"do_remote_decode": True}))
+                params = _params_of(prefill.step(), f"p-{i}")
+                assert params is not None
+                if not params.get("kvxfer_tickets"):
+                    assert "kvxfer_unavailable" in params, params
+                    continue
+                handed += 1
+                decode.scheduler.add_request(_request(f"d-{i}", prompt, 2, params))
+                _run_until(decode, lambda i=i: f"d-{i}" not in decode.scheduler.requests, "the pull hung", 30)
+                if handed == 3:
+                    break
+            assert handed == 3 and decode.worker.totals["pull_failures"] == 0, decode.worker.totals
         finally:
             prefill.close()
             decode.close()
