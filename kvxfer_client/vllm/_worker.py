@@ -44,7 +44,7 @@ log = logging.getLogger("vllm.kvxfer")
 QUARANTINE_S = 30.0
 #: How long a load waits for this worker's session to kvxferd to come back (the daemon
 #: restarting) before it fails; a restart takes a second or two.
-RECONNECT_WAIT_S = 10.0
+RECONNECT_WAIT_S = 5.0
 
 
 class WorkerTransfers:
