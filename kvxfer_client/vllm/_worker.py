@@ -281,18 +281,8 @@ class WorkerTransfers:
         failed: set[str] = set()
 
         now = time.monotonic()
+        self._give_up_overdue(now)
         for rid, loading in list(self._loading.items()):
-            if loading.overdue(self.pull_timeout_s, now):
-                loading.give_up(now)
-                log.warning(
-                    "kvxfer: request %s: its load had no answer from kvxferd at %s %.0f s after it started "
-                    "(pull_timeout_s %.0f): cancelled and failed (vLLM's kv_load_failure_policy applies). Check that "
-                    "the daemon is alive (systemctl status kvxferd) and what its log and kvxferctl transfers say",
-                    rid,
-                    self.client.socket_path,
-                    now - loading.started,
-                    self.pull_timeout_s,
-                )
             if not all(f.done() for f in loading.futures) or now < loading.held_until:
                 continue
             errors = [e for e in (f.exception() for f in loading.futures) if e is not None]
@@ -331,6 +321,21 @@ class WorkerTransfers:
                         self.kv_events.append((rid, "load", event))
             self._events_due.pop((rid, "load"), None)
         return sending, receiving, failed
+
+    def _give_up_overdue(self, now: float) -> None:
+        """Cancel and fail the loads with no answer past their deadline (see :mod:`._loads`)."""
+        for rid, loading in self._loading.items():
+            if loading.overdue(self.pull_timeout_s, now):
+                loading.give_up(now)
+                log.warning(
+                    "kvxfer: request %s: its load had no answer from kvxferd at %s %.0f s after it started "
+                    "(pull_timeout_s %.0f): cancelled and failed (vLLM's kv_load_failure_policy applies). Check that "
+                    "the daemon is alive (systemctl status kvxferd) and what its log and kvxferctl transfers say",
+                    rid,
+                    self.client.socket_path,
+                    now - loading.started,
+                    self.pull_timeout_s,
+                )
 
     def wait_for_any(self, timeout_s: float) -> None:
         """Sleep until one of this worker's transfers ends, or ``timeout_s`` passed (for steps
