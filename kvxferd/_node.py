@@ -266,7 +266,7 @@ class Node:
         pool = self.admission.keyed_pool(ask.pool_id, ask.session_id, ask.offer_key)
         ids = check_block_ids(ask.block_ids, pool.layout.num_blocks, "offer")
         if pool.process is not None:  # the engine's own memory: still there to be read?
-            pool.process.probe(pool.base, pool.buffer_sizes)
+            pool.process.probe(pool.range_ends)
         offer = self.offers.create(pool, ids, ask.lease_s, ask.chosen, ask.readers, ask.layers)
         self.integrity.take_digest(offer)
         ticket = self._ticket(offer, ask.readers)

@@ -28,7 +28,7 @@ from kvxfer.proto import common_pb2
 
 from ..dataplane.hostmem import HostMemory, MappedMemory, ProcessMemory
 from ..dataplane.plan import RegionTable
-from .process import EngineProcess
+from .process import EngineProcess, range_ends
 from .seals import seal_against_shrinking
 
 __all__ = [
@@ -106,9 +106,10 @@ class Pool:
     _mapped: MappedMemory | None = field(default=None, repr=False)
 
     @functools.cached_property
-    def buffer_sizes(self) -> npt.NDArray[np.int64]:
-        """Each buffer's size: the least that holds its segments (made once)."""
-        return np.array(self.layout.buffer_sizes(), dtype=np.int64)
+    def range_ends(self) -> npt.NDArray[np.uint64]:
+        """The first and last byte of each buffer (made once: a process pool's offers probe
+        them, :meth:`EngineProcess.probe`)."""
+        return range_ends(self.base, np.array(self.layout.buffer_sizes(), dtype=np.int64))
 
     @property
     def on_gpu(self) -> bool:

@@ -34,7 +34,7 @@ from kvxfer.errors import InvalidRequestError, PermissionDeniedError, Unavailabl
 
 from ..dataplane.cma import read_iov
 
-__all__ = ["EngineProcess", "attach_peer"]
+__all__ = ["EngineProcess", "attach_peer", "range_ends"]
 
 #: ``SO_PEERPIDFD`` (Linux 6.5); Python 3.11's socket module does not name it.
 SO_PEERPIDFD = 77
@@ -134,16 +134,14 @@ class EngineProcess:
                 raise InvalidRequestError(f"cannot read engine process {self.pid} at {address:#x}: {exc}") from None
         self.check()  # the maps read above were this process's
 
-    def probe(self, addresses: np.ndarray, sizes: np.ndarray) -> None:
-        """Raise unless the first and last byte of each registered range can still be read
-        (one system call): memory the engine unmapped or freed after registering it is refused
+    def probe(self, ends: np.ndarray) -> None:
+        """Raise unless the one-byte ranges ``ends`` (:func:`range_ends`) can still be read, in
+        one system call: memory the engine unmapped or freed after registering it is refused
         when it is offered, not when a pull reads it."""
         self.check()
-        remote = np.empty((2 * len(addresses), 2), dtype=np.uint64)
-        remote[0::2, 0], remote[1::2, 0], remote[:, 1] = addresses, addresses + sizes - 1, 1
-        scratch = np.zeros(len(remote), dtype=np.uint8)
+        scratch = np.empty(len(ends), dtype=np.uint8)
         try:
-            read_iov(self.pid, np.array([[scratch.ctypes.data, len(remote)]], dtype=np.uint64), remote)
+            read_iov(self.pid, np.array([[scratch.ctypes.data, len(ends)]], dtype=np.uint64), ends)
         except OSError as exc:
             raise InvalidRequestError(
                 f"engine process {self.pid} no longer maps all of this pool's memory ({exc.strerror}): it freed or "
@@ -178,6 +176,18 @@ class EngineProcess:
             "CAP_SYS_PTRACE (and, under Yama ptrace_scope 1, when the engine allows it: kvxfer_client does)"
         )
         return f"kvxferd cannot reach engine process {self.pid}'s memory: {why} ({users}; {hint}): {_SHARED_MEMORY_FIX}"
+
+
+def range_ends(addresses: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """The first and last byte of each ``(address, size)`` range, as one-byte remote iovecs
+    (what :meth:`EngineProcess.probe` reads).
+
+    >>> range_ends(np.array([4096, 8192]), np.array([16, 8])).tolist()
+    [[4096, 1], [4111, 1], [8192, 1], [8199, 1]]
+    """
+    ends = np.empty((2 * len(addresses), 2), dtype=np.uint64)
+    ends[0::2, 0], ends[1::2, 0], ends[:, 1] = addresses, addresses + sizes - 1, 1
+    return ends
 
 
 def attach_peer(conn: socket.socket) -> EngineProcess:
